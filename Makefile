@@ -1,0 +1,43 @@
+# ultrascale: every target sets itself up first, so `make demo` and `make test` work on a fresh clone.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM := false
+NPROC   ?= 2
+
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-parallel clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m "" tests
+
+demo: setup
+	$(BIN)/python -m ultrascale.demo --nproc $(NPROC)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench-train: setup
+	$(BIN)/python bench/train_overhead.py --json bench/results/train_overhead.json
+
+clean:
+	rm -rf runs outputs multirun .pytest_cache

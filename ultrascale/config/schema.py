@@ -1,0 +1,275 @@
+"""Typed schemas for every Hydra config group.
+
+The YAML files under ``conf/`` hold values only; these dataclasses hold the shape. Hydra merges the
+YAML onto them in struct mode, so a misspelt key or a wrong type fails at compose time with the full
+key in the message instead of being silently ignored (the failure mode of untyped ``cfg.get`` configs).
+Each field's docstring says why it exists and what it requires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    type: str = "llama"
+    """HF ``model_type`` (llama, qwen2, qwen3, mistral, starcoder2, mixtral, qwen3_moe, ...).
+    Resolved through ``AutoConfig.for_model``, so any causal-LM architecture transformers ships works."""
+    name: str = "tiny"
+    """Human name of the shape, used in run names and logs."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Keyword overrides for the HF config class (hidden_size, num_hidden_layers, ...). Keys are checked
+    against the config class at validation time, because HF configs accept unknown kwargs silently."""
+    pretrained_path: str | None = None
+    """Local HF model directory to start from (fine-tune / continued pretraining). Never a hub id:
+    there is no hub access at run time."""
+    attn_implementation: str = "sdpa"
+    """``sdpa`` (fused, no s^2 activation term), ``eager`` (reference), or ``flash_attention_2`` on GPU."""
+    init_seed: int | None = None
+    """Seed for weight init; defaults to ``train.seed`` so every rank builds identical weights."""
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed ``zero_optimization`` knobs, named exactly as DeepSpeed names them."""
+
+    stage: int = 1
+    """0 = plain DDP-style data parallel; 1 shards optimizer state; 2 also gradients; 3 also weights.
+    Rule of thumb: the lowest stage that fits is the fastest."""
+    offload_optimizer: str = "none"
+    """``none`` or ``cpu``: optimizer state and step on the host (ZeRO-Offload). Needs stage >= 1."""
+    offload_param: str = "none"
+    """``none`` or ``cpu``: parameters on the host between uses (ZeRO-Infinity style). Needs stage 3."""
+    pin_memory: bool = False
+    """Pinned host buffers speed up offload transfers on GPU; useless (and slow to allocate) on CPU."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward compute. Costs extra bucket memory (~4.5x reduce_bucket_size)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced: less fragmentation at peak."""
+    reduce_scatter: bool = True
+    """Use reduce-scatter instead of all-reduce for gradient averaging (stage >= 2)."""
+    reduce_bucket_size: int = 50_000_000
+    """Elements per gradient reduction bucket. Larger = fewer, bigger collectives; more memory."""
+    allgather_bucket_size: int = 50_000_000
+    """Elements per all-gather bucket after the optimizer step (stage 1/2)."""
+    round_robin_gradients: bool = False
+    """Stage 1/2 with CPU offload: parallelise gradient copies to host across ranks."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """Stage 3: elements of upcoming parameters to prefetch (all-gather ahead of use)."""
+    stage3_param_persistence_threshold: int = 100_000
+    """Stage 3: parameters smaller than this stay resident (not partitioned): saves many tiny gathers."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Stage 3: upper bound on gathered parameters alive at once; lower it if memory spikes."""
+    stage3_max_reuse_distance: int = 1_000_000_000
+    """Stage 3: keep a gathered parameter if it is reused within this many parameters."""
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Stage 3: also write a consolidated 16-bit state dict on save (costs a full gather)."""
+    zero_hpz_partition_size: int = 1
+    """ZeRO++ hierarchical partitioning: secondary weight copy within groups of this many ranks (1 = off)."""
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ: int8 weight all-gather. Needs CUDA kernels."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: int4 gradient reduce-scatter. Needs CUDA kernels."""
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = "fp32"
+    """``fp32``, ``bf16`` (no loss scaling needed; the default on Ampere+), or ``fp16`` (dynamic loss scale)."""
+    initial_scale_power: int = 16
+    """fp16 only: the dynamic loss scale starts at 2**this."""
+    loss_scale_window: int = 1000
+    """fp16 only: steps without overflow before the scale is raised."""
+    hysteresis: int = 2
+    """fp16 only: overflows tolerated before the scale is lowered."""
+    min_loss_scale: float = 1.0
+    """fp16 only: floor for the dynamic loss scale."""
+
+
+@dataclass
+class SchedConfig:
+    name: str = "cosine"
+    """``cosine`` (linear warmup then cosine to min_lr), ``wsd`` (warmup-stable-decay: flat, then a short
+    decay, so a run can be extended or branched from any stable-phase checkpoint), or ``constant``."""
+    warmup_steps: int = 100
+    """Linear warmup from 0; protects Adam's early, badly estimated second moments."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of optim.lr."""
+    decay_fraction: float = 0.2
+    """WSD only: the last fraction of train.steps spent decaying."""
+    total_steps: int | None = None
+    """Schedule length; defaults to train.steps. Set it to keep the schedule fixed when extending a run."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """``adamw`` or ``muon`` (DeepSpeed's MuonWithAuxAdam: Muon on 2-D hidden matrices, Adam on the rest;
+    ZeRO stage <= 2 because Muon needs whole, unflattened matrices)."""
+    lr: float = 3e-4
+    """Peak learning rate reached after warmup."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only: never to norms, biases or (optionally) embeddings."""
+    decay_embeddings: bool = True
+    """Whether embedding/unembedding matrices get weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas; 0.95 for beta2 is the usual LLM choice for stability."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
+    torch_adam: bool = True
+    """Use torch's AdamW inside DeepSpeed instead of JIT-compiling FusedAdam/CPUAdam (minutes on first use).
+    Offload always uses DeepSpeedCPUAdam regardless, because that is what makes offload fast."""
+    momentum: float = 0.95
+    """Muon only: Nesterov momentum."""
+    muon_lr: float | None = None
+    """Muon only: lr for the Muon half (matrices); the Adam half uses optim.lr."""
+    sched: SchedConfig = field(default_factory=SchedConfig)
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/stdlib"
+    """Directory produced by ``python -m data_prep`` (manifest.json + shards). Relative paths resolve
+    against the project root."""
+    seq_len: int = 256
+    """Tokens per sample; must equal the prepared shards' seq_len."""
+    micro_batch: int = 4
+    """Samples per rank per forward/backward (DeepSpeed train_micro_batch_size_per_gpu)."""
+    global_batch: int = 16
+    """Samples per optimizer step across all data-parallel ranks; must be micro_batch * dp * k."""
+    prepare_if_missing: bool = True
+    """If ``path`` has no manifest, rank 0 runs data prep on ``prepare_source`` while the other ranks wait."""
+    prepare_source: str = "stdlib"
+    """Corpus used when preparing on demand: ``stdlib`` (this Python's own sources) or a directory."""
+    prepare_max_files: int = 400
+    """Cap on source files when preparing on demand (keeps the first run to seconds)."""
+    eval_batches: int = 4
+    """Held-out micro-batches per rank per evaluation."""
+    verify_checksums: bool = True
+    """Check every shard's sha256 against the manifest before training (catches corrupt copies)."""
+
+
+@dataclass
+class LoggerConfig:
+    console: bool = True
+    """Rank-0 console line every train.log_interval steps."""
+    tensorboard: bool = True
+    """TensorBoard event files under ``<output_dir>/tensorboard``."""
+    wandb: bool = True
+    """Weights & Biases run (rank 0 only)."""
+    wandb_mode: str = "offline"
+    """``offline`` (default: no network needed; ``wandb sync`` later), ``online`` or ``disabled``."""
+    wandb_project: str = "ultrascale"
+    """wandb project name."""
+    wandb_group: str | None = None
+    """wandb group; sweeps set it to the sweep name so jobs plot together."""
+    wandb_entity: str | None = None
+    """wandb entity (team); None uses the default."""
+    run_name: str | None = None
+    """Run name; defaults to the output directory's name."""
+    plot: bool = True
+    """Write ``curves.png`` (loss, lr, tokens/s, memory) at the end and at every checkpoint."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps to run (each consumes data.global_batch samples)."""
+    eval_interval: int = 50
+    """Evaluate held-out loss every N steps (0 = only at the end)."""
+    checkpoint_interval: int = 50
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Newest complete checkpoints to keep on disk (0 = keep all)."""
+    log_interval: int = 1
+    """Log metrics every N steps."""
+    seed: int = 1234
+    """Seeds weight init, data order and dropout. Same seed + same data = same run."""
+    resume: str = "auto"
+    """``auto`` (resume from the newest complete checkpoint in output_dir if any), ``never``, or a path."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward: activation memory drops to ~2·s·b·h per layer, ~30 % more compute."""
+    universal_checkpoint: bool = False
+    """Load checkpoints in DeepSpeed universal format (resume on a different world size / parallel layout)."""
+
+
+@dataclass
+class PipelineConfig:
+    micro_batches: int | None = None
+    """Micro-batches per pipeline step; defaults to gradient accumulation steps. More = smaller bubble
+    (p-1)/(m+p-1)."""
+    partition_method: str = "parameters"
+    """``parameters`` (balance parameter counts), ``uniform`` (balance layer counts), or ``type:<regex>``."""
+    activation_checkpoint_interval: int = 0
+    """Checkpoint every N layers inside each stage (0 = off)."""
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    """Experts per MoE layer (HF MoE models read it from their own config; this is for the DeepSpeed MoE swap)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    capacity_factor: float = 1.25
+    """Expert capacity = capacity_factor * tokens * top_k / num_experts; overflow tokens are dropped."""
+    aux_loss_coef: float = 0.01
+    """Weight of the router load-balancing loss added to the LM loss."""
+    drop_tokens: bool = True
+    """Drop tokens over capacity (fixed shapes, faster) instead of padding capacity to the max load."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree (DeepSpeed AutoTP). Keep it inside a node: it all-reduces twice per layer."""
+    pp: int = 1
+    """Pipeline-parallel stages. Needs zero.stage <= 1."""
+    sp: int = 1
+    """Sequence-parallel degree (Ulysses all-to-all). Must divide the attention head count."""
+    ep: int = 1
+    """Expert-parallel degree for MoE models. Must divide dp and the expert count."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    """How a run is started: ``local`` (this process, or whatever launcher already started it),
+    ``deepspeed``/``torchrun`` (spawn a multi-rank launcher per Hydra job), or ``slurm``."""
+    nproc_per_node: int = 2
+    """Ranks per node when this tool spawns the launcher."""
+    nnodes: int = 1
+    """Nodes when this tool spawns the launcher."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment presets (NCCL etc.) exported to every rank and logged at start."""
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    output_dir: str = MISSING
+    """Run directory: config, metrics, checkpoints and logs. Re-running with the same one auto-resumes."""
+    dry_run: bool = False
+    """Print the resolved DeepSpeed JSON, topology, parameter counts and tokens per step; do not train."""
+
+
+def register_configs() -> None:
+    """Register the root schema so ``conf/train.yaml`` can start its defaults list with it."""
+    cs = ConfigStore.instance()
+    cs.store(name="ultrascale_schema", node=RootConfig)
