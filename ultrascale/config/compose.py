@@ -1,0 +1,77 @@
+"""Compose the typed config from ``conf/`` + overrides, turning Hydra/OmegaConf failures into one line.
+
+Entry points, tests, the planner and the sweep launcher all compose through here, so a recipe behaves
+the same whichever of them loads it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ultrascale.config.schema import register_configs
+from ultrascale.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = PROJECT_ROOT / "conf"
+RECIPES_DIR = PROJECT_ROOT / "recipes"
+
+
+def _one_line(exc: BaseException, overrides: list[str]) -> str:
+    """Hydra's errors are multi-line and mention HYDRA_FULL_ERROR; users need the key and the fix."""
+    msg = str(exc)
+    cause = exc.__cause__ or exc.__context__
+    full = msg + ("\n" + str(cause) if cause else "")
+    key = re.search(r"full_key: ([\w.\[\]]+)", full)
+    if "not in struct" in full or "Key '" in full and "not in" in full:
+        name = key.group(1) if key else re.search(r"Key '([^']+)'", full).group(1)
+        group = name.split(".")[0]
+        hint = f" (or add a new key with +{name}=VALUE)" if name.startswith("model.config.") else ""
+        return f"unknown config key {name!r}: check the spelling{hint}; `python train.py --help` lists the keys of {group!r}"
+    m = re.search(r"Could not find '([^']+)'", full)
+    if m:
+        group = m.group(1).split("/")[0]
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) if (CONF_DIR / group).is_dir() else []
+        return f"no config {m.group(1)!r}" + (f": choose one of {options}" if options else "")
+    if "Value '" in full and ("could not be converted" in full or "is not a valid" in full or "Invalid value" in full):
+        val = re.search(r"Value '([^']*)'", full)
+        typ = re.search(r"of type '?(\w+)'?|to (\w+)", full)
+        want = next((g for g in (typ.groups() if typ else ()) if g), "the declared type")
+        where = key.group(1) if key else "a key"
+        return f"{where}={val.group(1) if val else '?'} is not a valid {want}: fix the value"
+    lines = [ln.strip() for ln in full.strip().splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
+    return "; ".join(lines[:3]) or f"could not compose config from overrides {overrides}"
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with overrides; raise ConfigError with one line on failure."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = list(overrides or [])
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    except Exception as e:  # Hydra wraps everything it raises; we only need its message
+        raise ConfigError(_one_line(e, overrides)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg
+
+
+def resolve(cfg: DictConfig) -> DictConfig:
+    """Resolve interpolations now, so a bad ``${...}`` fails here with its key, not mid-training."""
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as e:
+        raise ConfigError(_one_line(e, [])) from None
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

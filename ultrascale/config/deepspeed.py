@@ -1,0 +1,119 @@
+"""The one place that turns a composed config + topology into DeepSpeed's JSON.
+
+Pure: no I/O, no ``torch.distributed``, no environment reads, so it is unit-testable and the golden
+files in ``tests/golden/`` pin its output for every recipe. Batch sizes are always explicit (never
+``"auto"``): DeepSpeed checks ``train_batch_size == micro * grad_accum * dp`` and so do we, earlier.
+Pipeline and expert degrees are model-build arguments, not JSON; tensor parallelism is JSON because
+AutoTP is configured by the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ultrascale.config.topology import Topology
+
+
+def _zero_section(z: DictConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"stage": int(z.stage)}
+    if z.stage >= 1:
+        out["overlap_comm"] = bool(z.overlap_comm)
+        out["contiguous_gradients"] = bool(z.contiguous_gradients)
+        out["reduce_bucket_size"] = int(z.reduce_bucket_size)
+    if z.stage in (1, 2):
+        out["allgather_bucket_size"] = int(z.allgather_bucket_size)
+        out["reduce_scatter"] = bool(z.reduce_scatter)
+        if z.round_robin_gradients:
+            out["round_robin_gradients"] = True
+    if z.stage == 3:
+        out.update(
+            stage3_prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
+            stage3_param_persistence_threshold=int(z.stage3_param_persistence_threshold),
+            stage3_max_live_parameters=int(z.stage3_max_live_parameters),
+            stage3_max_reuse_distance=int(z.stage3_max_reuse_distance),
+            stage3_gather_16bit_weights_on_model_save=bool(z.stage3_gather_16bit_weights_on_model_save),
+        )
+        if z.zero_hpz_partition_size > 1:
+            out["zero_hpz_partition_size"] = int(z.zero_hpz_partition_size)
+        if z.zero_quantized_weights:
+            out["zero_quantized_weights"] = True
+        if z.zero_quantized_gradients:
+            out["zero_quantized_gradients"] = True
+    if z.offload_optimizer != "none":
+        out["offload_optimizer"] = {"device": z.offload_optimizer, "pin_memory": bool(z.pin_memory)}
+    if z.offload_param != "none":
+        out["offload_param"] = {"device": z.offload_param, "pin_memory": bool(z.pin_memory)}
+    return out
+
+
+def _optimizer_section(cfg: DictConfig) -> dict[str, Any] | None:
+    """DeepSpeed-side optimizers: offload needs DeepSpeedCPUAdam and Muon is DeepSpeed's own.
+
+    Otherwise return None: the trainer builds torch AdamW itself (with decay/no-decay groups) and
+    hands it to ``deepspeed.initialize``, which avoids JIT-compiling FusedAdam on first use.
+    """
+    o = cfg.optim
+    if o.name == "muon":
+        params: dict[str, Any] = {
+            "lr": float(o.lr),
+            "momentum": float(o.momentum),
+            "betas": [float(b) for b in o.betas],
+            "eps": float(o.eps),
+            "weight_decay": float(o.weight_decay),
+        }
+        if o.muon_lr is not None:
+            params["muon_lr"] = float(o.muon_lr)
+        return {"type": "muon", "params": params}
+    if cfg.zero.offload_optimizer != "none" or not o.torch_adam:
+        return {
+            "type": "AdamW",
+            "params": {
+                "lr": float(o.lr),
+                "betas": [float(b) for b in o.betas],
+                "eps": float(o.eps),
+                "weight_decay": float(o.weight_decay),
+            },
+        }
+    return None
+
+
+def build_ds_config(cfg: DictConfig, topo: Topology) -> dict[str, Any]:
+    """Return the DeepSpeed config dict for this run. Validation has already run."""
+    mb, gb = int(cfg.data.micro_batch), int(cfg.data.global_batch)
+    gas = topo.grad_accum(mb, gb)
+    ds: dict[str, Any] = {
+        "train_batch_size": gb,
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": float(cfg.optim.grad_clip),
+        "steps_per_print": 10**9,  # we log ourselves; DeepSpeed's own print is noise
+        "wall_clock_breakdown": False,
+        "zero_optimization": _zero_section(cfg.zero),
+        "zero_allow_untested_optimizer": True,
+        "seed": int(cfg.train.seed),
+    }
+    dtype = cfg.precision.dtype
+    if dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        p = cfg.precision
+        ds["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": int(p.initial_scale_power),
+            "loss_scale_window": int(p.loss_scale_window),
+            "hysteresis": int(p.hysteresis),
+            "min_loss_scale": float(p.min_loss_scale),
+        }
+    opt = _optimizer_section(cfg)
+    if opt is not None:
+        ds["optimizer"] = opt
+    if topo.tp > 1:
+        ds["tensor_parallel"] = {"autotp_size": topo.tp}
+    if topo.sp > 1:
+        ds["sequence_parallel_size"] = topo.sp
+    if cfg.train.universal_checkpoint:
+        ds["checkpoint"] = {"load_universal": True}
+    return ds

@@ -1,0 +1,165 @@
+"""Every cross-group rule, in one place, checked before any model or engine is built.
+
+Each rule raises :class:`ConfigError` with the key, the value and the fix, e.g.
+``parallel.pp=2 needs zero.stage<=1 (got 3): use zero=stage1``. The planner reuses this module to
+discard invalid layouts, so a layout it proposes is one ``train.py`` accepts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cache
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ultrascale.config.topology import Topology
+from ultrascale.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "constant")
+OFFLOAD = ("none", "cpu")
+RESUME_MODES = ("auto", "never")
+
+
+@cache
+def hf_config_keys(model_type: str) -> frozenset[str]:
+    """Keys an HF config class understands: its __init__ arguments plus its default attributes."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.for_model(model_type)
+    except ValueError:
+        raise ConfigError(
+            f"model.type={model_type!r} is not a transformers model type: use e.g. llama, qwen2, starcoder2, mixtral"
+        ) from None
+    keys = set(cfg.to_dict())
+    for klass in type(cfg).__mro__:
+        if "__init__" in vars(klass):
+            keys |= set(inspect.signature(klass.__init__).parameters) - {"self", "kwargs"}
+    keys |= set(getattr(type(cfg), "attribute_map", {}))
+    if "rope_parameters" in keys:  # transformers 5 folds these legacy kwargs into rope_parameters
+        keys |= {"rope_theta", "rope_scaling"}
+    return frozenset(keys)
+
+
+def _choice(key: str, value: Any, allowed: tuple, fix: str | None = None) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}" + (f": {fix}" if fix else ""))
+
+
+def _positive(key: str, value: int) -> None:
+    if value is None or value < 1:
+        raise ConfigError(f"{key}={value} must be >= 1")
+
+
+def model_dims(cfg: DictConfig) -> dict[str, int]:
+    """Head count, kv heads and MLP width from the model group (for divisibility rules)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(cfg.model.type, **dict(cfg.model.config))
+    heads = getattr(hf, "num_attention_heads", 1)
+    return {
+        "heads": heads,
+        "kv_heads": getattr(hf, "num_key_value_heads", None) or heads,
+        "intermediate": getattr(hf, "intermediate_size", 0) or getattr(hf, "moe_intermediate_size", 0) or 0,
+        "layers": getattr(hf, "num_hidden_layers", 1),
+        "experts": getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0,
+        "max_pos": getattr(hf, "max_position_embeddings", 0) or 0,
+    }
+
+
+def validate(cfg: DictConfig, world_size: int) -> Topology:
+    """Check the composed config against itself and the world size; return the rank topology."""
+    p, z = cfg.parallel, cfg.zero
+    for key in ("tp", "pp", "sp", "ep"):
+        _positive(f"parallel.{key}", p[key])
+    _positive("data.micro_batch", cfg.data.micro_batch)
+    _positive("data.global_batch", cfg.data.global_batch)
+    _positive("data.seq_len", cfg.data.seq_len)
+    _positive("train.steps", cfg.train.steps)
+    _choice("precision.dtype", cfg.precision.dtype, PRECISIONS, "use precision=fp32|bf16|fp16")
+    _choice("optim.name", cfg.optim.name, OPTIMIZERS, "use optim=adamw or optim=muon")
+    _choice("optim.sched.name", cfg.optim.sched.name, SCHEDULES)
+    _choice("zero.offload_optimizer", z.offload_optimizer, OFFLOAD)
+    _choice("zero.offload_param", z.offload_param, OFFLOAD)
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage={z.stage} is not a ZeRO stage: use zero=stage0|stage1|stage2|stage3")
+    if cfg.train.resume not in RESUME_MODES and not str(cfg.train.resume).strip():
+        raise ConfigError("train.resume is empty: use auto, never, or a checkpoint path")
+
+    unknown = sorted(set(cfg.model.config) - hf_config_keys(cfg.model.type))
+    if unknown:
+        raise ConfigError(
+            f"model.config has keys {unknown} that {cfg.model.type!r} configs do not know: check the spelling"
+        )
+
+    # --- ZeRO / offload / optimizer ---
+    if z.offload_optimizer != "none" and z.stage == 0:
+        raise ConfigError("zero.offload_optimizer=cpu needs zero.stage>=1 (got 0): use zero=stage2_offload")
+    if z.offload_param != "none" and z.stage != 3:
+        raise ConfigError(f"zero.offload_param=cpu needs zero.stage=3 (got {z.stage}): use zero=stage3_offload")
+    if cfg.optim.name == "muon" and z.stage == 3:
+        raise ConfigError("optim=muon needs zero.stage<=2 (got 3): Muon needs whole matrices; use zero=stage2")
+    if cfg.optim.name == "muon" and z.offload_optimizer != "none":
+        raise ConfigError("optim=muon does not support zero.offload_optimizer=cpu: use zero=stage2")
+    if (z.zero_quantized_weights or z.zero_quantized_gradients) and z.stage != 3:
+        raise ConfigError(f"zero.zero_quantized_* (ZeRO++) needs zero.stage=3 (got {z.stage}): use zero=stage3")
+
+    # --- topology ---
+    model_par = p.tp * p.pp * p.sp
+    if world_size % model_par:
+        raise ConfigError(
+            f"parallel.tp*pp*sp={p.tp}*{p.pp}*{p.sp}={model_par} does not divide the world size {world_size}: "
+            f"launch a multiple of {model_par} ranks or lower the degrees"
+        )
+    topo = Topology(world=world_size, tp=p.tp, pp=p.pp, sp=p.sp, ep=p.ep)
+    mb, gb = cfg.data.micro_batch, cfg.data.global_batch
+    if gb % (mb * topo.dp):
+        raise ConfigError(
+            f"data.global_batch={gb} is not divisible by data.micro_batch*dp={mb}*{topo.dp}={mb * topo.dp}: "
+            f"use data.global_batch={max(1, round(gb / (mb * topo.dp))) * mb * topo.dp}"
+        )
+
+    dims = model_dims(cfg)
+    if p.pp > 1:
+        if z.stage > 1:
+            raise ConfigError(f"parallel.pp={p.pp} needs zero.stage<=1 (got {z.stage}): use zero=stage1")
+        if p.pp > dims["layers"]:
+            raise ConfigError(f"parallel.pp={p.pp} exceeds the model's {dims['layers']} layers: lower parallel.pp")
+        if p.sp > 1:
+            raise ConfigError(f"parallel.pp={p.pp} with parallel.sp={p.sp} is not supported: use one of them")
+        if cfg.optim.name == "muon":
+            raise ConfigError("parallel.pp>1 with optim=muon is not supported: use optim=adamw")
+    if p.tp > 1:
+        if z.stage > 2:
+            raise ConfigError(f"parallel.tp={p.tp} needs zero.stage<=2 (got {z.stage}): DeepSpeed AutoTP training "
+                              f"refuses ZeRO-3; use zero=stage2")
+        for name, n in (("attention heads", dims["heads"]), ("kv heads", dims["kv_heads"]),
+                        ("intermediate_size", dims["intermediate"])):
+            if n and n % p.tp:
+                raise ConfigError(f"parallel.tp={p.tp} does not divide the model's {name} ({n}): pick a tp that does")
+    if p.sp > 1:
+        if dims["heads"] % p.sp:
+            raise ConfigError(
+                f"parallel.sp={p.sp} does not divide the model's attention heads ({dims['heads']}): pick an sp that does"
+            )
+        if cfg.data.seq_len % p.sp:
+            raise ConfigError(f"parallel.sp={p.sp} does not divide data.seq_len={cfg.data.seq_len}: pick an sp that does")
+    if p.ep > 1:
+        if topo.dp % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} does not divide dp={topo.dp}: use an ep that divides the dp degree")
+        if not dims["experts"]:
+            raise ConfigError(f"parallel.ep={p.ep} needs a MoE model, but model.type={cfg.model.type} has no experts: "
+                              "use model=tiny_moe or parallel.ep=1")
+        if dims["experts"] % p.ep:
+            raise ConfigError(
+                f"parallel.ep={p.ep} does not divide the model's {dims['experts']} experts: pick an ep that does"
+            )
+    if dims["max_pos"] and cfg.data.seq_len > dims["max_pos"]:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds model max_position_embeddings={dims['max_pos']}: "
+            "lower data.seq_len or raise model.config.max_position_embeddings"
+        )
+    return topo
