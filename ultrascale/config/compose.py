@@ -37,8 +37,8 @@ def _one_line(exc: BaseException, overrides: list[str]) -> str:
         return f"no config {m.group(1)!r}" + (f": choose one of {options}" if options else "")
     if "Value '" in full and ("could not be converted" in full or "is not a valid" in full or "Invalid value" in full):
         val = re.search(r"Value '([^']*)'", full)
-        typ = re.search(r"of type '?(\w+)'?|to (\w+)", full)
-        want = next((g for g in (typ.groups() if typ else ()) if g), "the declared type")
+        typ = re.search(r"converted to (\w+)", full)
+        want = typ.group(1).lower() if typ else "value of the declared type"
         where = key.group(1) if key else "a key"
         return f"{where}={val.group(1) if val else '?'} is not a valid {want}: fix the value"
     lines = [ln.strip() for ln in full.strip().splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
