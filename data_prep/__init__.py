@@ -1,0 +1,1 @@
+"""Code-corpus pipeline: raw source files -> filtered, deduplicated, redacted, decontaminated, packed shards."""

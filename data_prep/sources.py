@@ -1,0 +1,318 @@
+"""Readers: turn an input (directory, JSONL, Parquet, ``save_to_disk`` folder, or the stdlib) into documents.
+
+A document is a plain dict ``{id, text, repo, path, lang, license}``. Ids are stable (relative path or
+``file:line``), so the reduce stages can sort by id and produce the same output whatever the task count.
+Bad input is skipped and counted by reason; it never stops a run (unless ``strict``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+from data_prep.config import DataPrepConfig
+from data_prep.licenses import detect_license_file, spdx_from_header
+from ultrascale.errors import DataError
+
+log = logging.getLogger("data_prep")
+
+LICENSE_FILE_PREFIXES = ("license", "licence", "copying")
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def resolve_input(cfg: DataPrepConfig) -> tuple[str, Path]:
+    """Return (source type, path); one clear DataError if the input does not exist or is not recognised."""
+    kind = cfg.source.type
+    if cfg.input == "stdlib" or kind == "stdlib":
+        return "dir", stdlib_root()
+    path = Path(cfg.input).expanduser()
+    if not path.exists():
+        raise DataError(f"input={cfg.input} does not exist: pass a directory, a .jsonl/.parquet file or input=stdlib")
+    if kind != "auto":
+        return kind, path
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            return "hf_disk", path
+        return "dir", path
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".json", ".ndjson")):
+        return "jsonl", path
+    if name.endswith(".parquet"):
+        return "parquet", path
+    raise DataError(f"input={cfg.input}: unknown file type; use a directory, .jsonl[.gz], .parquet or set source.type")
+
+
+def _stable_key(seed: int, s: str) -> str:
+    return hashlib.sha1(f"{seed}:{s}".encode()).hexdigest()
+
+
+def language_of(path: str, ext_map: dict[str, str]) -> str | None:
+    return ext_map.get(os.path.splitext(path)[1].lower())
+
+
+def extension_map(cfg: DataPrepConfig) -> dict[str, str]:
+    return {ext.lower(): lang for lang, exts in cfg.language.extensions.items() for ext in exts}
+
+
+def walk_files(root: Path, exclude: list[str], counts: Counter) -> list[str]:
+    """All regular files under root as sorted relative paths; symlink loops and unreadable dirs are counted."""
+    out: list[str] = []
+    seen_dirs: set[tuple[int, int]] = set()
+    excl = set(exclude)
+
+    def onerror(err: OSError) -> None:
+        counts["unreadable_dir"] += 1
+
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True, onerror=onerror):
+        try:
+            st = os.stat(dirpath)
+        except OSError:
+            counts["unreadable_dir"] += 1
+            dirnames[:] = []
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key in seen_dirs:  # a symlink back into a directory already walked
+            counts["symlink_loop"] += 1
+            dirnames[:] = []
+            continue
+        seen_dirs.add(key)
+        dirnames[:] = sorted(d for d in dirnames if d not in excl)
+        for f in filenames:
+            out.append(os.path.relpath(os.path.join(dirpath, f), root))
+    return sorted(out)
+
+
+def repo_of(rel: str, depth: int) -> str:
+    parts = Path(rel).parts
+    return "/".join(parts[:depth]) if len(parts) > depth else rel
+
+
+def license_map(root: Path, files: list[str]) -> dict[str, str]:
+    """Directory (relative, '' = root) -> SPDX id of the license file found there."""
+    found: dict[str, str] = {}
+    for rel in files:
+        name = os.path.basename(rel).lower()
+        if name.startswith(LICENSE_FILE_PREFIXES):
+            try:
+                with open(root / rel, "rb") as f:
+                    text = f.read(200_000).decode("utf-8", errors="replace")
+            except OSError:
+                continue
+            spdx = detect_license_file(text)
+            if spdx:
+                found.setdefault(os.path.dirname(rel), spdx)
+    return found
+
+
+def nearest_license(rel: str, lic: dict[str, str]) -> str | None:
+    d = os.path.dirname(rel)
+    while True:
+        if d in lic:
+            return lic[d]
+        if not d:
+            return None
+        d = os.path.dirname(d)
+
+
+def select_files(cfg: DataPrepConfig, root: Path, counts: Counter) -> tuple[list[str], dict[str, str]]:
+    """Walk, select by language, sample ``max_files``; return (files, license map). Counts go to ``counts``."""
+    files = walk_files(root, list(cfg.source.exclude), counts)
+    lic = license_map(root, files)
+    ext_map = extension_map(cfg)
+    if cfg.language.enabled:
+        selected = [f for f in files if language_of(f, ext_map)]
+    else:
+        selected = list(files)
+    counts["files_seen"], counts["files_language"] = len(files), len(selected)
+    if cfg.source.max_files is not None and len(selected) > cfg.source.max_files:
+        selected = sorted(sorted(selected, key=lambda f: _stable_key(cfg.seed, f))[: cfg.source.max_files])
+    counts["files_selected"] = len(selected)
+    return selected, lic
+
+
+def read_text_file(path: Path, max_bytes: int, counts: Counter) -> str | None:
+    """Read one file as UTF-8, or count why not: huge, empty, binary, non-UTF-8, unreadable, broken symlink."""
+    try:
+        st = path.stat()
+    except OSError:
+        counts["unreadable"] += 1  # broken symlink, permission, or vanished
+        return None
+    if st.st_size > max_bytes:
+        counts["huge"] += 1
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError:
+        counts["unreadable"] += 1
+        return None
+    if not data.strip():
+        counts["empty"] += 1
+        return None
+    if b"\x00" in data[:8192]:
+        counts["binary"] += 1
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        counts["non_utf8"] += 1
+        return None
+
+
+def iter_dir(
+    cfg: DataPrepConfig, root: Path, rank: int, world: int, counts: Counter, progress: bool = False
+) -> Iterator[dict]:
+    files, lic = select_files(cfg, root, counts)
+    ext_map = extension_map(cfg)
+    mine = files[rank::world]
+    counts["read_in"] += len(mine)
+    if progress:
+        from tqdm import tqdm
+
+        mine = tqdm(mine, desc=f"read task {rank}", position=rank, leave=False, mininterval=1.0)
+    for rel in mine:
+        text = read_text_file(root / rel, cfg.source.max_file_bytes, counts)
+        if text is None:
+            continue
+        yield {
+            "id": rel,
+            "text": text,
+            "repo": repo_of(rel, cfg.source.repo_depth),
+            "path": rel,
+            "lang": language_of(rel, ext_map) or "unknown",
+            "license": spdx_from_header(text) or nearest_license(rel, lic),
+        }
+
+
+def _row_doc(cfg: DataPrepConfig, row: dict, doc_id: str, ext_map: dict[str, str]) -> dict | None:
+    text = row.get(cfg.source.content_column)
+    if not isinstance(text, str):
+        return None
+    path = row.get(cfg.source.path_column)
+    path = path if isinstance(path, str) else doc_id
+    repo = row.get(cfg.source.repo_column)
+    lic = row.get(cfg.source.license_column)
+    return {
+        "id": doc_id,
+        "text": text,
+        "repo": repo if isinstance(repo, str) else path,
+        "path": path,
+        "lang": language_of(path, ext_map) or "unknown",
+        "license": (lic if isinstance(lic, str) else None) or spdx_from_header(text),
+        "_has_path": isinstance(row.get(cfg.source.path_column), str),
+    }
+
+
+def iter_jsonl(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: Counter) -> Iterator[dict]:
+    ext_map = extension_map(cfg)
+    files = sorted(p for p in path.rglob("*.jsonl*")) if path.is_dir() else [path]
+    for fp in files:
+        opener = gzip.open if fp.name.endswith(".gz") else open
+        with opener(fp, "rt", encoding="utf-8", errors="strict") as f:
+            lineno = 0
+            while True:
+                try:
+                    line = f.readline()
+                except UnicodeDecodeError:
+                    lineno += 1
+                    _bad_line(cfg, fp, lineno, "not UTF-8", counts)
+                    continue
+                if not line:
+                    break
+                lineno += 1
+                if (lineno - 1) % world != rank or not line.strip():
+                    continue
+                counts["read_in"] += 1
+                try:
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise ValueError("not a JSON object")
+                except ValueError as e:
+                    _bad_line(cfg, fp, lineno, str(e), counts)
+                    continue
+                doc = _row_doc(cfg, row, f"{fp.name}:{lineno:09d}", ext_map)
+                if doc is None:
+                    _bad_line(cfg, fp, lineno, f"no string column {cfg.source.content_column!r}", counts)
+                    continue
+                yield doc
+
+
+def _bad_line(cfg: DataPrepConfig, fp: Path, lineno: int, why: str, counts: Counter) -> None:
+    if cfg.source.strict:
+        raise DataError(f"{fp}:{lineno}: malformed JSONL line ({why}); fix it or set source.strict=false to skip")
+    counts["malformed_line"] += 1
+    log.warning("%s:%d: skipping malformed JSONL line (%s)", fp, lineno, why)
+
+
+def iter_parquet(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: Counter) -> Iterator[dict]:
+    import pyarrow.parquet as pq
+
+    ext_map = extension_map(cfg)
+    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+    for fp in files:
+        try:
+            table = pq.read_table(fp)
+        except Exception as e:
+            raise DataError(f"{fp}: not a readable Parquet file ({e})") from None
+        if cfg.source.content_column not in table.column_names:
+            raise DataError(
+                f"{fp} has no column {cfg.source.content_column!r} (has {table.column_names}): set source.content_column"
+            )
+        for i, row in enumerate(table.to_pylist()):
+            if i % world != rank:
+                continue
+            counts["read_in"] += 1
+            doc = _row_doc(cfg, row, f"{fp.name}:{i:09d}", ext_map)
+            if doc is None:
+                counts["malformed_row"] += 1
+                continue
+            yield doc
+
+
+def iter_hf_disk(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: Counter) -> Iterator[dict]:
+    from datasets import DatasetDict, load_from_disk
+
+    ds = load_from_disk(str(path))
+    parts = [(k, ds[k]) for k in sorted(ds)] if isinstance(ds, DatasetDict) else [("data", ds)]
+    ext_map = extension_map(cfg)
+    for name, d in parts:
+        if cfg.source.content_column not in d.column_names:
+            raise DataError(
+                f"{path} has no column {cfg.source.content_column!r} (has {d.column_names}): set source.content_column"
+            )
+        for i in range(rank, len(d), world):
+            counts["read_in"] += 1
+            doc = _row_doc(cfg, d[i], f"{name}:{i:09d}", ext_map)
+            if doc is None:
+                counts["malformed_row"] += 1
+                continue
+            yield doc
+
+
+def iter_documents(
+    cfg: DataPrepConfig, rank: int = 0, world: int = 1, counts: Counter | None = None, progress: bool = False
+) -> Iterator[dict]:
+    """Documents of map task ``rank`` of ``world`` (files or rows modulo world)."""
+    counts = counts if counts is not None else Counter()
+    kind, path = resolve_input(cfg)
+    if kind == "dir":
+        yield from iter_dir(cfg, path, rank, world, counts, progress)
+        return
+    readers = {"jsonl": iter_jsonl, "parquet": iter_parquet, "hf_disk": iter_hf_disk}
+    if kind not in readers:
+        raise DataError(f"source.type={kind} is not one of auto, dir, jsonl, parquet, hf_disk, stdlib")
+    for doc in readers[kind](cfg, path, rank, world, counts):
+        if cfg.language.enabled and doc.pop("_has_path") and doc["lang"] == "unknown":
+            counts["language_unselected"] += 1
+            continue
+        doc.pop("_has_path", None)
+        yield doc
