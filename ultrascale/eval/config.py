@@ -1,0 +1,77 @@
+"""Typed schema for ``eval.py`` (primary config ``conf/eval.yaml``), registered in Hydra's ConfigStore.
+
+Struct mode makes ``humaneval.limt=5`` fail at compose time with the key's name instead of silently
+evaluating all 164 problems.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+TASKS = ("perplexity", "humaneval")
+
+
+@dataclass
+class PerplexityConfig:
+    split: str = "validation"
+    """Split of the prepared data to score; ``validation`` is held out from training by data prep."""
+    batch_size: int = 8
+    """Samples per forward pass; lower it for long sequences or big vocabularies (logits are [b, s, V])."""
+    max_samples: int | None = None
+    """Score only the first N samples (shuffled at prep time, so a fair subset); None = the whole split."""
+    data_path: str | None = None
+    """Prepared data directory; defaults to the run's ``data.path``. Required with ``model_dir=``."""
+
+
+@dataclass
+class HumanEvalConfig:
+    limit: int | None = None
+    """Evaluate the first N of the 164 problems (fixed order, so subsets compare across checkpoints)."""
+    n_samples: int = 1
+    """Completions per problem. pass@k needs n_samples >= k; n_samples > k lowers the estimator's variance."""
+    temperature: float = 0.0
+    """0 = greedy (the standard pass@1); pass@k with k > 1 needs sampling, e.g. 0.8 with n_samples=20."""
+    top_p: float = 0.95
+    """Nucleus sampling cutoff (sampling only)."""
+    k: list[int] = field(default_factory=lambda: [1])
+    """The k values to report pass@k for; each must be <= n_samples."""
+    max_new_tokens: int = 256
+    """Generation budget per completion; stop sequences usually end it far earlier."""
+    batch_size: int = 8
+    """Prompts per ``generate`` call (each expands to n_samples rows)."""
+    seed: int = 1234
+    """Seeds sampling, so a pass@k run is reproducible."""
+    timeout_s: float = 10.0
+    """Wall-clock limit per test program in the sandbox."""
+    memory_mb: int = 1024
+    """Address-space limit per test program."""
+    workers: int = 2
+    """Test programs run at once (each in its own sandbox)."""
+
+
+@dataclass
+class EvalConfig:
+    run_dir: str | None = None
+    """A training run directory (config.yaml + checkpoints/): evaluates its checkpoint ``step``."""
+    step: int | None = None
+    """Checkpoint step inside run_dir; None = the newest complete one (``checkpoints/latest``)."""
+    model_dir: str | None = None
+    """Any local HF model directory instead of a run (an export, an imported GGUF, ...)."""
+    tokenizer_dir: str | None = None
+    """Tokenizer directory; defaults to model_dir, or to the run's prepared-data tokenizer."""
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    """Which evaluations to run: any of ``perplexity``, ``humaneval``."""
+    output_dir: str | None = None
+    """Where eval_results.json goes; defaults to ``<run_dir>/eval/<tag>`` or ``<model_dir>/eval``."""
+    dtype: str = "fp32"
+    """Evaluation precision: fp32 (exact, CPU-friendly), bf16 or fp16."""
+    wandb: bool = True
+    """Log the results to the run's wandb run (same id as training, offline unless configured)."""
+    perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
+    humaneval: HumanEvalConfig = field(default_factory=HumanEvalConfig)
+
+
+def register_eval_configs() -> None:
+    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)

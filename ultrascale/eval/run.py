@@ -1,0 +1,162 @@
+"""What ``eval.py`` does: resolve the model, run the requested tasks, write and log the results.
+
+A run's checkpoint is evaluated through the exporter (into a temporary HF directory), so evaluation
+sees exactly the model a user would download, and there is one checkpoint reader, not two.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ultrascale.config.compose import resolve_path
+from ultrascale.errors import ConfigError
+from ultrascale.eval.config import TASKS
+
+log = logging.getLogger("ultrascale")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def check(cfg: DictConfig) -> None:
+    """Cross-key rules, each failing with the key, the value and the fix."""
+    if bool(cfg.run_dir) == bool(cfg.model_dir):
+        raise ConfigError("give exactly one of run_dir=DIR (a training run) or model_dir=DIR (an HF model directory)")
+    bad = [t for t in cfg.tasks if t not in TASKS]
+    if bad:
+        raise ConfigError(f"tasks={list(cfg.tasks)}: unknown task(s) {bad}; choose from {list(TASKS)}")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype={cfg.dtype} is not one of {list(DTYPES)}")
+    he = cfg.humaneval
+    if "humaneval" in cfg.tasks:
+        if he.temperature <= 0 and he.n_samples != 1:
+            raise ConfigError(
+                f"humaneval.n_samples={he.n_samples} with temperature=0: greedy samples are identical; "
+                "set humaneval.temperature=0.8 (sampling) or n_samples=1"
+            )
+        too_big = [k for k in he.k if k > he.n_samples]
+        if too_big:
+            raise ConfigError(f"humaneval.k={list(he.k)} needs n_samples >= {max(too_big)}: raise humaneval.n_samples")
+    if "perplexity" in cfg.tasks and cfg.model_dir and not cfg.perplexity.data_path:
+        raise ConfigError("perplexity with model_dir= needs perplexity.data_path=DIR (a prepared dataset)")
+
+
+def _wandb_log(cfg: DictConfig, results: dict, out_dir: Path) -> None:
+    """Attach the numbers to the training run's wandb run (same id), or to a fresh one for model_dir."""
+    flat = {f"eval/{task}/{k}": v for task, r in results["tasks"].items() for k, v in r.items() if _is_num(v)}
+    if not flat:
+        return
+    import wandb
+
+    kwargs: dict = {"mode": os.environ.get("WANDB_MODE", "offline"), "dir": str(out_dir), "project": "ultrascale"}
+    if cfg.run_dir:
+        run_dir = Path(cfg.run_dir)
+        run_cfg = OmegaConf.load(run_dir / "config.yaml")
+        id_file = run_dir / ".wandb_id"
+        kwargs.update(dir=str(run_dir), project=run_cfg.logger.wandb_project, mode=run_cfg.logger.wandb_mode)
+        if id_file.exists():
+            kwargs.update(id=id_file.read_text().strip(), resume="allow")
+    run = wandb.init(job_type="eval", **kwargs)
+    step = results.get("step")
+    run.log(flat, **({"step": step} if isinstance(step, int) else {}))
+    for k, v in flat.items():
+        run.summary[k] = v
+    run.finish()
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def table(results: dict) -> str:
+    """The eval table `make demo` ends with."""
+    rows = [("model", str(results["model"]))]
+    ppl = results["tasks"].get("perplexity")
+    if ppl:
+        rows += [
+            ("perplexity", f"{ppl['perplexity']:.3f}"),
+            ("loss / token", f"{ppl['loss_per_token']:.4f}"),
+            ("tokens scored", f"{ppl['tokens']:,}"),
+        ]
+    he = results["tasks"].get("humaneval")
+    if he:
+        rows += [(k, f"{v:.4f}") for k, v in he.items() if k.startswith("pass@")]
+        rows.append(("humaneval problems", f"{he['problems']} x {he['n_samples']} sample(s), T={he['temperature']}"))
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def run(cfg: DictConfig) -> dict:
+    """Evaluate; write ``eval_results.json`` (and HumanEval samples) to the output dir; return the results."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ultrascale.data.shards import load_manifest
+    from ultrascale.eval import humaneval
+    from ultrascale.eval.perplexity import perplexity
+    from ultrascale.eval.sandbox import Limits
+    from ultrascale.export import export
+
+    check(cfg)
+    results: dict = {"tasks": {}}
+    with ExitStack() as stack:
+        if cfg.run_dir:
+            run_dir = resolve_path(cfg.run_dir)
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ultrascale-eval-"))
+            stats = export(run_dir, Path(tmp) / "model", step=cfg.step, dtype="fp32")
+            model_dir = Path(stats["out"])
+            run_cfg = OmegaConf.load(run_dir / "config.yaml")
+            data_path = resolve_path(cfg.perplexity.data_path or run_cfg.data.path)
+            results.update(model=f"{run_dir} @ {stats['tag']}", step=int(stats["tag"].split("_")[-1]))
+            out_dir = resolve_path(cfg.output_dir) if cfg.output_dir else run_dir / "eval" / stats["tag"]
+            tok_dir = cfg.tokenizer_dir or model_dir
+        else:
+            model_dir = resolve_path(cfg.model_dir)
+            if not (model_dir / "config.json").exists():
+                raise ConfigError(f"model_dir={model_dir} has no config.json: point it at a local HF model directory")
+            data_path = resolve_path(cfg.perplexity.data_path) if cfg.perplexity.data_path else None
+            results["model"] = str(model_dir)
+            out_dir = resolve_path(cfg.output_dir) if cfg.output_dir else model_dir / "eval"
+            tok_dir = cfg.tokenizer_dir or model_dir
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, DTYPES[cfg.dtype]))
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+        if "perplexity" in cfg.tasks:
+            load_manifest(data_path)  # fail with the data error before loading anything heavier
+            p = cfg.perplexity
+            results["tasks"]["perplexity"] = perplexity(
+                model, data_path, split=p.split, batch_size=p.batch_size, max_samples=p.max_samples
+            )
+            results["tasks"]["perplexity"]["data_path"] = str(data_path)
+        if "humaneval" in cfg.tasks:
+            h = cfg.humaneval
+            he = humaneval.evaluate(
+                model,
+                tokenizer,
+                limit=h.limit,
+                n_samples=h.n_samples,
+                temperature=h.temperature,
+                top_p=h.top_p,
+                ks=list(h.k),
+                max_new_tokens=h.max_new_tokens,
+                batch_size=h.batch_size,
+                seed=h.seed,
+                limits=Limits(timeout_s=h.timeout_s, memory_mb=h.memory_mb),
+                workers=h.workers,
+            )
+            samples = he.pop("samples")
+            results["tasks"]["humaneval"] = he
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if "humaneval" in cfg.tasks:
+        with open(out_dir / "humaneval_samples.jsonl", "w") as f:
+            f.writelines(json.dumps(s) + "\n" for s in samples)
+    results["config"] = OmegaConf.to_container(cfg, resolve=True)
+    (out_dir / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results) + f"\nwrote {out_dir / 'eval_results.json'}", flush=True)
+    if cfg.wandb:
+        _wandb_log(cfg, results, out_dir)
+    return results
