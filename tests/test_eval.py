@@ -154,7 +154,7 @@ def _eval_cfg(overrides):
 
 
 def test_eval_config_typos_and_bad_combinations_fail_with_the_key():
-    with pytest.raises(ConfigError, match="humaneval.limt"):
+    with pytest.raises(ConfigError, match=r"humaneval\.limt"):
         _eval_cfg(["model_dir=x", "humaneval.limt=3"])
     with pytest.raises(ConfigError, match="exactly one of run_dir"):
         check(_eval_cfg([]))

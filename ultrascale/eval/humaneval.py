@@ -108,7 +108,7 @@ def evaluate(
     max_new_tokens: int = 256,
     batch_size: int = 8,
     seed: int = 1234,
-    limits: Limits = Limits(),
+    limits: Limits | None = None,
     workers: int = 2,
 ) -> dict:
     """Generate, execute in the sandbox, score. Returns ``{"pass@k": ..., "problems": N, "samples": [...]}``."""
@@ -126,7 +126,7 @@ def evaluate(
         seed=seed,
     )
     programs = [check_program(p, c) for p, cs in zip(problems, completions) for c in cs]
-    outcomes = run_many(programs, limits, workers=workers)
+    outcomes = run_many(programs, limits or Limits(), workers=workers)
     passed = [[o.passed for o in outcomes[i * n_samples : (i + 1) * n_samples]] for i in range(len(problems))]
     result: dict = {f"pass@{k}": mean_pass_at_k(passed, k) for k in ks}
     result["problems"] = len(problems)
