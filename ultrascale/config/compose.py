@@ -19,13 +19,19 @@ CONF_DIR = PROJECT_ROOT / "conf"
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 
 
+def resolve_path(p: str | Path) -> Path:
+    """Relative data/model paths mean the project root, not Hydra's or the launcher's cwd."""
+    path = Path(p).expanduser()
+    return path if path.is_absolute() else PROJECT_ROOT / path
+
+
 def _one_line(exc: BaseException, overrides: list[str]) -> str:
     """Hydra's errors are multi-line and mention HYDRA_FULL_ERROR; users need the key and the fix."""
     msg = str(exc)
     cause = exc.__cause__ or exc.__context__
     full = msg + ("\n" + str(cause) if cause else "")
     key = re.search(r"full_key: ([\w.\[\]]+)", full)
-    if "not in struct" in full or "Key '" in full and "not in" in full:
+    if "not in struct" in full or ("Key '" in full and "not in" in full):
         name = key.group(1) if key else re.search(r"Key '([^']+)'", full).group(1)
         group = name.split(".")[0]
         hint = f" (or add a new key with +{name}=VALUE)" if name.startswith("model.config.") else ""

@@ -269,7 +269,87 @@ class RootConfig:
     """Print the resolved DeepSpeed JSON, topology, parameter counts and tokens per step; do not train."""
 
 
+@dataclass
+class ClusterConfig:
+    """The hardware a plan is for. Bandwidths are achieved bus bandwidths per GPU (what NCCL's busbw reports),
+    not marketing peaks, because the time model divides bytes by them directly."""
+
+    name: str = "h100_8x"
+    """Preset name, shown in the plan's header."""
+    gpus_per_node: int = 8
+    """Accelerators per node: tensor parallelism stays inside one (it all-reduces twice per layer)."""
+    nodes: int = 1
+    """Nodes; world size = gpus_per_node * nodes."""
+    gpu_memory_gib: float = 80.0
+    """Device memory per accelerator (GiB) that a layout's peak must fit under."""
+    reserved_gib: float = 1.0
+    """Memory the runtime takes before training allocates anything (CUDA context, NCCL/communicator buffers)."""
+    host_memory_gib: float = 2048.0
+    """Host memory per node (GiB): ZeRO-Offload state must fit here, shared by the node's ranks."""
+    peak_tflops: float = 989.0
+    """Dense 16-bit peak per accelerator (TFLOP/s); MFU is measured against it."""
+    matmul_efficiency: float = 0.55
+    """Achieved fraction of peak for a training step's mix of matmuls and elementwise kernels."""
+    intra_node_gbps: float = 450.0
+    """Achieved all-reduce bus bandwidth inside a node (GB/s per GPU; NVLink 4 ~ 450-480)."""
+    inter_node_gbps: float = 45.0
+    """Achieved bus bandwidth across nodes (GB/s per GPU; 400 Gb/s InfiniBand per GPU ~ 45)."""
+    host_link_gbps: float = 25.0
+    """Host<->device copy bandwidth (GB/s) used by offload."""
+    intra_node_latency_us: float = 10.0
+    """Per-collective latency inside a node."""
+    inter_node_latency_us: float = 25.0
+    """Per-collective latency across nodes."""
+    measure_peak: bool = False
+    """Measure ``peak_tflops`` on this machine at plan time (a timed matmul); for ``cluster=cpu_local``."""
+
+
+@dataclass
+class SearchConfig:
+    """What the planner enumerates. Every combination is validated with the same rules as ``train.py``."""
+
+    enabled: bool = True
+    """False: evaluate only the layout given by the parallel/zero/data/train groups (explain one config)."""
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    """ZeRO stages to try."""
+    offload: bool = True
+    """Also try optimizer (stage>=1) and parameter (stage 3) offload to the host."""
+    recompute: list[bool] = field(default_factory=lambda: [False, True])
+    """Activation checkpointing settings to try."""
+    micro_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Micro-batch sizes to try; each must divide global_batch / dp."""
+    tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Tensor-parallel degrees to try (capped at gpus_per_node)."""
+    pp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Pipeline degrees to try."""
+    sp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Ulysses sequence-parallel degrees to try."""
+    ep: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Expert-parallel degrees to try (MoE models only)."""
+    fragmentation: float = 0.10
+    """Headroom, as a fraction of the allocated peak, for allocator fragmentation."""
+    overlap: float = 0.8
+    """Fraction of overlappable communication (DP/ZeRO buckets, prefetch) hidden behind compute."""
+    recompute_overhead: float = 1.0
+    """Extra forward passes per step with activation checkpointing (1.0 = one full recompute)."""
+
+
+@dataclass
+class PlanRootConfig(RootConfig):
+    """Root for ``plan.py``: the training groups (the layout and model) plus the cluster and search."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    top_n: int = 10
+    """Rows in the printed ranking."""
+    output_json: str | None = None
+    """Write the full result (every layout, its terms and any rejection reason) to this path."""
+    plot: str | None = None
+    """Write a PNG of the top layouts' memory breakdown against the GPU limit, with predicted tokens/s."""
+
+
 def register_configs() -> None:
     """Register the root schema so ``conf/train.yaml`` can start its defaults list with it."""
     cs = ConfigStore.instance()
     cs.store(name="ultrascale_schema", node=RootConfig)
+    cs.store(name="ultrascale_plan_schema", node=PlanRootConfig)

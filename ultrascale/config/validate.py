@@ -8,6 +8,7 @@ discard invalid layouts, so a layout it proposes is one ``train.py`` accepts.
 from __future__ import annotations
 
 import inspect
+import json
 from functools import cache
 from typing import Any
 
@@ -56,9 +57,18 @@ def _positive(key: str, value: int) -> None:
 
 def model_dims(cfg: DictConfig) -> dict[str, int]:
     """Head count, kv heads and MLP width from the model group (for divisibility rules)."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(cfg.model.config, resolve=True)
+    return dict(_model_dims(str(cfg.model.type), json.dumps(config, sort_keys=True)))
+
+
+@cache
+def _model_dims(model_type: str, config_json: str) -> dict[str, int]:
+    """Cached on the model group's contents: the planner validates thousands of layouts of one model."""
     from transformers import AutoConfig
 
-    hf = AutoConfig.for_model(cfg.model.type, **dict(cfg.model.config))
+    hf = AutoConfig.for_model(model_type, **json.loads(config_json))
     heads = getattr(hf, "num_attention_heads", 1)
     return {
         "heads": heads,
@@ -134,10 +144,15 @@ def validate(cfg: DictConfig, world_size: int) -> Topology:
             raise ConfigError("parallel.pp>1 with optim=muon is not supported: use optim=adamw")
     if p.tp > 1:
         if z.stage > 2:
-            raise ConfigError(f"parallel.tp={p.tp} needs zero.stage<=2 (got {z.stage}): DeepSpeed AutoTP training "
-                              f"refuses ZeRO-3; use zero=stage2")
-        for name, n in (("attention heads", dims["heads"]), ("kv heads", dims["kv_heads"]),
-                        ("intermediate_size", dims["intermediate"])):
+            raise ConfigError(
+                f"parallel.tp={p.tp} needs zero.stage<=2 (got {z.stage}): DeepSpeed AutoTP training "
+                f"refuses ZeRO-3; use zero=stage2"
+            )
+        for name, n in (
+            ("attention heads", dims["heads"]),
+            ("kv heads", dims["kv_heads"]),
+            ("intermediate_size", dims["intermediate"]),
+        ):
             if n and n % p.tp:
                 raise ConfigError(f"parallel.tp={p.tp} does not divide the model's {name} ({n}): pick a tp that does")
     if p.sp > 1:
@@ -146,13 +161,17 @@ def validate(cfg: DictConfig, world_size: int) -> Topology:
                 f"parallel.sp={p.sp} does not divide the model's attention heads ({dims['heads']}): pick an sp that does"
             )
         if cfg.data.seq_len % p.sp:
-            raise ConfigError(f"parallel.sp={p.sp} does not divide data.seq_len={cfg.data.seq_len}: pick an sp that does")
+            raise ConfigError(
+                f"parallel.sp={p.sp} does not divide data.seq_len={cfg.data.seq_len}: pick an sp that does"
+            )
     if p.ep > 1:
         if topo.dp % p.ep:
             raise ConfigError(f"parallel.ep={p.ep} does not divide dp={topo.dp}: use an ep that divides the dp degree")
         if not dims["experts"]:
-            raise ConfigError(f"parallel.ep={p.ep} needs a MoE model, but model.type={cfg.model.type} has no experts: "
-                              "use model=tiny_moe or parallel.ep=1")
+            raise ConfigError(
+                f"parallel.ep={p.ep} needs a MoE model, but model.type={cfg.model.type} has no experts: "
+                "use model=tiny_moe or parallel.ep=1"
+            )
         if dims["experts"] % p.ep:
             raise ConfigError(
                 f"parallel.ep={p.ep} does not divide the model's {dims['experts']} experts: pick an ep that does"

@@ -1,0 +1,25 @@
+"""Train a Hugging Face causal LM with DeepSpeed, composed from typed Hydra config groups.
+
+python train.py recipe=cpu_smoke                        # 1 rank
+torchrun --nproc_per_node 2 train.py recipe=cpu_smoke   # 2 ranks
+deepspeed --num_gpus 2 train.py recipe=cpu_smoke zero=stage3 train.steps=50
+python train.py recipe=starcoder2_3b_zero2 dry_run=true # DeepSpeed JSON + topology, no training
+python train.py --help                                  # groups, keys and their defaults
+"""
+
+from omegaconf import DictConfig
+
+from ultrascale.cli import run_app
+
+
+def main(cfg: DictConfig) -> dict | None:
+    from ultrascale.config.validate import validate
+    from ultrascale.dist import planned_world_size
+    from ultrascale.train.trainer import run
+
+    topo = validate(cfg, planned_world_size(cfg))  # every cross-group rule, before anything is built
+    return run(cfg, topo)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_app("train", main))

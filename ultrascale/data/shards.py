@@ -1,0 +1,222 @@
+"""The on-disk contract between ``data_prep`` (writer) and training/eval (reader).
+
+A prepared dataset is a directory::
+
+    manifest.json                 format, seq_len, dtype, tokenizer path, per-split shard list + sha256
+    tokenizer/                    an HF tokenizer directory (AutoTokenizer loads it)
+    train/shard_00000.npy ...     uint16/uint32 arrays of shape [num_samples, seq_len]
+    validation/shard_00000.npy
+
+Samples are already packed (documents joined with EOS) and globally shuffled, so the reader can be a
+memory-map and an index: no tokenization, no worker processes, nothing to keep in sync on resume.
+Everything here is plain numpy + json so that a shard written on one machine reads on any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ultrascale.errors import DataError
+
+FORMAT = "ultrascale-packed-v1"
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 halves disk and page-cache use for vocabularies that fit (StarCoder's 49k does)."""
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Write fixed-length samples of one split into ``.npy`` shards of at most ``samples_per_shard``.
+
+    Shards are written to a temporary name and renamed, so a killed writer never leaves a shard that
+    looks complete. Call :meth:`close` to flush the last shard; it returns the split's manifest entry.
+    """
+
+    def __init__(
+        self, out_dir: str | os.PathLike, split: str, seq_len: int, vocab_size: int, samples_per_shard: int = 8192
+    ):
+        self.root = Path(out_dir)
+        self.split = split
+        self.seq_len = seq_len
+        self.dtype = token_dtype(vocab_size)
+        self.samples_per_shard = samples_per_shard
+        (self.root / split).mkdir(parents=True, exist_ok=True)
+        self._buf: list[np.ndarray] = []
+        self._buffered = 0
+        self.shards: list[dict] = []
+
+    def add(self, samples: np.ndarray) -> None:
+        samples = np.asarray(samples)
+        if samples.ndim != 2 or samples.shape[1] != self.seq_len:
+            raise ValueError(f"samples must be [n, {self.seq_len}], got {list(samples.shape)}")
+        while len(samples):
+            take = min(len(samples), self.samples_per_shard - self._buffered)
+            self._buf.append(samples[:take].astype(self.dtype, copy=False))
+            self._buffered += take
+            samples = samples[take:]
+            if self._buffered == self.samples_per_shard:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self._buffered:
+            return
+        arr = np.concatenate(self._buf, axis=0)
+        rel = f"{self.split}/shard_{len(self.shards):05d}.npy"
+        path = self.root / rel
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.shards.append({"path": rel, "num_samples": int(arr.shape[0]), "sha256": sha256_file(path)})
+        self._buf, self._buffered = [], 0
+
+    def close(self) -> dict:
+        self._flush()
+        n = sum(s["num_samples"] for s in self.shards)
+        return {"shards": self.shards, "num_samples": n, "num_tokens": n * self.seq_len}
+
+
+def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> Path:
+    """Write ``manifest.json`` last and atomically: its presence is what marks a dataset complete."""
+    for key in ("seq_len", "vocab_size", "eos_token_id", "tokenizer", "splits"):
+        if key not in manifest:
+            raise ValueError(f"manifest is missing required key {key!r}")
+    manifest = {"format": FORMAT, **manifest}
+    manifest.setdefault("dtype", token_dtype(manifest["vocab_size"]).name)
+    path = Path(out_dir) / MANIFEST
+    _atomic_write_bytes(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    return path
+
+
+def write_samples(
+    out_dir: str | os.PathLike,
+    splits: dict[str, Iterable[np.ndarray]],
+    *,
+    seq_len: int,
+    vocab_size: int,
+    eos_token_id: int,
+    tokenizer: str,
+    extra: dict | None = None,
+) -> dict:
+    """Write whole splits and the manifest in one call (tests and small corpora)."""
+    entries = {}
+    for split, chunks in splits.items():
+        w = ShardWriter(out_dir, split, seq_len, vocab_size)
+        for c in chunks:
+            w.add(c)
+        entries[split] = w.close()
+    manifest = {
+        "seq_len": seq_len,
+        "vocab_size": vocab_size,
+        "eos_token_id": eos_token_id,
+        "tokenizer": tokenizer,
+        "splits": entries,
+        **(extra or {}),
+    }
+    write_manifest(out_dir, manifest)
+    return manifest
+
+
+@dataclass
+class SplitReader:
+    """Random access to the samples of one split, across shards, through memory maps."""
+
+    root: Path
+    name: str
+    seq_len: int
+    arrays: list[np.ndarray]
+    offsets: np.ndarray  # cumulative sample counts, len(arrays)+1
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def get(self, indices: np.ndarray) -> np.ndarray:
+        """Gather samples by global index into one int64 array [len(indices), seq_len]."""
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        shard_ids = np.searchsorted(self.offsets, indices, side="right") - 1
+        for i, (g, s) in enumerate(zip(indices, shard_ids)):
+            out[i] = self.arrays[s][g - self.offsets[s]]
+        return out
+
+
+def load_manifest(path: str | os.PathLike) -> dict:
+    root = Path(path)
+    mpath = root / MANIFEST
+    if not root.exists():
+        raise DataError(
+            f"data path {root} does not exist: run `python -m data_prep output_dir={root}` or set data.path"
+        )
+    if not mpath.exists():
+        raise DataError(
+            f"{mpath} not found: {root} is not a prepared dataset (or its preparation did not finish); "
+            f"run `python -m data_prep output_dir={root}`"
+        )
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{mpath} is not valid JSON ({e}): re-run data prep for {root}") from None
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{mpath} has format {manifest.get('format')!r}, expected {FORMAT!r}: re-run data prep")
+    return manifest
+
+
+def open_split(path: str | os.PathLike, split: str, verify: bool = True) -> SplitReader:
+    """Open one split, checking shape, size and (optionally) sha256 of every shard against the manifest."""
+    root = Path(path)
+    manifest = load_manifest(root)
+    if split not in manifest["splits"]:
+        raise DataError(f"{root / MANIFEST} has no split {split!r} (has: {sorted(manifest['splits'])})")
+    seq_len = int(manifest["seq_len"])
+    arrays, counts = [], [0]
+    for shard in manifest["splits"][split]["shards"]:
+        spath = root / shard["path"]
+        if not spath.exists():
+            raise DataError(f"shard {spath} listed in the manifest is missing: re-run data prep for {root}")
+        if verify and sha256_file(spath) != shard["sha256"]:
+            raise DataError(
+                f"shard {spath} is corrupt (sha256 differs from manifest.json): re-run data prep for {root}"
+            )
+        try:
+            arr = np.load(spath, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(
+                f"shard {spath} is truncated or not a .npy file ({e}): re-run data prep for {root}"
+            ) from None
+        if arr.ndim != 2 or arr.shape[1] != seq_len or arr.shape[0] != shard["num_samples"]:
+            raise DataError(
+                f"shard {spath} has shape {list(arr.shape)}, manifest says [{shard['num_samples']}, {seq_len}]: "
+                f"re-run data prep for {root}"
+            )
+        arrays.append(arr)
+        counts.append(counts[-1] + arr.shape[0])
+    if counts[-1] == 0:
+        raise DataError(f"split {split!r} in {root} has no samples: the corpus is too small for seq_len={seq_len}")
+    return SplitReader(root, split, seq_len, arrays, np.asarray(counts, dtype=np.int64))

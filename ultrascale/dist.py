@@ -1,0 +1,170 @@
+"""Process-level runtime: environment defaults, accelerator detection, process group, rank helpers.
+
+Works the same under ``deepspeed``, ``torchrun`` and plain ``python`` (which becomes a 1-rank group),
+so the trainer never branches on how it was launched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from datetime import timedelta
+
+from ultrascale.config.compose import PROJECT_ROOT
+
+log = logging.getLogger("ultrascale")
+
+
+def configure_env() -> None:
+    """Defaults that must be set before torch/deepspeed import anything.
+
+    - A private TORCH_EXTENSIONS_DIR: DeepSpeed JIT-builds C++ ops on first use, and a stale lock in a
+      shared ``~/.cache/torch_extensions`` has hung runs; a project-local cache is also reused by reruns.
+    - wandb offline unless the user says otherwise: no network is needed to train.
+    """
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_ROOT / ".cache" / "torch_extensions"))
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import warnings
+
+    # torch.distributed deprecation notices, once per collective call site per rank: pure noise in logs
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def select_accelerator() -> str:
+    """Pick DeepSpeed's accelerator + comm backend: CUDA/NCCL on GPUs, CPU/gloo otherwise (logged)."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu" or not has_gpu():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        return "gloo"
+    return "nccl"
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends ``--local_rank=N``, which Hydra's parser rejects; LOCAL_RANK is in env."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.startswith("--local_rank=") or a.startswith("--local-rank="):
+            os.environ.setdefault("LOCAL_RANK", a.split("=", 1)[1])
+            continue
+        if a in ("--local_rank", "--local-rank"):
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_min: int = 60) -> str:
+    """Join (or, for plain ``python train.py``, create) the process group. Returns the backend."""
+    import torch.distributed as dist
+
+    backend = select_accelerator()
+    if "WORLD_SIZE" not in os.environ:  # plain python: a real 1-rank group, so the code path is the same
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not dist.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_min))
+    import torch
+
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    elif "OMP_NUM_THREADS" not in os.environ:  # CPU ranks on one box share its cores; don't oversubscribe
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return backend
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s Python object on every rank (used to share errors and decisions made on rank 0)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shutdown() -> None:
+    """Without destroy_process_group, gloo sometimes aborts a finished rank at exit (SIGABRT)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def setup_logging(log_file: str | None = None) -> None:
+    """Rank 0 logs INFO to the console; every rank logs to its own file (``logs/rank{r}.log``)."""
+    r = rank()
+    fmt = logging.Formatter(f"%(asctime)s [rank{r}] %(levelname)s %(message)s", "%H:%M:%S")
+    log.handlers.clear()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if r == 0:
+        h = logging.StreamHandler(sys.stdout)
+        h.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(h)
+    if log_file:
+        fh = logging.FileHandler(log_file)
+        fh.setFormatter(fmt)
+        log.addHandler(fh)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def planned_world_size(cfg) -> int:
+    """The world a config will run on: the launcher's WORLD_SIZE, or for a dry run the recipe's hardware."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if cfg.dry_run:
+        return int(cfg.launcher.nproc_per_node) * int(cfg.launcher.nnodes)
+    return 1

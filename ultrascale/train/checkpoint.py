@@ -1,0 +1,196 @@
+"""Atomic checkpoints with auto-resume.
+
+DeepSpeed writes a tag directory from every rank; a crash mid-save leaves a partial directory. We make
+the save atomic at the level that matters: the ``latest`` pointer is replaced (``os.replace``) only
+after every rank has finished writing and rank 0 has recorded the size of every file in
+``ultrascale_meta.json``. Resume trusts ``latest``, then verifies the recorded files, so a truncated or
+half-deleted checkpoint fails with the file's name instead of loading garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ultrascale import dist
+from ultrascale.errors import CheckpointError
+
+log = logging.getLogger("ultrascale")
+META = "ultrascale_meta.json"
+LATEST = "latest"
+UNIVERSAL_SUFFIX = "_universal"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the tag directory once it is complete and pointed to."""
+    tag = tag_for(step)
+    tag_dir = ckpt_dir / tag
+    if dist.is_rank0() and tag_dir.exists():  # a leftover partial save of the same step
+        shutil.rmtree(tag_dir)
+    dist.barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    torch.save(rng_state(), tag_dir / f"rng_state_rank{dist.rank():05d}.pt")
+    dist.barrier()
+    if dist.is_rank0():
+        files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*")) if p.is_file()}
+        _atomic_write_text(tag_dir / META, json.dumps({**meta, "step": step, "tag": tag, "files": files}, indent=1))
+        _atomic_write_text(ckpt_dir / LATEST, tag)
+        if keep:
+            _prune(ckpt_dir, keep)
+    dist.barrier()
+    return tag_dir
+
+
+def _complete_tags(ckpt_dir: Path) -> list[str]:
+    return sorted(p.parent.name for p in ckpt_dir.glob(f"step_*/{META}") if not p.parent.name.endswith("_universal"))
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    for tag in _complete_tags(ckpt_dir)[:-keep]:
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
+
+
+def verify(tag_dir: Path) -> dict:
+    """The checkpoint's meta, after checking every recorded file is present at its recorded size."""
+    meta_path = tag_dir / META
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"checkpoint {tag_dir} does not exist: check train.resume or the run's output_dir")
+    if not meta_path.exists():
+        raise CheckpointError(
+            f"checkpoint {tag_dir} is incomplete (no {META}: its save was interrupted): "
+            f"delete {tag_dir} and rerun to resume from the previous checkpoint"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        raise CheckpointError(
+            f"{meta_path} is corrupt: delete {tag_dir} and rerun to resume from an earlier one"
+        ) from None
+    for rel, size in meta.get("files", {}).items():
+        f = tag_dir / rel
+        if not f.exists():
+            raise CheckpointError(
+                f"checkpoint {tag_dir} is truncated: {rel} is missing: delete {tag_dir} (and fix "
+                f"{tag_dir.parent / LATEST}) or restore the file"
+            )
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint {tag_dir} is truncated: {rel} has {f.stat().st_size} bytes, expected {size}: "
+                f"delete {tag_dir} (and fix {tag_dir.parent / LATEST}) or restore the file"
+            )
+    return meta
+
+
+def find_resume(ckpt_dir: Path, resume: str, universal: bool) -> Path | None:
+    """The tag directory to resume from, or None for a fresh start. Verifies it before returning."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        target = Path(resume)
+        if (target / LATEST).exists():
+            ckpt_dir, target = target, None
+        elif not target.is_dir():
+            raise CheckpointError(f"train.resume={resume}: no such checkpoint directory")
+    else:
+        target = None
+    if target is None:
+        latest = ckpt_dir / LATEST
+        if not latest.exists():
+            if resume != "auto":
+                raise CheckpointError(f"train.resume={resume}: {latest} not found")
+            return None
+        target = ckpt_dir / latest.read_text().strip()
+    verify(target)
+    if universal:
+        uni = target.with_name(target.name + UNIVERSAL_SUFFIX)
+        if not uni.is_dir():
+            raise CheckpointError(
+                f"train.universal_checkpoint=true but {uni} does not exist: run "
+                f"`python -m ultrascale.train.checkpoint to_universal {target}` first"
+            )
+        return uni
+    return target
+
+
+def load(engine, tag_dir: Path, same_world: bool) -> int:
+    """Collective. Loads weights, optimizer, scheduler; restores this rank's RNG. Returns the step."""
+    path, client = engine.load_checkpoint(
+        str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:
+        raise CheckpointError(f"DeepSpeed could not load {tag_dir}: see the rank logs")
+    step = int((client or {}).get("step", 0)) or int(json.loads((_meta_dir(tag_dir) / META).read_text())["step"])
+    rng = _meta_dir(tag_dir) / f"rng_state_rank{dist.rank():05d}.pt"
+    if same_world and rng.exists():
+        set_rng_state(torch.load(rng, weights_only=False))
+    return step
+
+
+def _meta_dir(tag_dir: Path) -> Path:
+    name = tag_dir.name.removesuffix(UNIVERSAL_SUFFIX)
+    return tag_dir.with_name(name)
+
+
+def to_universal(tag_dir: str | os.PathLike) -> Path:
+    """Convert a ZeRO checkpoint to DeepSpeed's universal format (resume on another world size)."""
+    src = Path(tag_dir)
+    verify(src)
+    dst = src.with_name(src.name + UNIVERSAL_SUFFIX)
+    cmd = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder", str(src), "--output_folder", str(dst), "--inject_missing_state",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise CheckpointError(f"ds_to_universal failed for {src}: {tail[0]}")
+    return dst
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "to_universal":
+        sys.exit("usage: python -m ultrascale.train.checkpoint to_universal RUN_DIR/checkpoints/step_XXXXXXXX")
+    try:
+        print(to_universal(sys.argv[2]))
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,90 @@
+"""Throughput, MFU and memory: the numbers that tell a comb-shaped run from a busy one."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import torch
+
+# Dense bf16 peak per device (FLOP/s), from vendor datasheets (no sparsity).
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "V100": 125e12,
+}
+
+
+def measure_cpu_peak_flops(windows: int = 5, window_s: float = 0.1, n: int = 1024) -> float:
+    """Achievable fp32 matmul FLOP/s of this process, measured now (what MFU means on a CPU rank).
+
+    Best of several short windows, so a moment of contention does not lower the peak (which would
+    inflate MFU). Every rank measures at once, so sharing cores between ranks is included.
+    """
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(windows):
+        iters, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < window_s:
+            torch.mm(a, b)
+            iters += 1
+        best = max(best, 2 * n**3 * iters / elapsed)
+    return best
+
+
+def device_peak_flops() -> tuple[float, str]:
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, peak in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return peak, f"{name} (datasheet bf16 dense)"
+        return 0.0, f"{name} (unknown peak: MFU not reported)"
+    return measure_cpu_peak_flops(), "cpu (measured fp32 matmul)"
+
+
+def memory_gb() -> float:
+    """Peak device memory on GPU; resident set size of this process on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return psutil.Process(os.getpid()).memory_info().rss / 2**30
+
+
+class StepTimer:
+    """Splits wall time into data wait and compute, so input-pipeline stalls show up as a number."""
+
+    def __init__(self) -> None:
+        self.data_s = 0.0
+        self.t0 = time.perf_counter()
+
+    def data(self):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.data_s += time.perf_counter() - self.t
+
+        return _Ctx()
+
+    def finish(self) -> tuple[float, float]:
+        """(step seconds, data-wait fraction)."""
+        total = time.perf_counter() - self.t0
+        return total, (self.data_s / total if total > 0 else 0.0)
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float, world: int, peak: float) -> dict[str, float]:
+    """tokens/s for the job, model TFLOP/s for the job, and MFU per device."""
+    tps = tokens / seconds if seconds > 0 else 0.0
+    flops = tps * flops_per_token
+    return {
+        "tokens_per_s": tps,
+        "tflops": flops / 1e12,
+        "mfu": flops / world / peak if peak > 0 else 0.0,
+    }

@@ -1,0 +1,71 @@
+"""Parameter groups and learning-rate schedules.
+
+Weight decay pulls weights toward zero; on norm gains and biases that only fights the model (a norm
+gain of 0 zeroes its layer), so they go in a no-decay group. Schedules are plain functions of the step
+so they are testable, resumable (the step is in the checkpoint) and identical on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from omegaconf import DictConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool = True) -> list[dict]:
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        is_embedding = "embed" in name or "lm_head" in name
+        if p.ndim < 2 or "norm" in name.lower() or name.endswith(".bias") or (is_embedding and not decay_embeddings):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+    return groups
+
+
+def lr_multiplier(step: int, sched: DictConfig, total_steps: int) -> float:
+    """Multiplier on the peak lr at optimizer step ``step`` (0-based: the first update uses step 0)."""
+    total = int(sched.total_steps or total_steps)
+    warmup = min(int(sched.warmup_steps), max(total - 1, 0))
+    floor = float(sched.min_lr_ratio)
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if sched.name == "constant":
+        return 1.0
+    if sched.name == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if sched.name == "wsd":
+        decay_steps = max(1, round(total * float(sched.decay_fraction)))
+        decay_start = total - decay_steps
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / decay_steps)
+        return floor + (1 - floor) * (1 - progress)
+    raise ValueError(f"unknown schedule {sched.name!r}")
+
+
+def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Optimizer | None:
+    """Torch AdamW with decay groups, unless DeepSpeed must own the optimizer (offload, Muon, FusedAdam)."""
+    o = cfg.optim
+    if o.name != "adamw" or cfg.zero.offload_optimizer != "none" or not o.torch_adam:
+        return None
+    return torch.optim.AdamW(
+        param_groups(model, o.weight_decay, o.decay_embeddings),
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    total = int(cfg.train.steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, cfg.optim.sched, total))
