@@ -1,0 +1,125 @@
+"""Shared fixtures: real shards from real source text, and a real multi-rank launcher.
+
+Nothing here is mocked: ``launch`` starts ``torchrun`` (or ``deepspeed``) on ``train.py`` with gloo
+ranks on this CPU, exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# Every subprocess inherits these: CPU accelerator, project-local JIT cache, offline wandb.
+TEST_ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"),
+    "WANDB_MODE": "offline",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+os.environ.update(TEST_ENV)
+
+BYTE_VOCAB = 257  # 256 byte values + EOS
+
+
+def byte_samples(seq_len: int, max_files: int = 60, max_bytes: int = 30_000) -> np.ndarray:
+    """Real Python standard-library source, as bytes, EOS-separated and packed into [n, seq_len]."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:max_files]
+    toks: list[int] = []
+    for f in files:
+        toks.extend(f.read_bytes()[:max_bytes])
+        toks.append(256)
+    n = len(toks) // seq_len
+    return np.asarray(toks[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
+
+
+def write_byte_dataset(out: Path, seq_len: int = 64, val_fraction: float = 0.05, **kw) -> Path:
+    """A small prepared dataset through the same writer data_prep uses (byte-level tokens)."""
+    from ultrascale.data.shards import write_samples
+
+    arr = byte_samples(seq_len, **kw)
+    n_val = max(16, int(len(arr) * val_fraction))
+    write_samples(
+        out,
+        {"train": [arr[n_val:]], "validation": [arr[:n_val]]},
+        seq_len=seq_len,
+        vocab_size=BYTE_VOCAB,
+        eos_token_id=256,
+        tokenizer="tokenizer",
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """Byte-level shards of real stdlib code, seq_len 64 (shared by every test in the session)."""
+    return write_byte_dataset(tmp_path_factory.mktemp("tiny_data"), seq_len=64)
+
+
+# Overrides that make the tiny model train fast and deterministically on CPU.
+FAST = [
+    "logger=none",
+    "data.seq_len=64",
+    "data.micro_batch=2",
+    "data.global_batch=8",
+    "data.eval_batches=2",
+    "optim.lr=3e-3",
+    "optim.sched.warmup_steps=2",
+    "train.eval_interval=0",
+    "train.checkpoint_interval=0",
+]
+
+
+def launch(
+    args: list[str],
+    nproc: int = 2,
+    env: dict | None = None,
+    launcher: str = "torchrun",
+    timeout: int = 600,
+    script: str = "train.py",
+) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nproc`` CPU ranks via torchrun/deepspeed (or plain python for nproc=0)."""
+    full_env = {**os.environ, **TEST_ENV, **(env or {})}
+    if launcher == "python" or nproc == 0:
+        cmd = [sys.executable, script, *args]
+    elif launcher == "deepspeed":
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), script, *args]
+    else:
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), script, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Fail with the tail of the output (not a bare exit code) when a launched run fails."""
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
+        pytest.fail(f"exit code {proc.returncode}:\n{tail}")
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
