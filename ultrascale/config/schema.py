@@ -240,16 +240,58 @@ class ParallelConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """What ``launch/slurm`` writes into the sbatch header. GPUs per node and nodes come from the launcher."""
+
+    partition: str | None = None
+    """``#SBATCH --partition``; None uses the cluster's default partition."""
+    account: str | None = None
+    """``#SBATCH --account`` to charge; None uses your default account."""
+    qos: str | None = None
+    """``#SBATCH --qos``; None uses the partition's default."""
+    time: str = "24:00:00"
+    """Wall-clock limit (``HH:MM:SS`` or ``D-HH:MM:SS``). Requeue plus auto-resume continues past it."""
+    cpus_per_task: int = 16
+    """CPU cores per node for the one launcher task (its ranks and their data loading share them)."""
+    mem: str | None = None
+    """``#SBATCH --mem`` per node (e.g. ``0`` = all of it); None uses the partition's default."""
+    constraint: str | None = None
+    """``#SBATCH --constraint`` node features (e.g. ``h100``); None accepts any node."""
+    job_name: str | None = None
+    """Job name in ``squeue``; None uses the run directory's name."""
+    node_launcher: str = "deepspeed"
+    """Per-node launcher started by ``srun``: ``deepspeed`` (``--no_ssh --node_rank``) or ``torchrun``."""
+    requeue: bool = True
+    """Requeue the job when preempted or near the time limit; the run resumes from its latest checkpoint."""
+    signal_lead_s: int = 300
+    """Seconds before the time limit at which Slurm signals the batch script to requeue the job."""
+    extra: list[str] = field(default_factory=list)
+    """Further ``#SBATCH`` options, verbatim (e.g. ``["--exclusive", "--reservation=big"]``)."""
+    submit: bool = True
+    """``launcher=slurm`` runs ``sbatch`` on the written script; false only writes it (and prints the command)."""
+
+
+@dataclass
 class LauncherConfig:
     name: str = "local"
     """How a run is started: ``local`` (this process, or whatever launcher already started it),
-    ``deepspeed``/``torchrun`` (spawn a multi-rank launcher per Hydra job), or ``slurm``."""
+    ``deepspeed``/``torchrun`` (spawn a multi-rank launcher for the run, or per Hydra ``-m`` job), or ``slurm``
+    (write ``<output_dir>/sbatch.sh`` and submit it)."""
     nproc_per_node: int = 2
-    """Ranks per node when this tool spawns the launcher."""
+    """Ranks per node when this tool spawns the launcher (GPUs per node on a GPU cluster)."""
     nnodes: int = 1
-    """Nodes when this tool spawns the launcher."""
+    """Nodes when this tool spawns the launcher. More than one needs ``launcher.hostfile`` or ``launcher=slurm``."""
+    master_port: int | None = None
+    """Rendezvous TCP port on the first node. None picks one: a free port for local launches, and
+    20000 + job id % 20000 on Slurm (two jobs sharing a node must not collide)."""
+    hostfile: str | None = None
+    """DeepSpeed hostfile (``host slots=N`` lines; ``python -m launch.hostfile`` writes one) for multi-node
+    ``launcher=deepspeed``; the launcher reaches the other nodes with pdsh/ssh."""
     env: dict[str, str] = field(default_factory=dict)
-    """Environment presets (NCCL etc.) exported to every rank and logged at start."""
+    """Environment presets (NCCL etc.) exported to every rank and logged at start. ``launcher/env=<fabric>``
+    picks a preset; a single key is overridden with ``launcher.env.NCCL_DEBUG=INFO``."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """Slurm batch-script settings for ``launcher=slurm``."""
 
 
 @dataclass

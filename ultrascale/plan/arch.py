@@ -55,6 +55,10 @@ class Arch:
     """Largest decoder layer (DeepSpeed's ZeRO-3 estimator wants it)."""
     layer_params: tuple[int, ...]
     """Parameters of each decoder layer, in order (pipeline stage balancing)."""
+    param_sizes: tuple[int, ...]
+    """Element count of every parameter tensor (ZeRO-3 persistence threshold)."""
+    rms_norm: bool
+    """RMSNorm (saves an fp32 copy of its input) versus LayerNorm (saves input and output)."""
 
     @property
     def dense_params(self) -> int:
@@ -113,6 +117,8 @@ def _census(hf: Any) -> dict[str, Any]:
         "moe_layers": moe_layers,
         "tied": tied,
         "gated_mlp": gated,
+        "param_sizes": tuple(p.numel() for p in model.parameters()),
+        "rms_norm": not any(re.search(r"layernorm\.bias|norm\.bias", name) for name in names),
     }
 
 

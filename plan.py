@@ -1,0 +1,43 @@
+"""Plan a training layout before booking the cluster: per-rank memory, step time, and the fastest layout that fits.
+
+python plan.py model=llama3_8b cluster=h100_8x data.seq_len=8192 data.global_batch=64
+python plan.py model=starcoder2_15b cluster=h100_8x cluster.nodes=4 output_json=runs/plan/sc2.json plot=sc2.png
+python plan.py model=tiny cluster=cpu_local search.enabled=false zero=stage3   # explain one layout
+python plan.py --help                                                          # groups and keys
+"""
+
+from omegaconf import DictConfig
+
+from ultrascale.cli import run_app
+
+
+def main(cfg: DictConfig) -> list:
+    from ultrascale.plan.arch import arch_from_cfg
+    from ultrascale.plan.cluster import resolve_cluster
+    from ultrascale.plan.report import header, override_line, plot, rejection_summary, table, write_json
+    from ultrascale.plan.search import plan
+
+    cfg = resolve_cluster(cfg)
+    arch = arch_from_cfg(cfg)
+    cands = plan(cfg)
+    fits = [c for c in cands if c.fits]
+    print(header(cfg, arch))
+    print(f"{len(cands)} layouts: {len(fits)} fit, {len(cands) - len(fits)} dropped")
+    print(table(cands, cfg.top_n))
+    if len(fits) < len(cands):
+        print("dropped (commonest reasons):\n" + rejection_summary(cands))
+    if fits:
+        print("\nbest:\n  " + override_line(cfg, fits[0]))
+    else:
+        print("\nno layout fits: add nodes, enable search.offload, or lower data.seq_len / data.micro_batch")
+    if cfg.output_json:
+        write_json(cfg.output_json, cfg, arch, cands)
+        print(f"wrote {cfg.output_json}")
+    if cfg.plot:
+        plot(cfg.plot, cfg, cands, cfg.top_n)
+        print(f"wrote {cfg.plot}")
+    return cands
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_app("plan", main))

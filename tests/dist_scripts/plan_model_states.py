@@ -1,0 +1,98 @@
+"""2-rank measurement of DeepSpeed's real model-state tensors for ZeRO 0-3 (run by tests/test_plan_model_states.py).
+
+Usage: torchrun --nproc_per_node 2 tests/dist_scripts/plan_model_states.py OUT.jsonl 'OVERRIDES|...' ...
+Each argument after OUT is one scenario: Hydra overrides joined by spaces. For each, the engine is built from
+the project's own config stack (compose -> validate -> build_ds_config), one step is taken (optimizer state
+exists), then one more forward/backward (gradients at rest exist), and every rank appends one JSON line with
+the bytes of the engine's parameter, gradient and optimizer tensors, deduplicated by (address, size).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ultrascale.config.compose import compose
+from ultrascale.config.deepspeed import build_ds_config
+from ultrascale.config.validate import validate
+from ultrascale.plan.arch import hf_config, model_key
+
+
+class Tally:
+    """Bytes of distinct tensors, keyed by (address, bytes) so views into one buffer count once each."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+        self.total = 0
+
+    def add(self, obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            nbytes = obj.numel() * obj.element_size()
+            key = (obj.data_ptr(), nbytes)
+            if nbytes and key not in self.seen:
+                self.seen.add(key)
+                self.total += nbytes
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                self.add(o)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                self.add(o)
+
+
+def measure(engine: deepspeed.DeepSpeedEngine, stage: int) -> dict[str, int]:
+    opt = engine.optimizer
+    params, grads, optim = Tally(), Tally(), Tally()
+    for p in engine.module.parameters():
+        if stage == 3:
+            params.add(p.ds_tensor)
+        params.add(p.data)  # stage 3: empty when released; whole when persistent
+    if stage == 0:
+        grads.add([p.grad for p in engine.module.parameters() if p.grad is not None])
+        optim.add(opt.fp32_groups)
+    elif stage in (1, 2):
+        grads.add(opt.averaged_gradients)
+        optim.add(opt.single_partition_of_fp32_groups)
+    else:
+        grads.add(opt.grad_partitions_flat_buffer)
+        optim.add(opt.fp32_partitioned_groups_flat)
+    for state in opt.optimizer.state.values():
+        optim.add({k: v for k, v in state.items() if k != "step"})
+    return {"params": params.total, "grads": grads.total, "optimizer": optim.total}
+
+
+def main() -> None:
+    out_path, scenarios = sys.argv[1], sys.argv[2:]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    from transformers import AutoModelForCausalLM
+
+    for scenario in scenarios:
+        overrides = scenario.split()
+        cfg = compose(overrides)
+        topo = validate(cfg, dist.get_world_size())
+        ds = build_ds_config(cfg, topo)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_config(*model_key(cfg))).to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+        ids = torch.randint(0, 256, (cfg.data.micro_batch, cfg.data.seq_len))
+        for i in range(2):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            if i == 0:
+                engine.step()
+        row = {"scenario": scenario, "rank": rank, **measure(engine, int(cfg.zero.stage))}
+        with open(f"{out_path}.{rank}", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        engine.destroy() if hasattr(engine, "destroy") else None
+        del engine, model, optimizer
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

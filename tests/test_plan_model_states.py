@@ -1,0 +1,65 @@
+"""Predicted model-state bytes per rank vs the real DeepSpeed engine's tensors, ZeRO 0-3 on 2 gloo ranks.
+
+All eight scenarios (two model sizes x four stages) share one torchrun launch; the script walks the
+engine's partitions and optimizer state (tests/dist_scripts/plan_model_states.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ultrascale.config.compose import PROJECT_ROOT, compose
+from ultrascale.plan.arch import arch_from_cfg
+from ultrascale.plan.memory import model_state_bytes
+from ultrascale.plan.search import layout_from_cfg
+
+COMMON = "precision=bf16 data.seq_len=32 data.micro_batch=2 data.global_batch=4 zero.reduce_bucket_size=500000"
+MODELS = {
+    "tiny": "model=tiny",
+    "small": "model=tiny model.config.hidden_size=256 model.config.intermediate_size=688 "
+    "model.config.num_hidden_layers=6 model.config.vocab_size=8192 model.config.tie_word_embeddings=false",
+}
+SCENARIOS = [f"{MODELS[m]} zero=stage{s} {COMMON}" for m in MODELS for s in range(4)]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict]:
+    out = tmp_path_factory.mktemp("plan_ms") / "rows.jsonl"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29531",
+        str(PROJECT_ROOT / "tests/dist_scripts/plan_model_states.py"),
+        str(out),
+        *SCENARIOS,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=PROJECT_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for r in (0, 1) for line in Path(f"{out}.{r}").read_text().splitlines()]
+    return {(row["scenario"], row["rank"]): row for row in rows}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[f"{m}-zero{s}" for m in MODELS for s in range(4)])
+def test_model_state_bytes_match_engine(measured: dict, scenario: str) -> None:
+    cfg = compose(scenario.split())
+    predicted = model_state_bytes(arch_from_cfg(cfg), layout_from_cfg(cfg, world=2))
+    for rank in (0, 1):
+        row = measured[(scenario, rank)]
+        for term in ("params", "grads", "optimizer"):
+            print(
+                f"PLAN-MS {scenario.split()[0]}{'+' if 'hidden_size' in scenario else ''} zero{cfg.zero.stage} "
+                f"rank{rank} {term} predicted={predicted[term]:.0f} measured={row[term]}"
+            )
+            assert predicted[term] == pytest.approx(row[term], rel=0.01), term

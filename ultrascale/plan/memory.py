@@ -1,0 +1,251 @@
+"""Per-rank memory: each term separately, in bytes, for one layout.
+
+Model states follow what DeepSpeed 0.19 actually allocates (measured by ``tests/test_plan_model_states.py``
+against the engine's own tensors), not the textbook alone. With 16-bit weights (w=2) and Adam:
+
+=====  ==================  =====================  ==========================
+stage  params              grads (at rest)        optimizer (fp32 master+m+v)
+=====  ==================  =====================  ==========================
+0      w·Ψ                 w·Ψ                    12·Ψ
+1, 2   w·Ψ                 w·Ψ/N                  12·Ψ/N
+3      w·Ψ/N + persistent  w·Ψ/N                  12·Ψ/N
+=====  ==================  =====================  ==========================
+
+DeepSpeed's stage 1 reduces gradients through buckets into the rank's partition exactly like stage 2,
+so it never holds a full gradient at rest (the textbook 2+2+12/N counts one). At the optimizer step an
+fp32 copy of the gradient partition (4·Ψ/N) exists transiently; it is its own term, which is also what
+makes DeepSpeed's estimator (2Ψ + 18Ψ/N for stage 2) agree with this model. Stage 3 keeps parameters
+smaller than ``stage3_param_persistence_threshold`` whole on every rank.
+
+Activations are counted tensor by tensor from what HF decoder layers save for backward (bytes per token;
+e = bytes of the compute dtype; h = hidden; h_q = heads·head_dim; kv = kv_heads·head_dim; I = MLP width):
+
+- RMSNorm: fp32 input copy + normalised x + weighted output: 4h + 2e·h. LayerNorm: input + output 2e·h.
+- attention, SDPA/flash: q, k, v, output, fp32 log-sum-exp: e·(2h_q + 2kv) + 4·heads.
+- attention, eager: q, repeated k and v, output: 4e·h_q, plus softmax fp32 and probabilities e per score:
+  (4 + e)·heads·span (the s² term SDPA removes).
+- MLP: SwiGLU gate, act, up, act·up: 4e·I; GELU in and out: 2e·I.
+- MoE (top-k): router fp32 softmax 4E; per routed copy gathered input, gate_up, act, act·up, output:
+  k·(2e·h + 4e·I).
+- head: final norm + fp32 log-softmax of the logits 4V + ids and labels (16).
+- activation checkpointing keeps only each layer's input e·h (plus one layer recomputed at a time).
+TP divides everything but the norms (AutoTP replicates them); Ulysses SP divides everything by sp;
+pipeline stage 0 keeps min(pp, micro_batches) micro-batches in flight (1F1B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ultrascale.plan.arch import Arch
+from ultrascale.plan.flops import attention_span
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: everything the memory and time models read besides the model and cluster."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    ep: int = 1
+    zero_stage: int = 1
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    activation_checkpointing: bool = False
+    micro_batch: int = 1
+    global_batch: int = 1
+    seq_len: int = 2048
+    dtype: str = "bf16"
+    attn: str = "sdpa"
+    overlap_comm: bool = True
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = 50_000_000
+    persistence_threshold: int = 100_000
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.sp)
+
+    @property
+    def grad_accum(self) -> int:
+        return max(1, self.global_batch // (self.micro_batch * self.dp))
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per rank on the accelerator, by term; ``host`` is what offload moves to CPU memory."""
+
+    params: float
+    grads: float
+    optimizer: float
+    step_transient: float
+    activations: float
+    activation_peak_extra: float
+    buffers: float
+    fragmentation: float
+    reserved: float
+    host: float
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return (
+            self.model_states
+            + max(self.step_transient, self.activations + self.activation_peak_extra)
+            + self.buffers
+            + self.fragmentation
+            + self.reserved
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "model_states": self.model_states, "total": self.total}
+
+
+def rank_params(arch: Arch, lay: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters held by the heaviest rank before ZeRO: TP/PP divide, EP divides experts."""
+    per_layer_dense = (arch.dense_params - arch.embed_params - arch.lm_head_params) / arch.layers
+    per_layer_expert = arch.expert_params / arch.layers
+    layers = -(-arch.layers // lay.pp)
+    if lay.pp == 1:
+        ends = arch.embed_params + arch.lm_head_params
+    else:  # the heavier end stage: the input embedding (with a tied head) or an untied head
+        ends = max(arch.embed_params, arch.lm_head_params)
+    dense = (layers * per_layer_dense + ends) / lay.tp
+    expert = layers * per_layer_expert / (lay.tp * lay.ep)
+    return dense, expert
+
+
+def zero_group(lay: Layout) -> int:
+    """Ranks ZeRO shards over: dp, times sp because DeepSpeed partitions over the sequence-data-parallel group."""
+    return lay.dp * lay.sp
+
+
+def model_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
+    """params / grads / optimizer / step_transient on the device, and host bytes, for one rank."""
+    w = DTYPE_BYTES[lay.dtype]
+    dense, expert = rank_params(arch, lay)
+    psi = dense + expert
+    n_dense, n_exp = zero_group(lay), max(1, zero_group(lay) // lay.ep)
+    shard = dense / n_dense + expert / n_exp  # this rank's ZeRO partition
+    master = 4  # DeepSpeed keeps an fp32 partition copy even when the weights are fp32 (stage >= 1)
+    st = lay.zero_stage
+    if st == 0:
+        params, grads = w * psi, w * psi
+        optim = (8 + (4 if w < 4 else 0)) * psi
+        transient = 0.0
+    else:
+        if st == 3:
+            persistent = _persistent_params(arch, lay)
+            params = w * (shard + persistent)
+        else:
+            params = w * psi
+        grads = w * shard
+        optim = (master + 8) * shard
+        transient = 4 * shard if w < 4 else 0.0
+    host = 0.0
+    if lay.offload_optimizer:
+        host += optim + 4 * shard  # fp32 master + m + v, and the fp32 gradient partition, live on the host
+        optim, transient = 0.0, 0.0
+        grads = 0.0 if st >= 1 else grads
+    if lay.offload_param and st == 3:
+        host += params
+        params = 0.0
+    return {"params": params, "grads": grads, "optimizer": optim, "step_transient": transient, "host": host}
+
+
+def _persistent_params(arch: Arch, lay: Layout) -> float:
+    """Stage 3 leaves small tensors (norms, biases) whole on every rank; count them per rank."""
+    small = sum(n for n in arch.param_sizes if n < lay.persistence_threshold)
+    return small / (lay.pp * lay.tp)
+
+
+def activation_bytes_per_token_layer(arch: Arch, lay: Layout, checkpointed: bool) -> float:
+    """Bytes one token leaves saved for backward in one decoder layer, before TP/SP division."""
+    e = DTYPE_BYTES[lay.dtype]
+    h = arch.hidden
+    if checkpointed:
+        return e * h
+    h_q = arch.heads * arch.head_dim
+    kv = arch.kv_heads * arch.head_dim
+    norm = (4 * h + 2 * e * h) if arch.rms_norm else 2 * e * h
+    if lay.attn == "eager":
+        soft = 4 + (e if e < 4 else 0)
+        attn = 4 * e * h_q + soft * arch.heads * attention_span(arch, lay.seq_len)
+    else:
+        attn = e * (2 * h_q + 2 * kv) + 4 * arch.heads
+    moe_share = arch.moe_layers / arch.layers
+    dense_mlp = (4 * e if arch.gated_mlp else 2 * e) * arch.intermediate
+    routed = arch.top_k * (2 * e * h + 4 * e * arch.moe_intermediate) + 4 * arch.experts + 24 * arch.top_k
+    shared = 4 * e * arch.shared_intermediate
+    mlp = moe_share * (routed + shared) + (1 - moe_share) * dense_mlp
+    norm_share = norm * 2
+    return (attn + mlp) / lay.tp + norm_share
+
+
+def head_bytes_per_token(arch: Arch, lay: Layout) -> float:
+    """Final norm, fp32 log-softmax over the vocabulary, ids and labels."""
+    e = DTYPE_BYTES[lay.dtype]
+    h = arch.hidden
+    norm = (4 * h + 2 * e * h) if arch.rms_norm else 2 * e * h
+    return norm + 4 * arch.vocab / lay.tp + 16
+
+
+def activation_bytes(arch: Arch, lay: Layout) -> tuple[float, float]:
+    """(saved-for-backward bytes at peak, extra transient bytes during backward) for the heaviest rank."""
+    tokens = lay.micro_batch * lay.seq_len / lay.sp
+    layers = -(-arch.layers // lay.pp)
+    per_layer = activation_bytes_per_token_layer(arch, lay, lay.activation_checkpointing)
+    in_flight = min(lay.pp, lay.grad_accum) if lay.pp > 1 else 1
+    body = tokens * layers * per_layer * in_flight
+    head = tokens * head_bytes_per_token(arch, lay)
+    if lay.pp > 1:  # stage 0 holds the most micro-batches; the last stage holds the head for one
+        saved = max(body, tokens * layers * per_layer + head)
+    else:
+        saved = body + head
+    full_layer = tokens * activation_bytes_per_token_layer(arch, lay, False)
+    logits_grad = tokens * (4 + DTYPE_BYTES[lay.dtype]) * arch.vocab / lay.tp
+    extra = max(full_layer if lay.activation_checkpointing else 0.0, logits_grad)
+    return saved, extra
+
+
+def buffer_bytes(arch: Arch, lay: Layout) -> float:
+    """Communication buckets and ZeRO-3 prefetch/working set, sized from the DeepSpeed config."""
+    w = DTYPE_BYTES[lay.dtype]
+    psi = sum(rank_params(arch, lay))
+    st = lay.zero_stage
+    if st in (1, 2):
+        ipg = (2 if lay.overlap_comm else 1) * min(lay.reduce_bucket_size, psi) * w
+        return ipg + min(lay.allgather_bucket_size, psi) * w
+    if st == 3:
+        gathered = 2 * arch.max_layer_params / lay.tp * w  # the layer in use and the one being prefetched
+        return min(lay.prefetch_bucket_size * w, gathered) + gathered / 2 + min(lay.reduce_bucket_size, psi) * w
+    return min(lay.reduce_bucket_size, psi) * w if lay.dp > 1 else 0.0  # stage 0: DDP-style all-reduce bucket
+
+
+def memory(arch: Arch, lay: Layout, fragmentation: float = 0.1, reserved: float = 0.0) -> Memory:
+    """Every term for one rank. ``fragmentation`` is a fraction of the allocated peak kept as headroom
+    (the caching allocator rarely packs perfectly); ``reserved`` is the runtime's own (CUDA context, NCCL)."""
+    ms = model_state_bytes(arch, lay)
+    act, act_extra = activation_bytes(arch, lay)
+    buf = buffer_bytes(arch, lay)
+    allocated = ms["params"] + ms["grads"] + ms["optimizer"] + max(ms["step_transient"], act + act_extra) + buf
+    return Memory(
+        params=ms["params"],
+        grads=ms["grads"],
+        optimizer=ms["optimizer"],
+        step_transient=ms["step_transient"],
+        activations=act,
+        activation_peak_extra=act_extra,
+        buffers=buf,
+        fragmentation=fragmentation * allocated,
+        reserved=reserved,
+        host=ms["host"],
+    )

@@ -1,0 +1,125 @@
+"""Turn ranked candidates into what a person reads: a table, the winning override line, JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ultrascale.plan.arch import Arch
+from ultrascale.plan.search import GIB, Candidate
+
+MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers", "fragmentation", "reserved")
+
+
+def _layout_name(c: Candidate) -> str:
+    lay = c.layout
+    off = "+opt_off" if lay.offload_optimizer else ""
+    off += "+par_off" if lay.offload_param else ""
+    return (
+        f"dp{lay.dp} tp{lay.tp} pp{lay.pp} sp{lay.sp} ep{lay.ep} z{lay.zero_stage}{off} "
+        f"mb{lay.micro_batch}{' ckpt' if lay.activation_checkpointing else ''}"
+    )
+
+
+def table(cands: list[Candidate], top_n: int) -> str:
+    """The top ``top_n`` fitting layouts with each memory term (GiB) and the time model's outputs."""
+    head = (
+        f"{'#':>3} {'layout':<38} {'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buffer':>6} "
+        f"{'total':>6} {'step_s':>7} {'tok/s':>9} {'MFU':>5}  bottleneck"
+    )
+    rows = [head, "-" * len(head)]
+    for i, c in enumerate([c for c in cands if c.fits][:top_n], 1):
+        m, t = c.memory, c.timing
+        act = max(m.step_transient, m.activations + m.activation_peak_extra)
+        rows.append(
+            f"{i:>3} {_layout_name(c):<38} {m.params / GIB:7.1f} {m.grads / GIB:6.1f} {m.optimizer / GIB:6.1f} "
+            f"{act / GIB:6.1f} {m.buffers / GIB:6.1f} {m.total / GIB:6.1f} {t.step:7.3f} {t.tokens_per_s:9.0f} "
+            f"{t.mfu:5.1%}  {t.bottleneck}"
+        )
+    return "\n".join(rows)
+
+
+def rejection_summary(cands: list[Candidate], limit: int = 6) -> str:
+    """The commonest reasons layouts were dropped, so a user sees why a layout they expected is missing."""
+    reasons = Counter(c.rejected for c in cands if c.rejected)
+    lines = [f"  {n:4d} x {why}" for why, n in reasons.most_common(limit)]
+    return "\n".join(lines)
+
+
+def override_line(cfg: DictConfig, best: Candidate) -> str:
+    """A ready command: the model and the winning layout as Hydra overrides for train.py."""
+    return f"python train.py model={cfg.model.name} " + " ".join(best.overrides)
+
+
+def header(cfg: DictConfig, arch: Arch) -> str:
+    c = cfg.cluster
+    return (
+        f"model {cfg.model.name}: {arch.total_params / 1e9:.2f} B params ({arch.expert_params / 1e9:.2f} B in "
+        f"experts), seq {cfg.data.seq_len}, global batch {cfg.data.global_batch} | cluster {c.name}: "
+        f"{c.nodes}x{c.gpus_per_node} x {c.gpu_memory_gib:g} GiB, {c.peak_tflops:g} TFLOP/s peak"
+    )
+
+
+def write_json(path: str | Path, cfg: DictConfig, arch: Arch, cands: list[Candidate]) -> None:
+    from omegaconf import OmegaConf
+
+    best = next((c for c in cands if c.fits), None)
+    doc: dict[str, Any] = {
+        "model": {
+            "name": cfg.model.name,
+            "type": arch.model_type,
+            "total_params": arch.total_params,
+            "expert_params": arch.expert_params,
+            "active_matmul_params": arch.active_matmul_params,
+        },
+        "cluster": OmegaConf.to_container(cfg.cluster, resolve=True),
+        "search": OmegaConf.to_container(cfg.search, resolve=True),
+        "best": best.as_dict() if best else None,
+        "best_command": override_line(cfg, best) if best else None,
+        "candidates": [c.as_dict() for c in cands],
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1))
+
+
+def plot(path: str | Path, cfg: DictConfig, cands: list[Candidate], top_n: int) -> None:
+    """Stacked per-rank memory bars for the top layouts against the GPU limit, predicted tokens/s on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [c for c in cands if c.fits][:top_n]
+    if not shown:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(shown) + 2), 5))
+    bottoms = [0.0] * len(shown)
+    for term in MEMORY_TERMS:
+        vals = []
+        for c in shown:
+            m = c.memory
+            v = (
+                max(m.step_transient, m.activations + m.activation_peak_extra)
+                if term == "activations"
+                else getattr(m, term)
+            )
+            vals.append(v / GIB)
+        ax.bar(range(len(shown)), vals, bottom=bottoms, label=term)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax.axhline(cfg.cluster.gpu_memory_gib, color="red", linestyle="--", label="GPU limit")
+    for i, c in enumerate(shown):
+        ax.text(i, bottoms[i] + 0.5, f"{c.timing.tokens_per_s:,.0f}\ntok/s", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(shown)))
+    ax.set_xticklabels([_layout_name(c).replace(" ", "\n", 5) for c in shown], fontsize=6)
+    ax.set_ylabel("GiB per rank")
+    ax.set_ylim(0, max(cfg.cluster.gpu_memory_gib, max(bottoms)) * 1.2)
+    ax.set_title(f"{cfg.model.name} on {cfg.cluster.name}: top {len(shown)} layouts")
+    ax.legend(fontsize=7, ncol=4, loc="upper right")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
