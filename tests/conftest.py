@@ -10,10 +10,8 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,35 +28,7 @@ TEST_ENV = {
 }
 os.environ.update(TEST_ENV)
 
-BYTE_VOCAB = 257  # 256 byte values + EOS
-
-
-def byte_samples(seq_len: int, max_files: int = 60, max_bytes: int = 30_000) -> np.ndarray:
-    """Real Python standard-library source, as bytes, EOS-separated and packed into [n, seq_len]."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:max_files]
-    toks: list[int] = []
-    for f in files:
-        toks.extend(f.read_bytes()[:max_bytes])
-        toks.append(256)
-    n = len(toks) // seq_len
-    return np.asarray(toks[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
-
-
-def write_byte_dataset(out: Path, seq_len: int = 64, val_fraction: float = 0.05, **kw) -> Path:
-    """A small prepared dataset through the same writer data_prep uses (byte-level tokens)."""
-    from ultrascale.data.shards import write_samples
-
-    arr = byte_samples(seq_len, **kw)
-    n_val = max(16, int(len(arr) * val_fraction))
-    write_samples(
-        out,
-        {"train": [arr[n_val:]], "validation": [arr[:n_val]]},
-        seq_len=seq_len,
-        vocab_size=BYTE_VOCAB,
-        eos_token_id=256,
-        tokenizer="tokenizer",
-    )
-    return out
+from ultrascale.data.bytecorpus import BYTE_VOCAB, byte_samples, write_byte_dataset  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session")

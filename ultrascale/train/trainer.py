@@ -21,8 +21,11 @@ from ultrascale.config.topology import Topology
 from ultrascale.data.loader import StepBatches, eval_batches
 from ultrascale.data.prepare import ensure_prepared
 from ultrascale.data.shards import open_split
+from ultrascale.model import sequence
+from ultrascale.model.moe import MoEStats, is_moe
 from ultrascale.plan.flops import train_flops_per_token
 from ultrascale.train import checkpoint
+from ultrascale.train.consistency import replicas_agree
 from ultrascale.train.banner import banner, dry_run_report
 from ultrascale.train.engine import build_engine
 from ultrascale.train.loggers import MetricLogger, read_metrics
@@ -33,6 +36,9 @@ log = logging.getLogger("ultrascale")
 
 # Test hook: SIGKILL rank 0 at the start of this step, to prove kill-then-resume loses nothing.
 FAULT_ENV = "ULTRASCALE_FAULT_AT_STEP"
+# Test hook: this global rank raises at its first step while its peers wait in a collective, to prove a
+# failing rank brings the whole job down with a message naming it (and that no rank hangs).
+RAISE_ENV = "ULTRASCALE_RAISE_ON_RANK"
 
 
 def _mean_across_ranks(value: torch.Tensor) -> float:
@@ -84,6 +90,11 @@ class Trainer:
             )
         self.engine, self.info = build_engine(cfg, self.topo, self.ds_config)
         self.dp_rank = tdist.get_rank(self.engine.data_parallel_group) if self.topo.dp > 1 else 0
+        self.pipe = self.topo.pp > 1  # engine.train_batch() runs the whole 1F1B schedule per step
+        self.sp_group = sequence.sp_group() if self.topo.sp > 1 else None
+        if self.sp_group is not None:  # sp ranks of one replica read the same samples
+            self.dp_rank = sequence.dp_rank(self.rank, self.topo)
+        self.moe = MoEStats(self.engine.module, cfg.parallel.moe) if is_moe(self.engine.module) else None
         self.batches = StepBatches(
             self.train_split, cfg.data.micro_batch, cfg.data.global_batch, self.dp_rank, self.topo.dp, cfg.train.seed
         )
@@ -109,13 +120,17 @@ class Trainer:
         engine, timer = self.engine, StepTimer()
         lr = engine.get_lr()[0]
         losses = []
-        for micro in range(self.batches.grad_accum):
+        if self.pipe:
+            with timer.data():
+                micro = [self.batches.get(step, m) for m in range(self.batches.grad_accum)]
+            losses.append(engine.train_batch(data_iter=iter([(ids, ids) for ids in micro])).detach())
+        for micro in range(0 if self.pipe else self.batches.grad_accum):
             with timer.data():
                 ids = self.batches.get(step, micro)
-            loss = engine(input_ids=ids, labels=ids).loss
+            loss, lm_loss = self._loss(ids)
             engine.backward(loss)
             engine.step()
-            losses.append(loss.detach())
+            losses.append(lm_loss.detach())
         step_s, data_wait = timer.finish()
         gn = engine.get_global_grad_norm()
         return {
@@ -127,7 +142,18 @@ class Trainer:
             **throughput(self.tokens_per_step, step_s, self.flops_per_token, self.topo.world, self.peak),
             "mem_gb": memory_gb(),
             "epoch": self.batches.epoch(step + 1),
+            **(self.moe.flush() if self.moe else {}),
         }
+
+    def _loss(self, ids: torch.Tensor, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to backpropagate, LM loss to log) for one micro-batch (non-pipeline path)."""
+        if self.sp_group is not None:
+            loss = sequence.sp_loss(self.engine, ids, self.sp_group, self.topo.sp)
+            return loss, loss
+        out = self.engine(input_ids=ids, labels=ids)
+        if self.moe is not None:
+            return out.loss, self.moe.observe(out, record=train)
+        return out.loss, out.loss
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -136,7 +162,11 @@ class Trainer:
         for ids in eval_batches(
             self.val_split, self.cfg.data.micro_batch, self.cfg.data.eval_batches, self.dp_rank, self.topo.dp
         ):
-            total += self.engine(input_ids=ids, labels=ids).loss.float().cpu()
+            if self.pipe:
+                loss = self.engine.eval_batch(iter([(ids, ids)]), num_micro_batches=1)
+            else:
+                loss = self._loss(ids, train=False)[1]
+            total += loss.float().cpu()
             n += 1
         self.engine.train()
         if tdist.is_initialized() and tdist.get_world_size() > 1:
@@ -161,6 +191,7 @@ class Trainer:
     def fit(self) -> dict:
         cfg, steps = self.cfg.train, int(self.cfg.train.steps)
         fault = int(os.environ.get(FAULT_ENV, -1))
+        raise_on = int(os.environ.get(RAISE_ENV, -1))
         last: dict = {}
         bar = None
         if dist.is_rank0() and sys.stderr.isatty():
@@ -171,6 +202,8 @@ class Trainer:
         for step in range(self.start_step, steps):
             if step == fault and dist.is_rank0():
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == self.start_step and self.rank == raise_on:
+                raise RuntimeError(f"injected failure on rank {self.rank} at step {step} ({RAISE_ENV}={raise_on})")
             last = self.train_step(step)
             done = step + 1
             if done > self.start_step + 1:  # the first step includes one-off warm-up costs
@@ -187,6 +220,10 @@ class Trainer:
         if bar:
             bar.close()
         summary = {"steps": steps, "resumed_from": self.start_step}
+        agree, digests = replicas_agree(self.engine.module, int(self.cfg.zero.stage), self.engine.data_parallel_group)
+        summary.update(replicas_agree=agree, param_digests=digests)
+        if not agree:
+            log.warning(f"data-parallel replicas hold different parameters: {digests}")
         if self.start_step < steps:
             eval_loss = self.evaluate()
             self.metrics.log(steps, {"eval_loss": eval_loss})

@@ -1,0 +1,101 @@
+"""Composition, schema typing, cross-group validation and the pure DeepSpeed JSON builder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ultrascale.config.compose import compose
+from ultrascale.config.deepspeed import build_ds_config
+from ultrascale.config.topology import Topology
+from ultrascale.config.validate import validate
+from ultrascale.errors import ConfigError
+
+
+def test_defaults_compose_and_validate():
+    cfg = compose([])
+    topo = validate(cfg, 2)
+    assert (topo.dp, topo.tp, topo.pp) == (2, 1, 1)
+    assert cfg.model.type == "llama" and cfg.zero.stage == 1
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optim.lrr=1e-3", r"unknown config key 'optim.lrr'"),
+        ("zero.stagee=2", r"unknown config key 'zero.stagee'"),
+        ("data.micro_batch=four", r"data.micro_batch=four is not a valid integer"),
+        ("zero=stage9", r"no config 'zero/stage9': choose one of \[.*'stage3_offload'"),
+        ("model.config.hiden_size=3", r"unknown config key 'model.config.hiden_size'.*\+model.config"),
+    ],
+)
+def test_compose_errors_name_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        compose([override])
+
+
+@pytest.mark.parametrize(
+    "overrides, world, match",
+    [
+        (
+            ["data.global_batch=10"],
+            2,
+            r"data.global_batch=10 is not divisible by data.micro_batch\*dp=4\*2=8: use data.global_batch=8",
+        ),
+        (["parallel.pp=2", "zero=stage3"], 2, r"parallel.pp=2 needs zero.stage<=1 \(got 3\): use zero=stage1"),
+        (["zero=stage0", "zero.offload_optimizer=cpu"], 2, r"offload_optimizer=cpu needs zero.stage>=1"),
+        (["zero=stage2", "zero.offload_param=cpu"], 2, r"offload_param=cpu needs zero.stage=3 \(got 2\)"),
+        (["optim=muon", "zero=stage3"], 2, r"optim=muon needs zero.stage<=2 \(got 3\)"),
+        (["parallel.tp=3"], 3, r"parallel.tp=3 does not divide the model's attention heads"),
+        (["parallel.tp=2", "parallel.pp=2"], 2, r"tp\*pp\*sp=2\*2\*1=4 does not divide the world size 2"),
+        (["precision.dtype=fp8"], 2, r"precision.dtype='fp8' is not one of"),
+        (["+model.config.hidden_sise=64"], 2, r"model.config has keys \['hidden_sise'\]"),
+        (["data.seq_len=4096"], 2, r"data.seq_len=4096 exceeds model max_position_embeddings=1024"),
+        (["model.type=not_a_model"], 2, r"model.type='not_a_model' is not a transformers model type"),
+    ],
+)
+def test_validation_errors_name_key_value_fix(overrides, world, match):
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, world)
+
+
+def test_ds_config_is_explicit_and_pure():
+    cfg = compose(["zero=stage3_offload", "precision=bf16", "data.global_batch=32"])
+    topo = validate(cfg, 2)
+    ds = build_ds_config(cfg, topo)
+    assert ds == build_ds_config(cfg, topo)  # deterministic, no hidden state
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        32,
+        4,
+        4,
+    )
+    assert "auto" not in json.dumps(ds)
+    z = ds["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu" and z["offload_param"]["device"] == "cpu"
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["optimizer"]["type"] == "AdamW"  # offload needs DeepSpeed's CPU Adam
+
+
+def test_torch_adamw_path_has_no_ds_optimizer():
+    cfg = compose(["zero=stage2"])
+    ds = build_ds_config(cfg, validate(cfg, 2))
+    assert "optimizer" not in ds and ds["zero_optimization"]["reduce_scatter"] is True
+
+
+def test_muon_maps_to_deepspeed_muon():
+    cfg = compose(["optim=muon", "zero=stage2"])
+    ds = build_ds_config(cfg, validate(cfg, 2))
+    assert ds["optimizer"]["type"] == "muon" and ds["optimizer"]["params"]["muon_lr"] == 0.02
+
+
+def test_fp16_loss_scaling_is_dynamic():
+    cfg = compose(["precision=fp16"])
+    ds = build_ds_config(cfg, validate(cfg, 1))
+    assert ds["fp16"]["enabled"] and ds["fp16"]["loss_scale"] == 0
+
+
+def test_topology_arithmetic():
+    t = Topology(world=16, tp=2, pp=2, sp=1, ep=2)
+    assert t.dp == 4 and t.grad_accum(micro_batch=2, global_batch=64) == 8

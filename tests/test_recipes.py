@@ -1,0 +1,50 @@
+"""Every recipe composes, validates on its own hardware, and resolves to its golden DeepSpeed JSON.
+
+Regenerate goldens after an intended change with ``ULTRASCALE_UPDATE_GOLDEN=1 pytest tests/test_recipes.py``
+and review the diff: a golden that changes unnoticed is a cluster run that changes unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ultrascale.config.compose import RECIPES_DIR, compose
+from ultrascale.config.deepspeed import build_ds_config
+from ultrascale.config.validate import validate
+
+GOLDEN = Path(__file__).parent / "golden" / "ds_config"
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def test_there_are_recipes():
+    assert {"cpu_smoke", "starcoder2_3b_zero2", "starcoder2_7b_zero3"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_resolves_to_golden(name):
+    cfg = compose([f"recipe={name}"])
+    world = cfg.launcher.nproc_per_node * cfg.launcher.nnodes
+    topo = validate(cfg, world)
+    ds = build_ds_config(cfg, topo)
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * topo.dp
+    assert "auto" not in json.dumps(ds)
+    path = GOLDEN / f"{name}.json"
+    text = json.dumps(ds, indent=2, sort_keys=True) + "\n"
+    if os.environ.get("ULTRASCALE_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no golden for recipe {name}: run ULTRASCALE_UPDATE_GOLDEN=1 pytest {__file__}"
+    assert json.loads(path.read_text()) == ds
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_header_states_purpose_hardware_command_batch(name):
+    head = (RECIPES_DIR / f"{name}.yaml").read_text().split("\n# @package", 1)[-1][:2000].lower()
+    text = (RECIPES_DIR / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_"), "recipes override groups globally"
+    for word in ("hardware", "launch", "batch"):
+        assert word in head, f"recipe {name} header lacks a '{word}:' line"

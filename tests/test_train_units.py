@@ -1,0 +1,152 @@
+"""Single-process pieces of the trainer: schedules, param groups, step-addressed data, shards, checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import write_byte_dataset
+from ultrascale.data.loader import StepBatches, eval_batches
+from ultrascale.data.shards import open_split
+from ultrascale.errors import CheckpointError, DataError
+from ultrascale.train import checkpoint
+from ultrascale.train.optim import lr_multiplier, param_groups
+
+
+def sched(**kw):
+    base = {"name": "cosine", "warmup_steps": 10, "min_lr_ratio": 0.1, "decay_fraction": 0.2, "total_steps": None}
+    return OmegaConf.create({**base, **kw})
+
+
+def test_cosine_warms_up_then_decays_to_floor():
+    s = sched()
+    lrs = [lr_multiplier(i, s, 100) for i in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_wsd_is_flat_then_decays_linearly():
+    s = sched(name="wsd", min_lr_ratio=0.0)
+    lrs = [lr_multiplier(i, s, 100) for i in range(101)]
+    assert lrs[10:80] == [1.0] * 70
+    assert lrs[90] == pytest.approx(0.5) and lrs[100] == pytest.approx(0.0)
+
+
+def test_total_steps_pins_the_schedule():
+    s = sched(total_steps=50)
+    assert lr_multiplier(30, s, 10) == lr_multiplier(30, s, 1000)
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "starcoder2",
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_bias=True,
+        )  # fmt: skip
+    )
+    decay, no_decay = param_groups(m, 0.1)
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert all(p.ndim >= 2 for p in decay["params"])
+    nd = {names[id(p)] for p in no_decay["params"]}
+    assert any(n.endswith(".bias") for n in nd) and any("norm" in n for n in nd)
+    assert no_decay["weight_decay"] == 0.0
+
+
+@pytest.fixture
+def split(tmp_path):
+    return open_split(write_byte_dataset(tmp_path / "d", seq_len=32, max_files=10), "train")
+
+
+def test_step_batches_cover_each_step_once_for_any_layout(split):
+    """The samples of a step are the same set whatever (dp, grad-accum) splits them: universal resume needs it."""
+
+    def step_set(step, dp, mb, gb):
+        out = []
+        for r in range(dp):
+            b = StepBatches(split, mb, gb, r, dp, seed=7)
+            for m in range(b.grad_accum):
+                out.extend(b.indices(step, m).tolist())
+        return sorted(out)
+
+    a, b, c = step_set(3, 1, 8, 16), step_set(3, 2, 4, 16), step_set(3, 4, 2, 16)
+    assert a == b == c and len(set(a)) == 16
+    assert step_set(3, 2, 4, 16) != step_set(4, 2, 4, 16)
+
+
+def test_step_batches_are_deterministic_and_wrap_epochs(split):
+    b = StepBatches(split, 4, 8, 0, 1, seed=1)
+    assert torch.equal(b.get(5, 1), StepBatches(split, 4, 8, 0, 1, seed=1).get(5, 1))
+    steps_per_epoch = len(split) // 8
+    first_epoch = {int(i) for s in range(steps_per_epoch) for m in range(2) for i in b.indices(s, m)}
+    assert len(first_epoch) == steps_per_epoch * 8  # no repeats within an epoch
+    assert b.get(steps_per_epoch + 1, 0).shape == (4, 32)  # keeps going into epoch 2
+
+
+def test_eval_batches_equal_count_per_rank(split):
+    counts = [len(list(eval_batches(split, 2, 3, r, 3))) for r in range(3)]
+    assert counts == [3, 3, 3]
+
+
+def test_corrupt_and_truncated_shards_are_named(tmp_path):
+    d = write_byte_dataset(tmp_path / "d", seq_len=32, max_files=10)
+    shard = d / json.loads((d / "manifest.json").read_text())["splits"]["train"]["shards"][0]["path"]
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"shard .*shard_00000.npy is corrupt \(sha256"):
+        open_split(d, "train")
+    shard.write_bytes(bytes(raw[:200]))
+    with pytest.raises(DataError, match=r"truncated or not a .npy file"):
+        open_split(d, "train", verify=False)
+    with pytest.raises(DataError, match=r"does not exist"):
+        open_split(tmp_path / "nope", "train")
+
+
+def test_checkpoint_verify_names_missing_and_truncated_files(tmp_path):
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
+    with pytest.raises(CheckpointError, match="incomplete"):
+        checkpoint.verify(tag)
+    (tag / checkpoint.META).write_text(json.dumps({"step": 4, "files": {"mp_rank_00_model_states.pt": 100}}))
+    assert checkpoint.verify(tag)["step"] == 4
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
+    with pytest.raises(CheckpointError, match=r"truncated: mp_rank_00_model_states.pt has 10 bytes, expected 100"):
+        checkpoint.verify(tag)
+    (tag / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        checkpoint.verify(tag)
+
+
+def test_find_resume_uses_latest_only(tmp_path):
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    assert checkpoint.find_resume(ck, "auto", False) is None
+    (ck / "step_00000002").mkdir()
+    (ck / "step_00000002" / checkpoint.META).write_text(json.dumps({"step": 2, "files": {}}))
+    (ck / "step_00000004").mkdir()  # a save that was killed: no meta, and latest never pointed at it
+    (ck / "latest").write_text("step_00000002")
+    assert checkpoint.find_resume(ck, "auto", False).name == "step_00000002"
+    assert checkpoint.find_resume(ck, "never", False) is None
+    with pytest.raises(CheckpointError, match="to_universal"):
+        checkpoint.find_resume(ck, "auto", True)
+
+
+def test_byte_samples_are_real_code():
+    from tests.conftest import byte_samples
+
+    text = bytes(np.asarray(byte_samples(64, max_files=2)[0], dtype=np.uint8)).decode("utf-8", "replace")
+    assert any(w in text for w in ("import", "def ", '"""', "#"))
