@@ -4,29 +4,106 @@ Single runs compose the config directly (fast, one-line errors, and no per-rank 
 ``-m`` sweeps and Hydra's own flags (--help, --cfg, --info, ...) go through ``@hydra.main`` so its
 launchers and help work as documented. Either way ``--local_rank=N`` from the deepspeed launcher is
 stripped first, and an UltrascaleError becomes ``error: <message>`` with exit code 2.
+
+A config with ``launcher=deepspeed|torchrun|slurm`` run from a plain shell (no launcher around it) is a
+driver: it starts that launcher (or submits to Slurm) with the same overrides instead of training itself,
+once for a single run and once per job of a ``-m`` sweep (see ``launch/``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig
 
-from ultrascale.dist import configure_env, strip_local_rank
-from ultrascale.errors import UltrascaleError
+from ultrascale.dist import apply_launcher_env, configure_env, strip_local_rank
+from ultrascale.errors import ConfigError, UltrascaleError
 
 HYDRA_FLAGS = {"-m", "--multirun", "--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve",
                "--package", "-p", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
                "--config-dir", "-cd", "--experimental-rerun"}  # fmt: skip
+# Driver-side sweep bookkeeping (sweep dir for the summary); see launch/sweep.py.
+SWEEP_CALLBACK = "+hydra.callbacks.ultrascale_sweep._target_=launch.sweep.SweepRecorder"
+# Signs that this rank failed only because a peer died mid-collective (gloo/NCCL connection loss).
+_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
 
 
 def _report(e: UltrascaleError) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # every rank hits the same config/data error; say it once
         print(f"error: {e}", file=sys.stderr, flush=True)
     return 2
+
+
+def _report_crash(e: Exception) -> int:
+    """An unexpected exception on one rank: one line naming the rank and the error, the traceback in that
+    rank's log file, and exit 1 so the launcher tears the other ranks down instead of leaving them hanging."""
+    from ultrascale.dist import log_file
+
+    r = os.environ.get("RANK", "0")
+    first = (str(e).strip().splitlines() or [""])[0]
+    where = log_file()
+    if where:
+        with open(where, "a") as f:
+            traceback.print_exception(e, file=f)
+        tail = f" (traceback in {where})"
+    else:  # failed before the run directory existed: there is no log file, so the traceback goes here
+        traceback.print_exception(e, file=sys.stderr)
+        tail = ""
+    if any(s in str(e).lower() for s in _PEER_LOSS):
+        msg = f"error: rank {r} stopped: lost contact with another rank ({type(e).__name__}: {first}){tail}"
+    else:
+        msg = f"error: rank {r} failed: {type(e).__name__}: {first}{tail}"
+    print(msg, file=sys.stderr, flush=True)
+    return 1
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _drive(cfg: DictConfig, args: list[str]) -> int:
+    """Start this run under ``cfg.launcher`` (or submit it to Slurm) from the driver process."""
+    from launch.slurm import submit_run
+    from launch.spawn import spawn
+
+    if cfg.launcher.name == "slurm":
+        submit_run(cfg, args, sys.argv[0])
+        return 0
+    rc = spawn(cfg, sys.argv[0], args)
+    if rc != 0:
+        print(f"error: {cfg.launcher.name} exited with code {rc}; per-rank logs in {cfg.output_dir}/logs/",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return rc
+
+
+def _sweep_job(cfg: DictConfig, hc: Any, explicit_out: bool) -> Any:
+    """One ``-m`` job driven from the sweep process: its own launcher (or sbatch) and run directory."""
+    from launch.slurm import submit_run
+    from launch.spawn import JobFailed, spawn
+    from launch.sweep import job_extras
+
+    extras = job_extras(cfg, hc.runtime.output_dir, hc.sweep.dir, hc.job.num)
+    if explicit_out:
+        extras.pop("output_dir")
+    for k, v in extras.items():
+        node, leaf = cfg, k.split(".")
+        for part in leaf[:-1]:
+            node = node[part]
+        node[leaf[-1]] = v
+    args = [o for o in hc.overrides.task if _key(o) not in extras] + [f"{k}={v}" for k, v in extras.items()]
+    if cfg.launcher.name == "slurm":
+        return submit_run(cfg, args, sys.argv[0])
+    rc = spawn(cfg, sys.argv[0], args)
+    if rc != 0:
+        raise JobFailed(
+            f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) failed: {cfg.launcher.name} exited with "
+            f"code {rc}; see {cfg.output_dir}/launcher.log and {cfg.output_dir}/logs/"
+        )
+    return rc
 
 
 def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[str]) -> int:
@@ -38,20 +115,43 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
     from ultrascale.config.schema import register_configs
 
     register_configs()
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    if multirun and config_name == "train":
+        argv = [*argv, SWEEP_CALLBACK]
     sys.argv = [sys.argv[0], *argv]
     explicit_out = any(a.startswith("output_dir=") for a in argv)
 
     @hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")
     def _job(cfg: DictConfig) -> Any:
+        from launch.spawn import is_driver
+
         hc = HydraConfig.get()
-        if hc.mode == RunMode.MULTIRUN and not explicit_out and "output_dir" in cfg:
-            cfg.output_dir = hc.runtime.output_dir  # one run dir per sweep job
         try:
+            if hc.mode == RunMode.MULTIRUN and "launcher" in cfg:
+                if is_driver(cfg):
+                    return _sweep_job(cfg, hc, explicit_out)
+                from launch.sweep import job_extras
+
+                extras = job_extras(cfg, hc.runtime.output_dir, hc.sweep.dir, hc.job.num)
+                if not explicit_out:
+                    cfg.output_dir = extras["output_dir"]  # one run dir per sweep job
+                cfg.logger.wandb_group, cfg.logger.run_name = extras["logger.wandb_group"], extras["logger.run_name"]
+            elif hc.mode == RunMode.MULTIRUN and not explicit_out and "output_dir" in cfg:
+                cfg.output_dir = hc.runtime.output_dir  # one run dir per sweep job
+            if "launcher" in cfg:
+                apply_launcher_env(cfg.launcher.env)
             return main(cfg)
         except UltrascaleError as e:
             raise SystemExit(_report(e)) from None
 
-    _job()
+    try:
+        _job()
+    finally:
+        if multirun and config_name == "train":
+            from launch.sweep import ACTIVE, report
+
+            if "dir" in ACTIVE:
+                print(report(ACTIVE.pop("dir")), flush=True)
     return 0
 
 
@@ -59,13 +159,30 @@ def run_app(config_name: str, main: Callable[[DictConfig], Any], argv: list[str]
     configure_env()
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     if any(a.split("=", 1)[0] in HYDRA_FLAGS for a in argv):
+        if any(a in ("-m", "--multirun") for a in argv) and "WORLD_SIZE" in os.environ:
+            return _report(
+                ConfigError(
+                    "-m inside a multi-rank launcher would run the whole sweep on every rank: start the sweep "
+                    "from a plain shell and let each job start its own launcher, e.g. "
+                    "`python train.py -m optim.lr=1e-4,3e-4 launcher=deepspeed launcher.nproc_per_node=2`"
+                )
+            )
         return _hydra_main(config_name, main, argv)
     from ultrascale.config.compose import compose
     from ultrascale.dist import shutdown
 
     try:
-        main(compose(argv, config_name))
+        cfg = compose(argv, config_name)
+        if "launcher" in cfg:
+            from launch.spawn import is_driver
+
+            if is_driver(cfg):
+                return _drive(cfg, argv)
+            apply_launcher_env(cfg.launcher.env)
+        main(cfg)
     except UltrascaleError as e:
         return _report(e)
+    except Exception as e:  # a bug or a crash: say which rank, keep the traceback, and let the launcher stop all
+        return _report_crash(e)
     shutdown()  # only on success: a barrier after a failure would hang the ranks that did not fail
     return 0

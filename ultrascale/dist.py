@@ -15,6 +15,10 @@ from datetime import timedelta
 from ultrascale.config.compose import PROJECT_ROOT
 
 log = logging.getLogger("ultrascale")
+# What select_accelerator decided and why, logged once logging is set up (it runs before that).
+_ACCEL_NOTE: list[str] = []
+# This rank's log file, named in crash reports (ultrascale/cli.py) as where the traceback went.
+_LOG_FILE: list[str] = []
 
 
 def configure_env() -> None:
@@ -42,10 +46,30 @@ def has_gpu() -> bool:
 
 def select_accelerator() -> str:
     """Pick DeepSpeed's accelerator + comm backend: CUDA/NCCL on GPUs, CPU/gloo otherwise (logged)."""
-    if os.environ.get("DS_ACCELERATOR") == "cpu" or not has_gpu():
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        note = "accelerator: cpu (DS_ACCELERATOR=cpu set in the environment), comm backend gloo"
+        backend = "gloo"
+    elif not has_gpu():
         os.environ["DS_ACCELERATOR"] = "cpu"
-        return "gloo"
-    return "nccl"
+        note = "accelerator: no GPU found, so DS_ACCELERATOR=cpu and comm backend gloo"
+        backend = "gloo"
+    else:
+        note, backend = "accelerator: cuda, comm backend nccl", "nccl"
+    _ACCEL_NOTE[:] = [note]
+    return backend
+
+
+def apply_launcher_env(env) -> None:
+    """Export the ``launcher.env`` preset (NCCL etc.) before the process group exists, so NCCL reads it.
+
+    The config wins over an inherited value: the banner logs the config, and it must be what ran.
+    """
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+
+
+def log_file() -> str | None:
+    """This rank's log file, once setup_logging has opened it."""
+    return _LOG_FILE[0] if _LOG_FILE else None
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -157,8 +181,11 @@ def setup_logging(log_file: str | None = None) -> None:
         fh = logging.FileHandler(log_file)
         fh.setFormatter(fmt)
         log.addHandler(fh)
+        _LOG_FILE[:] = [log_file]
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if _ACCEL_NOTE:
+        log.info(f"{_ACCEL_NOTE[0]}; rank {r} of {world_size()} (local rank {local_rank()})")
 
 
 def planned_world_size(cfg) -> int:

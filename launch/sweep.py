@@ -1,0 +1,144 @@
+"""Hydra ``-m`` sweeps where every job is its own multi-rank run, and the table that ends a sweep.
+
+Jobs run through the task function in ``ultrascale/cli.py``: with ``launcher=deepspeed|torchrun`` it
+starts the launcher for that job (``launch.spawn``), with ``launcher=slurm`` it submits the job's own sbatch
+script, and with ``launcher=local`` it trains in the sweep's process. Each job gets its Hydra job directory
+as run directory and one wandb group named after the sweep. Hydra's own launchers still work
+(``hydra/launcher=submitit_slurm`` runs each job's task function as its own Slurm job).
+
+    python -m launch.sweep multirun/2026-11-22/10-00-00    # (re)build the summary after Slurm jobs finish
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from launch.spawn import STATUS_FILE
+from ultrascale.config.compose import resolve_path
+
+SUMMARY_CSV = "sweep_summary.csv"
+COLUMNS = ["job", "overrides", "status", "final_loss", "eval_loss", "tokens_per_s", "mfu", "mem_gb", "run_dir"]
+# Set in the sweep's driver process by SweepRecorder, read by cli.py after the sweep (even a failed one).
+ACTIVE: dict[str, Path] = {}
+
+
+class SweepRecorder(Callback):
+    """Remembers the sweep directory in the driver process (where the summary is written at the end)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        ACTIVE["dir"] = resolve_path(config.hydra.sweep.dir)
+
+
+def group_name(sweep_dir: str | Path) -> str:
+    """A wandb group for the sweep: its directory name, with the date for Hydra's timestamped default."""
+    p = Path(sweep_dir)
+    if re.fullmatch(r"[\d_:.-]+", p.name):  # multirun/<date>/<time>: the time alone is ambiguous
+        return f"{p.parent.name}_{p.name}"
+    return p.name
+
+
+def job_extras(cfg: DictConfig, job_dir: str, sweep_dir: str, job_num: int) -> dict[str, str]:
+    """Per-job settings a sweep adds: its own run dir, the sweep's wandb group, a readable run name."""
+    group = cfg.logger.wandb_group or group_name(sweep_dir)
+    return {
+        "output_dir": str(resolve_path(job_dir)),
+        "logger.wandb_group": group,
+        "logger.run_name": cfg.logger.run_name or f"{group}-{job_num}",
+    }
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _job_dirs(sweep_dir: Path) -> list[Path]:
+    dirs = [d for d in sweep_dir.iterdir() if (d / ".hydra" / "overrides.yaml").is_file()]
+    return sorted(dirs, key=lambda d: (0, int(d.name)) if d.name.isdigit() else (1, d.name))
+
+
+def collect(sweep_dir: str | Path) -> list[dict]:
+    """One row per job directory: the overrides that differ between jobs, status and final numbers."""
+    sweep_dir = Path(sweep_dir)
+    jobs = _job_dirs(sweep_dir) if sweep_dir.is_dir() else []
+    overrides = {d: [str(o) for o in OmegaConf.load(d / ".hydra" / "overrides.yaml")] for d in jobs}
+    common = set.intersection(*(set(v) for v in overrides.values())) if overrides else set()
+    rows = []
+    for d in jobs:
+        summary, status = _read_json(d / "summary.json"), _read_json(d / STATUS_FILE)
+        if "final_loss" in summary:
+            state = "done"
+        elif status.get("returncode", 0) != 0:
+            state = f"failed (exit {status['returncode']})"
+        elif (d / "sbatch.sh").exists():
+            state = "submitted"
+        else:
+            state = "incomplete"
+        rows.append(
+            {
+                "job": d.name,
+                "overrides": " ".join(o for o in overrides[d] if o not in common) or "(none)",
+                "status": state,
+                **{k: summary.get(k) for k in ("final_loss", "eval_loss", "tokens_per_s", "mfu", "mem_gb")},
+                "run_dir": str(d),
+            }
+        )
+    return rows
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4g}"
+    return str(v)
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["job", "overrides", "status", "final_loss", "eval_loss", "tokens_per_s"]
+    cells = [cols] + [[_fmt(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summarize(sweep_dir: str | Path) -> tuple[Path, str]:
+    """Write ``<sweep_dir>/sweep_summary.csv`` and return it with the printable table."""
+    sweep_dir = Path(sweep_dir)
+    rows = collect(sweep_dir)
+    path = sweep_dir / SUMMARY_CSV
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+    return path, table(rows)
+
+
+def report(sweep_dir: str | Path) -> str:
+    """The end-of-sweep message: the table and where the CSV went."""
+    path, text = summarize(sweep_dir)
+    return f"sweep summary ({path}):\n{text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("usage: python -m launch.sweep SWEEP_DIR   (a Hydra -m output directory)", file=sys.stderr)
+        return 2
+    print(report(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
