@@ -22,4 +22,4 @@ def main(cfg: DictConfig) -> dict | None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_app("train", main))
+    raise SystemExit(run_app("train", main, help_text=__doc__))

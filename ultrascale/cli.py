@@ -155,9 +155,25 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
     return 0
 
 
-def run_app(config_name: str, main: Callable[[DictConfig], Any], argv: list[str] | None = None) -> int:
+def _help(config_name: str, argv: list[str], help_text: str) -> int:
+    """Groups, options and every key with its composed value and schema docstring."""
+    from ultrascale.config.compose import compose
+    from ultrascale.config.describe import describe
+
+    try:
+        print(describe(compose(argv, config_name), help_text))
+    except UltrascaleError as e:
+        return _report(e)
+    return 0
+
+
+def run_app(
+    config_name: str, main: Callable[[DictConfig], Any], argv: list[str] | None = None, help_text: str | None = None
+) -> int:
     configure_env()
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
+    if help_text and ("--help" in argv or "-h" in argv):
+        return _help(config_name, [a for a in argv if a not in ("--help", "-h")], help_text)
     if any(a.split("=", 1)[0] in HYDRA_FLAGS for a in argv):
         if any(a in ("-m", "--multirun") for a in argv) and "WORLD_SIZE" in os.environ:
             return _report(
