@@ -39,5 +39,8 @@ format: setup
 bench-train: setup
 	$(BIN)/python bench/train_overhead.py --json bench/results/train_overhead.json
 
+bench-data: setup
+	$(BIN)/python bench/bench_data.py --json bench/results/bench_data.json
+
 clean:
 	rm -rf runs outputs multirun .pytest_cache

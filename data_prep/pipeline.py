@@ -61,8 +61,14 @@ def config_hash(cfg: DataPrepConfig) -> str:
 
 
 def crash_hook(point: str) -> None:
-    """Fault injection for the resume tests: ``DATA_PREP_CRASH_AT=point`` SIGKILLs this process here."""
+    """Fault injection for the resume tests: ``DATA_PREP_CRASH_AT=point`` SIGKILLs this process here.
+
+    When this process leads its process group (the tests start it with a new session), the whole group
+    dies, like a job killed by Slurm: datatrove's Manager process must not outlive it.
+    """
     if os.environ.get("DATA_PREP_CRASH_AT") == point:
+        if os.getpgid(0) == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -108,12 +114,13 @@ class MapTask(PipelineStep):
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         crash_hook(f"map:{rank}")
-        run_map_task(to_cfg(self.cfg_dict), Path(self.out_dir), rank, world_size, self.progress)
-        self.stat_update("tasks_done")
+        n_read, n_kept = run_map_task(to_cfg(self.cfg_dict), Path(self.out_dir), rank, world_size, self.progress)
+        self.stat_update("docs_read", value=n_read)
+        self.stat_update("docs_kept", value=n_kept)
         yield from ()
 
 
-def run_map_task(cfg: DataPrepConfig, out: Path, rank: int, world: int, progress: bool) -> None:
+def run_map_task(cfg: DataPrepConfig, out: Path, rank: int, world: int, progress: bool) -> tuple[int, int]:
     counts: Counter = Counter()
     quality: Counter = Counter()
     a, b = dedup.permutations(cfg.near_dedup.num_perm)
@@ -140,6 +147,7 @@ def run_map_task(cfg: DataPrepConfig, out: Path, rank: int, world: int, progress
     out.mkdir(parents=True, exist_ok=True)
     _write_jsonl_gz(out / f"docs_{rank:05d}.jsonl.gz", kept)
     _write_json(out / f"stats_{rank:05d}.json", stats)
+    return n_read, len(kept)
 
 
 def run_map(cfg: DataPrepConfig, work: Path) -> Path:
@@ -216,11 +224,7 @@ def load_map(map_dir: Path, tasks: int) -> tuple[list[dict], dict]:
     for r in range(tasks):
         docs += _read_jsonl_gz(map_dir / f"docs_{r:05d}.jsonl.gz")
         st = json.loads((map_dir / f"stats_{r:05d}.json").read_text())
-        for k, v in st["counts"].items():
-            if k in ("files_seen", "files_language", "files_selected"):
-                merged["counts"][k] = v  # every task walks the same tree: not additive
-            else:
-                merged["counts"][k] += v
+        merged["counts"].update(st["counts"])
         for name in ("read", "quality"):
             cur = merged.setdefault(name, _stage())
             for k in ("docs_in", "docs_out", "bytes_in", "bytes_out"):
@@ -387,6 +391,7 @@ def reduce(cfg: DataPrepConfig, work: Path, map_dir: Path) -> dict:
             f"input={cfg.input} has a single repository ({next(iter(repo_split))}): the split is by repository, "
             "so it needs at least two (lower source.repo_depth or add repositories)"
         )
+    _write_json(out / "repos.json", dict(sorted(repo_split.items())))
     by_split: dict[str, list[dict]] = {"train": [], "validation": []}
     for d in docs:
         by_split[repo_split[d["repo"]]].append(d)
@@ -476,12 +481,12 @@ def reduce(cfg: DataPrepConfig, work: Path, map_dir: Path) -> dict:
         "license": details.get("license", {}),
         "pack": pack_stats,
         "tokens": {s: pack_stats[s]["samples"] * seq_len for s in pack_stats},
+        "repo_split": "repos.json",
     }
-    write_manifest(out, manifest)
     from data_prep.report import write_report
 
     write_report(out, manifest, details, time.time() - t0)
-    return manifest
+    return json.loads(write_manifest(out, manifest).read_text())
 
 
 def _stage_table(stats: dict) -> dict:

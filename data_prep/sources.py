@@ -171,7 +171,10 @@ def read_text_file(path: Path, max_bytes: int, counts: Counter) -> str | None:
 def iter_dir(
     cfg: DataPrepConfig, root: Path, rank: int, world: int, counts: Counter, progress: bool = False
 ) -> Iterator[dict]:
-    files, lic = select_files(cfg, root, counts)
+    walk: Counter = Counter()  # every task walks the same tree: only task 0 reports what the walk saw
+    files, lic = select_files(cfg, root, walk)
+    if rank == 0:
+        counts.update(walk)
     ext_map = extension_map(cfg)
     mine = files[rank::world]
     counts["read_in"] += len(mine)
@@ -224,7 +227,8 @@ def iter_jsonl(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: C
                     line = f.readline()
                 except UnicodeDecodeError:
                     lineno += 1
-                    _bad_line(cfg, fp, lineno, "not UTF-8", counts)
+                    if (lineno - 1) % world == rank:
+                        _bad_line(cfg, fp, lineno, "not UTF-8", counts)
                     continue
                 if not line:
                     break

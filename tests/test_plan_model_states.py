@@ -26,6 +26,10 @@ MODELS = {
     "model.config.num_hidden_layers=6 model.config.vocab_size=8192 model.config.tie_word_embeddings=false",
 }
 SCENARIOS = [f"{MODELS[m]} zero=stage{s} {COMMON}" for m in MODELS for s in range(4)]
+IDS = [f"{m}-zero{s}" for m in MODELS for s in range(4)]
+# Gradient accumulation: stage 1 keeps the full 16-bit gradient between boundaries, stage 2 only its partition.
+SCENARIOS += [f"{MODELS['tiny']} zero=stage{s} {COMMON} data.global_batch=8" for s in (1, 2)]
+IDS += ["tiny-zero1-ga2", "tiny-zero2-ga2"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], 
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=[f"{m}-zero{s}" for m in MODELS for s in range(4)])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=IDS)
 def test_model_state_bytes_match_engine(measured: dict, scenario: str) -> None:
     cfg = compose(scenario.split())
     predicted = model_state_bytes(arch_from_cfg(cfg), layout_from_cfg(cfg, world=2))

@@ -3,7 +3,8 @@
 Usage: torchrun --nproc_per_node 2 tests/dist_scripts/plan_model_states.py OUT.jsonl 'OVERRIDES|...' ...
 Each argument after OUT is one scenario: Hydra overrides joined by spaces. For each, the engine is built from
 the project's own config stack (compose -> validate -> build_ds_config), one step is taken (optimizer state
-exists), then one more forward/backward (gradients at rest exist), and every rank appends one JSON line with
+exists), then one more micro-step's forward/backward (gradients exist, mid-accumulation when GA > 1), and every
+rank appends one JSON line with
 the bytes of the engine's parameter, gradient and optimizer tensors, deduplicated by (address, size).
 """
 
@@ -56,6 +57,7 @@ def measure(engine: deepspeed.DeepSpeedEngine, stage: int) -> dict[str, int]:
         optim.add(opt.fp32_groups)
     elif stage in (1, 2):
         grads.add(opt.averaged_gradients)
+        grads.add([p.grad for p in engine.module.parameters() if p.grad is not None])  # stage 1 accumulating
         optim.add(opt.single_partition_of_fp32_groups)
     else:
         grads.add(opt.grad_partitions_flat_buffer)
@@ -81,9 +83,10 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
         ids = torch.randint(0, 256, (cfg.data.micro_batch, cfg.data.seq_len))
-        for i in range(2):
+        ga = engine.gradient_accumulation_steps()
+        for i in range(ga + 1):  # one full optimizer step, then one more micro-step's backward
             engine.backward(engine(input_ids=ids, labels=ids).loss)
-            if i == 0:
+            if i < ga:
                 engine.step()
         row = {"scenario": scenario, "rank": rank, **measure(engine, int(cfg.zero.stage))}
         with open(f"{out_path}.{rank}", "a") as f:

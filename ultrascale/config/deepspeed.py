@@ -3,8 +3,8 @@
 Pure: no I/O, no ``torch.distributed``, no environment reads, so it is unit-testable and the golden
 files in ``tests/golden/`` pin its output for every recipe. Batch sizes are always explicit (never
 ``"auto"``): DeepSpeed checks ``train_batch_size == micro * grad_accum * dp`` and so do we, earlier.
-Pipeline and expert degrees are model-build arguments, not JSON; tensor parallelism is JSON because
-AutoTP is configured by the engine.
+The pipeline degree is a model-build argument, not JSON; tensor and expert parallelism are JSON because
+DeepSpeed's AutoTP and AutoEP rewrite the model inside ``deepspeed.initialize``.
 """
 
 from __future__ import annotations
@@ -114,6 +114,9 @@ def build_ds_config(cfg: DictConfig, topo: Topology) -> dict[str, Any]:
         ds["tensor_parallel"] = {"autotp_size": topo.tp}
     if topo.sp > 1:
         ds["sequence_parallel_size"] = topo.sp
+    if topo.ep > 1:
+        # AutoEP swaps the HF MoE blocks inside deepspeed.initialize; the preset is the HF model_type.
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": topo.ep, "preset_model": str(cfg.model.type)}
     if cfg.train.universal_checkpoint:
         ds["checkpoint"] = {"load_universal": True}
     return ds

@@ -80,6 +80,69 @@ def _model_dims(model_type: str, config_json: str) -> dict[str, int]:
     }
 
 
+PARTITION_METHODS = ("parameters", "uniform")
+
+
+def _parallel_combinations(cfg: DictConfig, topo: Topology, dims: dict[str, int]) -> None:
+    """Pairs of levers DeepSpeed 0.19.8 cannot compose, and per-lever settings, each with its fix."""
+    p = cfg.parallel
+    moe = dims["experts"] > 0
+    if p.pp > 1:
+        if p.tp > 1:
+            raise ConfigError(
+                f"parallel.pp={p.pp} with parallel.tp={p.tp} is not supported: DeepSpeed AutoTP replaces the "
+                "pipeline engine's process grid; use parallel.tp (inside a node) with ZeRO data parallel, or parallel.pp"
+            )
+        if moe:
+            raise ConfigError(
+                f"parallel.pp={p.pp} with a MoE model ({cfg.model.type}) is not supported: the router aux loss "
+                "cannot cross pipeline stages; use parallel.ep with parallel.pp=1"
+            )
+        pc = p.pipeline
+        method = str(pc.partition_method)
+        if method not in PARTITION_METHODS and not method.startswith("type:"):
+            raise ConfigError(
+                f"parallel.pipeline.partition_method={method!r} is not one of {list(PARTITION_METHODS)} or "
+                "'type:<regex>': use parameters"
+            )
+        if pc.activation_checkpoint_interval < 0:
+            raise ConfigError(
+                f"parallel.pipeline.activation_checkpoint_interval={pc.activation_checkpoint_interval} must be >= 0"
+            )
+        gas = topo.grad_accum(cfg.data.micro_batch, cfg.data.global_batch)
+        if pc.micro_batches is not None and pc.micro_batches != gas:
+            want = pc.micro_batches * cfg.data.micro_batch * topo.dp
+            raise ConfigError(
+                f"parallel.pipeline.micro_batches={pc.micro_batches} but data.global_batch/(micro_batch*dp) gives "
+                f"{gas}: set data.global_batch={want} (the pipeline runs one micro-batch per accumulation step)"
+            )
+    if p.sp > 1:
+        if str(cfg.model.attn_implementation) == "eager":
+            raise ConfigError(
+                f"parallel.sp={p.sp} needs model.attn_implementation=sdpa (or flash_attention_2), not eager: "
+                "Ulysses drops the 4-D mask and relies on is_causal"
+            )
+        if p.tp > 1:
+            raise ConfigError(f"parallel.sp={p.sp} with parallel.tp={p.tp} is not supported: use one of them")
+        if moe:
+            raise ConfigError(
+                f"parallel.sp={p.sp} with a MoE model ({cfg.model.type}) is not supported: use parallel.ep instead"
+            )
+    if moe and p.tp > 1:
+        raise ConfigError(
+            f"parallel.tp={p.tp} on a MoE model ({cfg.model.type}) is not supported (AutoEP refuses AutoTP "
+            "groups): shard the experts with parallel.ep instead"
+        )
+    if p.ep > 1:
+        from ultrascale.model.moe import AUTOEP_PRESETS
+
+        if moe and cfg.model.type not in AUTOEP_PRESETS:
+            raise ConfigError(
+                f"parallel.ep={p.ep} needs a DeepSpeed AutoEP preset, but model.type={cfg.model.type} has none "
+                f"(presets: {list(AUTOEP_PRESETS)}): use a mixtral/qwen3_moe-type model or parallel.ep=1"
+            )
+
+
 def validate(cfg: DictConfig, world_size: int) -> Topology:
     """Check the composed config against itself and the world size; return the rank topology."""
     p, z = cfg.parallel, cfg.zero
@@ -133,6 +196,7 @@ def validate(cfg: DictConfig, world_size: int) -> Topology:
         )
 
     dims = model_dims(cfg)
+    _parallel_combinations(cfg, topo, dims)
     if p.pp > 1:
         if z.stage > 1:
             raise ConfigError(f"parallel.pp={p.pp} needs zero.stage<=1 (got {z.stage}): use zero=stage1")

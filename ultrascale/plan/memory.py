@@ -7,12 +7,14 @@ against the engine's own tensors), not the textbook alone. With 16-bit weights (
 stage  params              grads (at rest)        optimizer (fp32 master+m+v)
 =====  ==================  =====================  ==========================
 0      w·Ψ                 w·Ψ                    12·Ψ
-1, 2   w·Ψ                 w·Ψ/N                  12·Ψ/N
+1      w·Ψ                 w·Ψ (w·Ψ/N if no GA)   12·Ψ/N
+2      w·Ψ                 w·Ψ/N                  12·Ψ/N
 3      w·Ψ/N + persistent  w·Ψ/N                  12·Ψ/N
 =====  ==================  =====================  ==========================
 
-DeepSpeed's stage 1 reduces gradients through buckets into the rank's partition exactly like stage 2,
-so it never holds a full gradient at rest (the textbook 2+2+12/N counts one). At the optimizer step an
+DeepSpeed's stage 1 reduces only at the gradient-accumulation boundary: with accumulation it holds the
+full 16-bit gradient (the textbook 2+2+12/N); without, it reduces through buckets straight into the
+partition like stage 2 and holds w·Ψ/N at rest (2+14/N, measured). At the optimizer step an
 fp32 copy of the gradient partition (4·Ψ/N) exists transiently; it is its own term, which is also what
 makes DeepSpeed's estimator (2Ψ + 18Ψ/N for stage 2) agree with this model. Stage 3 keeps parameters
 smaller than ``stage3_param_persistence_threshold`` whole on every rank.
@@ -147,7 +149,9 @@ def model_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
             params = w * (shard + persistent)
         else:
             params = w * psi
-        grads = w * shard
+        # Stage 1 reduces only at the accumulation boundary, so with grad_accum > 1 the full 16-bit gradient
+        # accumulates in p.grad between boundaries; stage 2/3 reduce every micro-step into the partition.
+        grads = w * psi if (st == 1 and lay.grad_accum > 1) else w * shard
         optim = (master + 8) * shard
         transient = 4 * shard if w < 4 else 0.0
     host = 0.0

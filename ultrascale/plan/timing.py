@@ -89,7 +89,9 @@ def step_time(
     frac = (n - 1) / n
     if lay.zero_stage == 0:
         dp_comm = 2 * psi_bytes * frac / bw  # one all-reduce at the accumulation boundary
-    elif lay.zero_stage in (1, 2):
+    elif lay.zero_stage == 1:
+        dp_comm = 2 * psi_bytes * frac / bw  # reduce-scatter at the accumulation boundary, all-gather after the step
+    elif lay.zero_stage == 2:
         dp_comm = (ga + 1) * psi_bytes * frac / bw  # reduce-scatter every micro-step, all-gather after the step
     else:
         dp_comm = 3 * ga * psi_bytes * frac / bw  # gather fwd, gather bwd, reduce-scatter, every micro-step

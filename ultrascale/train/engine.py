@@ -47,10 +47,11 @@ def build_engine(cfg: DictConfig, topo: Topology, ds_config: dict):
     keep_alive = _enable_hf_zero3(ds_config) if cfg.zero.stage == 3 else None
     model = build_model(cfg.model, seed=cfg.train.seed, dtype=torch.float32)
     del keep_alive
-    if cfg.train.activation_checkpointing:
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
+    model, mpu, extras = _wrap_for_parallel(model, cfg, topo)
+    if cfg.train.activation_checkpointing and topo.pp == 1:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
     optimizer = build_optimizer(model, cfg)
     if optimizer is not None:
         opt_name = "AdamW (torch, no decay on norms/biases)"
@@ -65,5 +66,37 @@ def build_engine(cfg: DictConfig, topo: Topology, ds_config: dict):
         model_parameters=params,
         lr_scheduler=lambda opt: build_scheduler(opt, cfg),
         config=ds_config,
+        mpu=mpu,
     )
-    return engine, EngineInfo(hf_config=hf, n_params=n_params, optimizer=opt_name)
+    if topo.pp > 1:
+        from ultrascale.model.pipeline import stage_summary
+
+        extras["pipeline"] = stage_summary(engine)
+    return engine, EngineInfo(hf_config=hf, n_params=n_params, optimizer=opt_name, extras=extras)
+
+
+def _wrap_for_parallel(model, cfg: DictConfig, topo: Topology):
+    """(model, mpu, banner extras): pipeline stages, Ulysses attention and MoE hooks, per the topology.
+
+    Tensor parallelism needs nothing here: DeepSpeed AutoTP shards the Linear layers inside
+    ``deepspeed.initialize`` from the ``tensor_parallel`` JSON section (and remaps our optimizer).
+    """
+    mpu, extras = None, {}
+    from ultrascale.model.moe import is_moe, prepare_moe
+
+    if is_moe(model):
+        extras["moe"] = prepare_moe(model, cfg, topo)
+    if topo.pp > 1:
+        from ultrascale.model.pipeline import build_pipeline
+
+        pc = cfg.parallel.pipeline
+        interval = int(pc.activation_checkpoint_interval) or (1 if cfg.train.activation_checkpointing else 0)
+        model = build_pipeline(model, topo.pp, str(pc.partition_method), interval)
+    elif topo.sp > 1:
+        from ultrascale.model.sequence import enable_ulysses
+
+        mpu = enable_ulysses(model, cfg, topo)
+        extras["sequence"] = f"Ulysses sp={topo.sp}: each rank holds {cfg.data.seq_len // topo.sp} of {cfg.data.seq_len} tokens"
+    if topo.tp > 1:
+        extras["tensor"] = f"AutoTP tp={topo.tp}: Linear layers sharded by DeepSpeed inside initialize()"
+    return model, mpu, extras
