@@ -56,6 +56,11 @@ def build_engine(cfg: DictConfig, topo: Topology, ds_config: dict):
     if optimizer is not None:
         opt_name = "AdamW (torch, no decay on norms/biases)"
         params = None
+        if topo.ep > 1:  # build it after AutoEP, with the expert params in their own groups
+            from ultrascale.model.moe import deferred_optimizer
+
+            optimizer, params = deferred_optimizer(optimizer)
+            opt_name += ", MoE expert groups split"
     else:
         opt_name = f"{ds_config['optimizer']['type']} (DeepSpeed{', CPU offload' if cfg.zero.offload_optimizer != 'none' else ''})"
         params = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_embeddings)
@@ -96,7 +101,9 @@ def _wrap_for_parallel(model, cfg: DictConfig, topo: Topology):
         from ultrascale.model.sequence import enable_ulysses
 
         mpu = enable_ulysses(model, cfg, topo)
-        extras["sequence"] = f"Ulysses sp={topo.sp}: each rank holds {cfg.data.seq_len // topo.sp} of {cfg.data.seq_len} tokens"
+        extras["sequence"] = (
+            f"Ulysses sp={topo.sp}: each rank holds {cfg.data.seq_len // topo.sp} of {cfg.data.seq_len} tokens"
+        )
     if topo.tp > 1:
         extras["tensor"] = f"AutoTP tp={topo.tp}: Linear layers sharded by DeepSpeed inside initialize()"
     return model, mpu, extras

@@ -1,0 +1,77 @@
+"""Ulysses sequence parallelism for stock HF models (DeepSpeed's ALST integration).
+
+Each rank of an sp group holds s/sp consecutive tokens of the same samples. Inside attention DeepSpeed's
+``UlyssesSPAttentionHF`` all-to-alls from "my tokens, all heads" to "all tokens, my heads", runs the
+model's own attention kernel, and all-to-alls back; everything else (MLP, norms, the LM head) is
+token-local. So activation memory per rank falls by sp while the model code stays untouched.
+
+The loss is the piece HF cannot do for us: with only a shard of tokens, a rank's mean cross-entropy is
+not the sample's. We compute each shard's *sum* and token count, gather both over the sp group with
+differentiable collectives, and divide: exactly the full-sequence mean, so sp=2 reproduces the sp=1 run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from ultrascale.config.topology import Topology
+
+
+def enable_ulysses(model, cfg: DictConfig, topo: Topology):
+    """Swap the model's attention for the Ulysses wrapper; returns the mpu for ``deepspeed.initialize``.
+
+    The sp groups are consecutive ranks (rank // sp is the data-parallel index): see ``dp_rank``.
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model,
+        core_attn_implementation=str(cfg.model.attn_implementation),
+        sequence_parallel_size=topo.sp,
+        micro_batch_size=int(cfg.data.micro_batch),
+        seq_length=int(cfg.data.seq_len),
+        seq_length_is_variable=False,  # packed shards: every batch is exactly seq_len
+    )
+
+
+def dp_rank(rank: int, topo: Topology) -> int:
+    """Data-parallel index of a global rank: ranks of one sp group read the same samples."""
+    return rank // topo.sp
+
+
+def sp_group():
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    return parallel_state_sp.get_sequence_parallel_group()
+
+
+def shard(ids: torch.Tensor, sp: int, sp_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, position ids, next-token labels) of this rank's s/sp slice.
+
+    Labels are shifted on the *full* sequence before slicing, so the token at a shard boundary is still
+    predicted (by the previous shard's last position); the final position has no target (-100).
+    """
+    b, s = ids.shape
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
+    chunk = s // sp
+    sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+    return ids[:, sl].contiguous(), pos[:, sl].contiguous(), labels[:, sl].contiguous()
+
+
+def sp_loss(engine, ids: torch.Tensor, group, sp: int) -> torch.Tensor:
+    """The full-sequence mean next-token loss, from this rank's shard; differentiable through the gather."""
+    from torch.distributed.nn.functional import all_gather
+
+    local_ids, pos, labels = shard(ids, sp, tdist.get_rank(group))
+    logits = engine(input_ids=local_ids, position_ids=pos).logits
+    loss_sum = F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    count = (labels != -100).sum().to(loss_sum.dtype)
+    sums = all_gather(loss_sum, group=group)
+    counts = all_gather(count, group=group)
+    return torch.stack(sums).sum() / torch.stack(counts).sum()
