@@ -1,11 +1,11 @@
 """Export peak memory against model size: ultrascale.export vs DeepSpeed's zero_to_fp32, same checkpoints.
 
-Trains one step of a ~150M-parameter Llama (2 CPU ranks, ZeRO-1 and ZeRO-3) with ``train.py``, then
+Trains one step of a ~400M-parameter Llama (1.6 GB in fp32) (2 CPU ranks, ZeRO-1 and ZeRO-3) with ``train.py``, then
 exports each checkpoint in a fresh process and records that process's peak RSS (VmHWM) and its growth
 over the post-import baseline; the baseline is DeepSpeed's ``convert_zero_checkpoint_to_fp32_state_dict``
 (safetensors, 1 GB shards) on the same checkpoint, also in a fresh process.
 
-Usage: ``python bench/bench_export.py [--layers 12] [--hidden 768] [--json PATH]`` (about 3-5 minutes).
+Usage: ``python bench/bench_export.py [--layers 16] [--hidden 1536] [--json PATH]`` (about 3-5 minutes).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def measure(which: str, run_dir: Path, out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []

@@ -179,3 +179,34 @@ def test_eval_py_end_to_end_on_a_model_dir(tiny, tmp_path):
     assert "pass@1" in proc.stdout and "perplexity" in proc.stdout
     bad = subprocess.run([*cmd[:2], "model_dir=/nonexistent"], capture_output=True, text=True, cwd=PROJECT_ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "model_dir" in bad.stderr
+
+
+def _reduce_worker(rank: int, port: int, model_dir: str, data: str, out: str) -> None:
+    import torch.distributed as tdist
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale.eval.perplexity import reduce_across_ranks
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    got = reduce_across_ranks(perplexity(model, data, batch_size=4, shard=(rank, 2)))
+    torch.save(got, f"{out}/rank{rank}.pt")
+    tdist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_sharded_perplexity_reduces_to_the_single_rank_value(tiny, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    model_dir, data, model, _ = tiny
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_reduce_worker, args=(port, str(model_dir), str(data), str(tmp_path)), nprocs=2, join=True)
+    whole = perplexity(model, data, batch_size=4)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["tokens"] == whole["tokens"] and got["samples"] == whole["samples"]
+        assert got["loss_per_token"] == pytest.approx(whole["loss_per_token"], rel=1e-6)

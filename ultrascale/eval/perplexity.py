@@ -68,3 +68,25 @@ def perplexity(
         "tokens": tokens,
         "samples": len(indices),
     }
+
+
+def reduce_across_ranks(result: dict) -> dict:
+    """Combine per-rank :func:`perplexity` results (``shard=(rank, world)``) into the global one, on every rank.
+
+    For evaluation inside training: each rank scores its share, then one all-reduce of two numbers.
+    A no-op without an initialized process group.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return result
+    t = torch.tensor([result["loss_sum"], result["tokens"], result["samples"]], dtype=torch.float64)
+    dist.all_reduce(t)
+    loss = float(t[0]) / max(float(t[1]), 1.0)
+    return {
+        "loss_per_token": loss,
+        "perplexity": math.exp(loss),
+        "loss_sum": float(t[0]),
+        "tokens": int(t[1]),
+        "samples": int(t[2]),
+    }

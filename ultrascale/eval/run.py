@@ -58,6 +58,8 @@ def _wandb_log(cfg: DictConfig, results: dict, out_dir: Path) -> None:
         run_dir = Path(cfg.run_dir)
         run_cfg = OmegaConf.load(run_dir / "config.yaml")
         id_file = run_dir / ".wandb_id"
+        if not run_cfg.logger.wandb or run_cfg.logger.wandb_mode == "disabled":
+            return  # the run was trained without wandb: do not start one just for its eval
         kwargs.update(dir=str(run_dir), project=run_cfg.logger.wandb_project, mode=run_cfg.logger.wandb_mode)
         if id_file.exists():
             kwargs.update(id=id_file.read_text().strip(), resume="allow")
