@@ -61,7 +61,17 @@ def convert(gguf_path: Path, out: Path, dtype: str = "float32") -> Path:
         raise ConfigError("reading GGUF needs the `gguf` package: pip install -r requirements.txt") from None
     kw = {"gguf_file": gguf_path.name}
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=getattr(torch, dtype), **kw)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=getattr(torch, dtype), **kw)
+    # The weights are already dequantized floats, but the model still carries a GGUF "quantizer" that
+    # refuses save_pretrained; rebuild a plain model of the same config and move the tensors over.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.load_state_dict(loaded.state_dict(), assign=True)
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
