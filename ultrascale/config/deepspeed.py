@@ -65,6 +65,8 @@ def _optimizer_section(cfg: DictConfig) -> dict[str, Any] | None:
         }
         if o.muon_lr is not None:
             params["muon_lr"] = float(o.muon_lr)
+        if o.torch_adam:  # the Adam half as torch AdamW: no FusedAdam JIT build (~1-2 min) on first use
+            params["torch_adam"] = True
         return {"type": "muon", "params": params}
     if cfg.zero.offload_optimizer != "none" or not o.torch_adam:
         return {

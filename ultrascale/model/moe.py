@@ -98,6 +98,38 @@ def local_experts(module: torch.nn.Module) -> dict[str, list[int]]:
     return out
 
 
+def shard_report(module: torch.nn.Module, group=None) -> dict:
+    """Collective: per rank, the experts it holds and digests of its expert and non-expert parameters.
+
+    Under expert parallelism the non-expert digests must agree across ranks (they are data parallel)
+    while each rank holds a disjoint 1/ep of the experts: the end-of-run invariant the tests check.
+    """
+    import hashlib
+
+    from deepspeed.moe.utils import is_moe_param
+
+    digests = {"expert": hashlib.sha1(), "shared": hashlib.sha1()}
+    for name, p in module.named_parameters():
+        h = digests["expert" if is_moe_param(p) else "shared"]
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    mine = {
+        "experts": local_experts(module),
+        "expert_digest": digests["expert"].hexdigest()[:16],
+        "nonexpert_digest": digests["shared"].hexdigest()[:16],
+    }
+    ranks = [mine]
+    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
+        ranks = [None] * tdist.get_world_size(group)
+        tdist.all_gather_object(ranks, mine, group=group)
+    return {
+        "moe_local_experts": [r["experts"] for r in ranks],
+        "moe_expert_digests": [r["expert_digest"] for r in ranks],
+        "moe_nonexpert_digests": [r["nonexpert_digest"] for r in ranks],
+        "moe_nonexpert_agree": all(r["nonexpert_digest"] == ranks[0]["nonexpert_digest"] for r in ranks),
+    }
+
+
 class MoEStats:
     """Accumulates routing statistics over a step's micro-batches; ``flush`` reduces them over ranks."""
 

@@ -23,6 +23,7 @@ from ultrascale.data.prepare import ensure_prepared
 from ultrascale.data.shards import open_split
 from ultrascale.model import sequence
 from ultrascale.model.moe import MoEStats, is_moe
+from ultrascale.model.moe import shard_report as moe_shard_report
 from ultrascale.plan.flops import train_flops_per_token
 from ultrascale.train import checkpoint
 from ultrascale.train.consistency import replicas_agree
@@ -224,6 +225,8 @@ class Trainer:
         summary.update(replicas_agree=agree, param_digests=digests)
         if not agree:
             log.warning(f"data-parallel replicas hold different parameters: {digests}")
+        if self.moe is not None:  # expert shards differ by design; the rest must agree
+            summary.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
         if self.start_step < steps:
             eval_loss = self.evaluate()
             self.metrics.log(steps, {"eval_loss": eval_loss})
