@@ -45,5 +45,8 @@ bench-data: setup
 bench-export: setup
 	$(BIN)/python bench/bench_export.py --json bench/results/bench_export.json
 
+bench-parallel: setup
+	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json
+
 clean:
 	rm -rf runs outputs multirun .pytest_cache
