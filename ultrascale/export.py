@@ -14,7 +14,8 @@ cache the kernel can drop. Both are measured and returned.
 
 Sources: ZeRO-0/1/2 keep the full (training-precision) weights in ``mp_rank_00_model_states.pt``;
 ZeRO-3 keeps only fp32 partitions in the optimizer files, gathered lazily via DeepSpeed's
-``GatheredTensor``. Pipeline (``layer_*``) and TP checkpoints are refused with a clear message for now.
+``GatheredTensor``; pipeline-parallel checkpoints keep one file per layer, mapped back to HF names.
+Tensor-parallel checkpoints are refused with a clear message for now.
 """
 
 from __future__ import annotations
@@ -128,13 +129,40 @@ def _load_run_config(run_dir: Path) -> DictConfig:
     return OmegaConf.load(path)
 
 
-def checkpoint_tensors(tag_dir: Path, zero_stage: int) -> dict[str, Callable[[], torch.Tensor] | torch.Tensor]:
-    """Name -> tensor (ZeRO 0-2: memory-mapped) or lazy gatherer (ZeRO-3). Nothing is materialized yet."""
+def _pipeline_tensors(tag_dir: Path, hf_config) -> dict[str, torch.Tensor]:
+    """HF names for a PipelineModule checkpoint (one ``layer_XX-model_states.pt`` per layer).
+
+    The layer list is ultrascale.model.pipeline's: 0 = EmbedPipe, 1..L = DecoderPipe(HF layer i-1),
+    L+1 = NormPipe, L+2 = HeadPipe, or the tied EmbedPipe again (dropped: HF re-ties lm_head on load).
+    """
+    n = int(hf_config.num_hidden_layers)
+    files = sorted(tag_dir.glob("layer_*-model_states.pt"))
+    if any("-model_01-" in f.name for f in files):
+        raise CheckpointError(f"{tag_dir} is pipeline + tensor parallel (model_01 layer files): not supported yet")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        idx = int(f.name.split("-")[0].removeprefix("layer_"))
+        for key, tensor in torch.load(f, map_location="cpu", mmap=True, weights_only=True).items():
+            if key.startswith("rotary."):
+                continue  # rotary buffers, recomputed by the HF model
+            if idx == 0 or idx == n + 1:
+                name = f"model.{key}"  # embed_tokens.weight, norm.weight
+            elif idx <= n:
+                name = f"model.layers.{idx - 1}.{key.removeprefix('layer.')}"
+            elif key == "lm_head.weight":
+                name = key
+            else:
+                continue  # the tied head's copy of the embedding
+            out[name] = tensor
+    return out
+
+
+def checkpoint_tensors(
+    tag_dir: Path, zero_stage: int, hf_config=None
+) -> dict[str, Callable[[], torch.Tensor] | torch.Tensor]:
+    """Name -> tensor (ZeRO 0-2, pipeline: memory-mapped) or lazy gatherer (ZeRO-3). Nothing is materialized."""
     if any(tag_dir.glob("layer_*-model_states.pt")):
-        raise CheckpointError(
-            f"{tag_dir} is a pipeline-parallel checkpoint: export supports ZeRO 0-3 data-parallel checkpoints; "
-            "convert it with `python -m ultrascale.train.checkpoint to_universal` and export from a pp=1 run"
-        )
+        return _pipeline_tensors(tag_dir, hf_config)
     if zero_stage <= 2:
         path = tag_dir / "mp_rank_00_model_states.pt"
         if not path.exists():
@@ -239,7 +267,7 @@ def export(
     if zero_stage == 3:
         import deepspeed.utils.zero_to_fp32  # noqa: F401  imported before the baseline: code is not data
     mem = _Memory()  # from here on, memory is the checkpoint's tensors, not imports
-    source = checkpoint_tensors(tag_dir, zero_stage)
+    source = checkpoint_tensors(tag_dir, zero_stage, hf)
     names = [n for n in source if n not in tied]
     missing = expected - tied - set(names)
     extra = set(names) - expected
