@@ -3,7 +3,7 @@
 Trains one step of a ~400M-parameter Llama (1.6 GB in fp32) (2 CPU ranks, ZeRO-1 and ZeRO-3) with ``train.py``, then
 exports each checkpoint in a fresh process and records that process's peak RSS (VmHWM) and its growth
 over the post-import baseline; the baseline is DeepSpeed's ``convert_zero_checkpoint_to_fp32_state_dict``
-(safetensors, 1 GB shards) on the same checkpoint, also in a fresh process.
+(1 GB shards; torch.save, since its safetensors path fails on tied embeddings) on the same checkpoint.
 
 Usage: ``python bench/bench_export.py [--layers 16] [--hidden 1536] [--json PATH]`` (about 3-5 minutes).
 """
@@ -41,10 +41,11 @@ if which == 'ultrascale':
     stats = ultrascale.export.export(run_dir, out, dtype='fp32', max_shard_size='1GB')
 else:
     tag = open(run_dir + '/checkpoints/latest').read().strip()
+    # safe_serialization=True fails on tied embeddings (shared storage) in deepspeed 0.19.8: use torch.save
     zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(run_dir + '/checkpoints', out, max_shard_size='1GB',
-                                                            safe_serialization=True, tag=tag)
+                                                            safe_serialization=False, tag=tag)
 end = status()
-size = sum(p.stat().st_size for p in __import__('pathlib').Path(out).glob('*.safetensors'))
+size = sum(p.stat().st_size for p in __import__('pathlib').Path(out).glob('*') if p.suffix in ('.safetensors', '.bin'))
 print(json.dumps({'peak_rss_mb': end['VmHWM'], 'baseline_rss_mb': base['VmRSS'],
                   'growth_mb': end['VmHWM'] - base['VmRSS'], 'weights_mb': size / 2**20}))
 """
