@@ -19,6 +19,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ultrascale.dist import _free_port  # noqa: E402
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"}
 ENV.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 
@@ -51,27 +55,10 @@ print(json.dumps({'peak_rss_mb': end['VmHWM'], 'baseline_rss_mb': base['VmRSS'],
 """
 
 
-def _free_port() -> str:
-    """torchrun passes --master_port 0 through to the ranks literally (MASTER_PORT=0): pick one here."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def train(run_dir: Path, data: Path, stage: int, layers: int, hidden: int) -> None:
     inter = int(hidden * 8 / 3) // 64 * 64
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        _free_port(),
-        "train.py",
-    ]
+    port = str(_free_port())  # torchrun passes --master_port 0 to the ranks literally
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, "train.py"]
     cmd += [f"output_dir={run_dir}", f"zero=stage{stage}", f"data.path={data}", "data.prepare_max_files=80"]
     cmd += ["data.micro_batch=1", "data.global_batch=2", "train.steps=1", "train.checkpoint_interval=1"]
     cmd += ["train.eval_interval=0", "logger=none", f"model.config.hidden_size={hidden}"]

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from ultrascale.dist import _free_port  # torchrun passes --master_port 0 to the ranks literally
+
 STAGES = (0, 1, 2, 3)
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
@@ -31,17 +33,17 @@ ENV = {
 }
 
 
-def _free_port() -> str:
-    """torchrun passes --master_port 0 through to the ranks literally (MASTER_PORT=0): pick one here."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _torchrun(args: list[str], log: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        *args,
+    ]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT, timeout=900)
     if proc.returncode != 0:
