@@ -358,3 +358,14 @@ def test_pack_loses_no_tokens():
     stream = [t for d in docs for t in [*d, 0]]
     flat = samples.ravel().tolist()
     assert n_real == len(stream) and flat[:n_real] == stream and flat[n_real:] == [0] * n_pad and n_pad < 64
+
+
+@pytest.mark.slow
+def test_prepare_defaults_meet_the_training_contract(tmp_path):
+    """What training relies on: the defaults give >= 1,500 train and >= 50 validation samples of 256 tokens."""
+    from data_prep.api import prepare
+
+    m = prepare(str(tmp_path / "stdlib"))
+    assert m["seq_len"] == 256 and m["vocab_size"] <= 4096 and m["tokenizer"] == "tokenizer"
+    assert m["splits"]["train"]["num_samples"] >= 1500 and m["splits"]["validation"]["num_samples"] >= 50
+    assert len(open_split(str(tmp_path / "stdlib"), "validation")) == m["splits"]["validation"]["num_samples"]
