@@ -12,6 +12,7 @@ directory is fixed, the requeued job auto-resumes from its latest checkpoint.
 
 from __future__ import annotations
 
+import json
 import shlex
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from launch.spawn import STATUS_FILE
 from ultrascale.config.compose import PROJECT_ROOT, resolve_path
 from ultrascale.errors import ConfigError
 
@@ -129,10 +131,11 @@ def submit_run(cfg: DictConfig, args: list[str], script: str = "train.py") -> st
     """Write the script and, when ``launcher.slurm.submit``, submit it. Returns the job id (None if not submitted)."""
     path = write_sbatch(cfg, args, Path(script).name)
     print(f"wrote {path}", flush=True)
-    if not cfg.launcher.slurm.submit:
+    job = submit(path) if cfg.launcher.slurm.submit else None
+    (path.parent / STATUS_FILE).write_text(json.dumps({"slurm_job": job, "sbatch": str(path)}) + "\n")
+    if job is None:
         print(f"submit with: sbatch {path}", flush=True)
         return None
-    job = submit(path)
     print(f"submitted Slurm job {job}: squeue -j {job}; log {resolve_path(cfg.output_dir) / 'logs'}/slurm-{job}.out")
     return job
 

@@ -80,8 +80,8 @@ def collect(sweep_dir: str | Path) -> list[dict]:
             state = "done"
         elif status.get("returncode", 0) != 0:
             state = f"failed (exit {status['returncode']})"
-        elif (d / "sbatch.sh").exists():
-            state = "submitted"
+        elif "slurm_job" in status:
+            state = f"submitted (Slurm job {status['slurm_job']})" if status["slurm_job"] else "sbatch written"
         else:
             state = "incomplete"
         rows.append(

@@ -17,6 +17,7 @@ from launch.hostfile import main as hostfile_main
 from launch.slurm import render_sbatch
 from launch.spawn import is_driver, launcher_argv
 from launch.sweep import collect, group_name, summarize
+from tests.conftest import check, launch
 from ultrascale.config.compose import PROJECT_ROOT, compose
 from ultrascale.errors import ConfigError
 
@@ -211,3 +212,22 @@ def test_sweep_group_and_summary(tmp_path):
     path, text = summarize(sweep)
     assert path.read_text().splitlines()[0].startswith("job,overrides,status,final_loss")
     assert "1,234.5" in text and "failed (exit 1)" in text
+
+
+def test_slurm_sweep_writes_one_sbatch_per_job(tmp_path):
+    """``-m ... launcher=slurm``: every job its own sbatch script, run dir and wandb group (no Slurm here, so
+    ``launcher.slurm.submit=false`` stops before ``sbatch``)."""
+    sweep = tmp_path / "lr_sweep"
+    args = ["-m", "optim.lr=1e-4,3e-4", "launcher=slurm", "launcher.nnodes=2", "launcher.slurm.submit=false",
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    proc = check(launch(args, launcher="python", timeout=120))
+    for num, lr in [(0, "0.0001"), (1, "0.0003")]:
+        text = (sweep / str(num) / "sbatch.sh").read_text()
+        assert "#SBATCH --nodes=2" in text and f"#SBATCH --output={sweep / str(num)}/logs/slurm-%j.out" in text
+        srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+        assert f"optim.lr={lr}" in srun and "logger.wandb_group=lr_sweep" in srun
+        assert srun.split()[-2:] == [f"output_dir={sweep / str(num)}", "&"]
+        assert subprocess.run(["bash", "-n", str(sweep / str(num) / "sbatch.sh")]).returncode == 0
+    rows = collect(sweep)
+    assert [r["status"] for r in rows] == ["sbatch written", "sbatch written"]
+    assert "sweep summary" in proc.stdout
