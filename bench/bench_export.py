@@ -27,7 +27,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MOD
 ENV.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 
 PROBE = """
-import json, sys, resource
+import json, sys, threading, time
 def status():
     out = {}
     for ln in open('/proc/self/status'):
@@ -40,6 +40,13 @@ from deepspeed.utils import zero_to_fp32
 import ultrascale.export
 from ultrascale.model.build import build_hf_config
 base = status()
+peak_anon = [base['RssAnon']]
+done = threading.Event()
+def watch():  # VmHWM has no anonymous-only twin: sample RssAnon every 5 ms
+    while not done.is_set():
+        peak_anon[0] = max(peak_anon[0], status()['RssAnon'])
+        time.sleep(0.005)
+threading.Thread(target=watch, daemon=True).start()
 which, run_dir, out = sys.argv[1:4]
 if which == 'ultrascale':
     stats = ultrascale.export.export(run_dir, out, dtype='fp32', max_shard_size='1GB')
@@ -48,10 +55,10 @@ else:
     # safe_serialization=True fails on tied embeddings (shared storage) in deepspeed 0.19.8: use torch.save
     zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(run_dir + '/checkpoints', out, max_shard_size='1GB',
                                                             safe_serialization=False, tag=tag)
+done.set()
 end = status()
-size = sum(p.stat().st_size for p in __import__('pathlib').Path(out).glob('*') if p.suffix in ('.safetensors', '.bin'))
 print(json.dumps({'peak_rss_mb': end['VmHWM'], 'baseline_rss_mb': base['VmRSS'],
-                  'growth_mb': end['VmHWM'] - base['VmRSS'], 'weights_mb': size / 2**20}))
+                  'growth_mb': end['VmHWM'] - base['VmRSS'], 'anon_growth_mb': peak_anon[0] - base['RssAnon']}))
 """
 
 
@@ -69,6 +76,15 @@ def train(run_dir: Path, data: Path, stage: int, layers: int, hidden: int) -> No
         raise SystemExit(f"training failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
 
 
+def model_mb(run_dir: Path) -> float:
+    """fp32 model size from the checkpoint's parameter count (the same for both exporters)."""
+    probe = "import sys; from omegaconf import OmegaConf; from ultrascale.model.build import count_params; "
+    probe += "print(count_params(OmegaConf.load(sys.argv[1]).model)['total'])"
+    out = subprocess.run([sys.executable, "-c", probe, str(run_dir / "config.yaml")], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return int(out.stdout.strip().splitlines()[-1]) * 4 / 2**20
+
+
 def measure(which: str, run_dir: Path, out: Path) -> dict:
     proc = subprocess.run([sys.executable, "-c", PROBE, which, str(run_dir), str(out)], cwd=ROOT, env=ENV,
                           capture_output=True, text=True)  # fmt: skip
@@ -82,21 +98,27 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--workdir", type=Path, help="keep (and on a rerun, reuse) the trained runs here")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
-        tmp = Path(tmp)
+        work = args.workdir or Path(tmp)
         for stage in (1, 3):
-            run_dir = tmp / f"zero{stage}"
-            train(run_dir, tmp / "data", stage, args.layers, args.hidden)
+            run_dir = work / f"zero{stage}"
+            if not (run_dir / "checkpoints" / "latest").exists():
+                train(run_dir, work / "data", stage, args.layers, args.hidden)
+            size = model_mb(run_dir)
             for which in ("deepspeed_zero_to_fp32", "ultrascale"):
-                r = measure(which, run_dir, tmp / f"out_{stage}_{which}")
-                rows.append({"zero_stage": stage, "exporter": which, **r})
-    print(f"{'ZeRO':>4}  {'exporter':<24}{'weights MB':>11}{'peak RSS MB':>13}{'growth MB':>11}{'growth/weights':>16}")
+                out = Path(tmp) / f"out_{stage}_{which}"
+                rows.append(
+                    {"zero_stage": stage, "exporter": which, "model_fp32_mb": size, **measure(which, run_dir, out)}
+                )
+    head = f"{'ZeRO':>4}  {'exporter':<24}{'model MB':>9}{'peak RSS MB':>13}{'RSS growth MB':>15}{'anon growth MB':>16}"
+    print(head + f"{'anon/model':>12}")
     for r in rows:
-        ratio = r["growth_mb"] / r["weights_mb"]
-        print(f"{r['zero_stage']:>4}  {r['exporter']:<24}{r['weights_mb']:>11.0f}{r['peak_rss_mb']:>13.0f}"
-              f"{r['growth_mb']:>11.0f}{ratio:>16.2f}")  # fmt: skip
+        print(f"{r['zero_stage']:>4}  {r['exporter']:<24}{r['model_fp32_mb']:>9.0f}{r['peak_rss_mb']:>13.0f}"
+              f"{r['growth_mb']:>15.0f}{r['anon_growth_mb']:>16.0f}{r['anon_growth_mb'] / r['model_fp32_mb']:>12.3f}")  # fmt: skip
+    print("RSS growth includes memory-mapped checkpoint pages (page cache the kernel can drop); anon growth does not.")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
