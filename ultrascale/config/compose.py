@@ -25,7 +25,11 @@ def resolve_path(p: str | Path) -> Path:
     return path if path.is_absolute() else PROJECT_ROOT / path
 
 
-def _one_line(exc: BaseException, overrides: list[str]) -> str:
+HELP_COMMANDS = {"train": "python train.py --help", "eval": "python eval.py --help", "plan": "python plan.py --help",
+                 "data_prep": "python -m data_prep --help"}  # fmt: skip
+
+
+def _one_line(exc: BaseException, overrides: list[str], config_name: str = "train") -> str:
     """Hydra's errors are multi-line and mention HYDRA_FULL_ERROR; users need the key and the fix."""
     msg = str(exc)
     cause = exc.__cause__ or exc.__context__
@@ -35,7 +39,8 @@ def _one_line(exc: BaseException, overrides: list[str]) -> str:
         name = key.group(1) if key else re.search(r"Key '([^']+)'", full).group(1)
         group = name.split(".")[0]
         hint = f" (or add a new key with +{name}=VALUE)" if name.startswith("model.config.") else ""
-        return f"unknown config key {name!r}: check the spelling{hint}; `python train.py --help` lists the keys of {group!r}"
+        helper = HELP_COMMANDS.get(config_name, f"--help of {config_name}")
+        return f"unknown config key {name!r}: check the spelling{hint}; `{helper}` lists the keys of {group!r}"
     m = re.search(r"Could not find '([^']+)'", full)
     if m:
         group = m.group(1).split("/")[0]
@@ -64,7 +69,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=overrides)
     except Exception as e:  # Hydra wraps everything it raises; we only need its message
-        raise ConfigError(_one_line(e, overrides)) from None
+        raise ConfigError(_one_line(e, overrides, config_name)) from None
     finally:
         GlobalHydra.instance().clear()
     return cfg
