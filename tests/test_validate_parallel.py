@@ -102,7 +102,9 @@ def test_valid_layouts_pass_and_build_json(overrides, world, dp):
     topo = validate(cfg, world)
     assert topo.dp == dp
     ds = build_ds_config(cfg, topo)
-    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * dp
+    # with AutoTP, DeepSpeed counts every rank of a tp group as a replica in its batch check
+    replicas = dp * topo.tp
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * replicas
     assert ("tensor_parallel" in ds) == (topo.tp > 1)
     assert ("sequence_parallel_size" in ds) == (topo.sp > 1)
     assert ("expert_parallel" in ds) == (topo.ep > 1)

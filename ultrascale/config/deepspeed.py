@@ -86,7 +86,9 @@ def build_ds_config(cfg: DictConfig, topo: Topology) -> dict[str, Any]:
     mb, gb = int(cfg.data.micro_batch), int(cfg.data.global_batch)
     gas = topo.grad_accum(mb, gb)
     ds: dict[str, Any] = {
-        "train_batch_size": gb,
+        # DeepSpeed 0.19.8 sizes its batch check before AutoTP builds the tp groups, so with tp>1 it counts
+        # every rank of a tp group as a replica: micro * accum * world. The samples per step are still gb.
+        "train_batch_size": gb * topo.tp,
         "train_micro_batch_size_per_gpu": mb,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": float(cfg.optim.grad_clip),

@@ -79,8 +79,12 @@ def deferred_optimizer(optimizer: torch.optim.Optimizer):
     """
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    groups = [dict(g) for g in optimizer.param_groups]
-    klass, defaults = type(optimizer), dict(optimizer.defaults)
+    import inspect
+
+    groups = [dict(g) for g in optimizer.param_groups]  # each group carries its own lr/betas/decay
+    klass = type(optimizer)
+    accepted = set(inspect.signature(klass.__init__).parameters)
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # torch adds internal keys
 
     def factory(params):
         return klass(split_params_into_different_moe_groups_for_optimizer(list(params)), **defaults)

@@ -6,8 +6,9 @@ model's own attention kernel, and all-to-alls back; everything else (MLP, norms,
 token-local. So activation memory per rank falls by sp while the model code stays untouched.
 
 The loss is the piece HF cannot do for us: with only a shard of tokens, a rank's mean cross-entropy is
-not the sample's. We compute each shard's *sum* and token count, gather both over the sp group with
-differentiable collectives, and divide: exactly the full-sequence mean, so sp=2 reproduces the sp=1 run.
+not the sample's. Each rank computes its shard's *sum*; the sp group all-reduces sums and token counts,
+which gives exactly the full-sequence mean to log, so sp=2 reproduces the sp=1 run (see ``sp_loss`` for
+what is backpropagated).
 """
 
 from __future__ import annotations
@@ -62,16 +63,19 @@ def shard(ids: torch.Tensor, sp: int, sp_rank: int) -> tuple[torch.Tensor, torch
     return ids[:, sl].contiguous(), pos[:, sl].contiguous(), labels[:, sl].contiguous()
 
 
-def sp_loss(engine, ids: torch.Tensor, group, sp: int) -> torch.Tensor:
-    """The full-sequence mean next-token loss, from this rank's shard; differentiable through the gather."""
-    from torch.distributed.nn.functional import all_gather
+def sp_loss(engine, ids: torch.Tensor, group, sp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to backpropagate, full-sequence mean loss to log) from this rank's shard.
 
+    DeepSpeed reduces gradients over data-parallel replicas by *averaging* but over the sp ranks of a
+    replica by *summing* (ZeRO divides by dp, not dp*sp). So each rank backpropagates only its own share,
+    shard_sum / total_tokens: the sp ranks' gradients then add up to the gradient of the full-sequence mean.
+    (A differentiable all-gather of the shard losses would count every shard sp times.)
+    """
     local_ids, pos, labels = shard(ids, sp, tdist.get_rank(group))
     logits = engine(input_ids=local_ids, position_ids=pos).logits
     loss_sum = F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
     )
-    count = (labels != -100).sum().to(loss_sum.dtype)
-    sums = all_gather(loss_sum, group=group)
-    counts = all_gather(count, group=group)
-    return torch.stack(sums).sum() / torch.stack(counts).sum()
+    totals = torch.stack([loss_sum.detach(), (labels != -100).sum().to(loss_sum.dtype)])
+    tdist.all_reduce(totals, group=group)
+    return loss_sum / totals[1], totals[0] / totals[1]

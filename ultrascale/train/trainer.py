@@ -149,8 +149,7 @@ class Trainer:
     def _loss(self, ids: torch.Tensor, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to backpropagate, LM loss to log) for one micro-batch (non-pipeline path)."""
         if self.sp_group is not None:
-            loss = sequence.sp_loss(self.engine, ids, self.sp_group, self.topo.sp)
-            return loss, loss
+            return sequence.sp_loss(self.engine, ids, self.sp_group, self.topo.sp)
         out = self.engine(input_ids=ids, labels=ids)
         if self.moe is not None:
             return out.loss, self.moe.observe(out, record=train)

@@ -1,0 +1,121 @@
+"""Each parallelism lever trains on 2 CPU ranks through the real ``train.py`` and computes the right thing.
+
+pp, tp and sp at world 2 all have dp=1, so they read exactly the micro-batches of a 1-rank run: their
+losses must equal its losses (fp32). One reference run serves all three. Resume tests restart from a
+mid-run checkpoint into a fresh run directory and must continue identically.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, check, launch, losses, metrics
+
+pytestmark = pytest.mark.dist
+
+STEPS = 6
+BASE = [*FAST, "model.config.vocab_size=257", f"train.steps={STEPS}"]
+TOL = 1e-4
+
+
+def _run(tiny_data: Path, out: Path, extra: list[str], nproc: int = 2, launcher: str = "torchrun") -> Path:
+    check(launch([*BASE, f"data.path={tiny_data}", f"output_dir={out}", *extra], nproc=nproc, launcher=launcher))
+    return out
+
+
+def _resume_from(run: Path, step: int, out: Path, tiny_data: Path, extra: list[str]) -> dict[int, float]:
+    """Start a fresh run dir from ``run``'s checkpoint at ``step`` and return the continued losses."""
+    tag = f"step_{step:08d}"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run / "checkpoints" / tag, out / "checkpoints" / tag)
+    (out / "checkpoints" / "latest").write_text(tag)
+    _run(tiny_data, out, extra)
+    return losses(out)
+
+
+def _grad_norms(run: Path) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in metrics(run) if "grad_norm" in r}
+
+
+def _assert_close(got: dict[int, float], want: dict[int, float], tol: float, what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    diffs = {s: abs(got[s] - want[s]) for s in want}
+    assert max(diffs.values()) <= tol, f"{what}: |loss - reference| per step {diffs}"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory) -> Path:
+    """The plain 1-rank run (no pipeline, no sharding): what pp/tp/sp must reproduce."""
+    return _run(tiny_data, tmp_path_factory.mktemp("ref") / "run", [], nproc=0, launcher="python")
+
+
+def _matches_reference(run: Path, reference: Path, what: str) -> None:
+    """Same losses and same gradient norms (the norm catches a gradient scaled by a constant, which
+    Adam plus clipping would hide from the loss curve)."""
+    _assert_close(losses(run), losses(reference), TOL, f"{what}: loss")
+    _assert_close(_grad_norms(run), _grad_norms(reference), 1e-3, f"{what}: grad norm")
+
+
+def _falls(curve: dict[int, float]) -> None:
+    assert curve[STEPS] < curve[1] - 0.3, f"loss did not fall: {curve}"
+
+
+def test_pipeline_matches_unpipelined_and_resumes_identically(tiny_data, tmp_path, reference):
+    pp = ["parallel=pp2", "train.checkpoint_interval=3"]
+    run = _run(tiny_data, tmp_path / "pp", pp)
+    curve = losses(run)
+    _falls(curve)
+    _matches_reference(run, reference, "pp=2 vs the unpipelined model on the same micro-batches")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    # each stage saved its own layers
+    layer_files = sorted(p.name for p in (run / "checkpoints" / "step_00000003").glob("layer_*-model_states.pt"))
+    assert layer_files == [f"layer_{i:02d}-model_states.pt" for i in range(6)]  # embed, 4 decoders, norm (head is tied)
+    resumed = _resume_from(run, 3, tmp_path / "pp_resumed", tiny_data, pp)
+    _assert_close({s: resumed[s] for s in (4, 5, 6)}, {s: curve[s] for s in (4, 5, 6)}, 1e-6, "pp resume")
+
+
+def test_tensor_parallel_matches_single_rank(tiny_data, tmp_path, reference):
+    run = _run(tiny_data, tmp_path / "tp", ["parallel=tp2"])
+    curve = losses(run)
+    _falls(curve)
+    _matches_reference(run, reference, "tp=2 vs tp=1")
+    assert "AutoTP tp=2" in (run / "logs" / "rank00000.log").read_text()
+
+
+def test_sequence_parallel_matches_single_rank(tiny_data, tmp_path, reference):
+    run = _run(tiny_data, tmp_path / "sp", ["parallel=sp2"])
+    curve = losses(run)
+    _falls(curve)
+    _matches_reference(run, reference, "sp=2 vs sp=1")
+    assert "each rank holds 32 of 64 tokens" in (run / "logs" / "rank00000.log").read_text()
+
+
+def test_expert_parallel_shards_experts_logs_balance_and_resumes(tiny_data, tmp_path):
+    ep = ["model=tiny_moe", "model.config.vocab_size=257", "parallel=ep2", "train.checkpoint_interval=3"]
+    run = _run(tiny_data, tmp_path / "ep", ep)
+    curve = losses(run)
+    _falls(curve)
+    summary = json.loads((run / "summary.json").read_text())
+    shards = summary["moe_local_experts"]  # per rank: {layer: [global expert ids]}
+    assert len(shards) == 2 and len(shards[0]) == 2, shards  # 2 ranks x 2 MoE layers
+    for layer in shards[0]:
+        mine, theirs = set(shards[0][layer]), set(shards[1][layer])
+        assert len(mine) == len(theirs) == 2 and not mine & theirs, shards  # half of 4 experts each, disjoint
+    assert summary["moe_nonexpert_agree"], summary["moe_nonexpert_digests"]
+    assert summary["moe_expert_digests"][0] != summary["moe_expert_digests"][1]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if "loss" in r)
+    assert row["moe/aux_loss_coef"] == pytest.approx(0.02)
+    assert row["moe/aux_loss"] > 0
+    for layer in (0, 1):
+        shares = [row[f"moe/L{layer}/e{e}"] for e in range(4)]
+        assert sum(shares) == pytest.approx(1.0)
+        assert row[f"moe/L{layer}/max_load"] >= 1.0
+    assert 0.0 <= row["moe/over_capacity_frac"] < 1.0
+    resumed = _resume_from(run, 3, tmp_path / "ep_resumed", tiny_data, ep)
+    _assert_close({s: resumed[s] for s in (4, 5, 6)}, {s: curve[s] for s in (4, 5, 6)}, 1e-6, "ep resume")
