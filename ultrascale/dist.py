@@ -47,11 +47,11 @@ def has_gpu() -> bool:
 def select_accelerator() -> str:
     """Pick DeepSpeed's accelerator + comm backend: CUDA/NCCL on GPUs, CPU/gloo otherwise (logged)."""
     if os.environ.get("DS_ACCELERATOR") == "cpu":
-        note = "accelerator: cpu (DS_ACCELERATOR=cpu set in the environment), comm backend gloo"
+        note = "accelerator: cpu (DS_ACCELERATOR=cpu from the environment), comm backend gloo"
         backend = "gloo"
     elif not has_gpu():
         os.environ["DS_ACCELERATOR"] = "cpu"
-        note = "accelerator: no GPU found, so DS_ACCELERATOR=cpu and comm backend gloo"
+        note = "accelerator: cpu (no GPU found, so DS_ACCELERATOR=cpu), comm backend gloo"
         backend = "gloo"
     else:
         note, backend = "accelerator: cuda, comm backend nccl", "nccl"
