@@ -1,6 +1,6 @@
 """Predicted model-state bytes per rank vs the real DeepSpeed engine's tensors, ZeRO 0-3 on 2 gloo ranks.
 
-All eight scenarios (two model sizes x four stages) share one torchrun launch; the script walks the
+All ten scenarios (two sizes x four stages, plus accumulation at stages 1-2) share one torchrun launch; the script walks the
 engine's partitions and optimizer state (tests/dist_scripts/plan_model_states.py).
 """
 
@@ -58,12 +58,13 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=IDS)
 def test_model_state_bytes_match_engine(measured: dict, scenario: str) -> None:
     cfg = compose(scenario.split())
-    predicted = model_state_bytes(arch_from_cfg(cfg), layout_from_cfg(cfg, world=2))
     for rank in (0, 1):
+        predicted = model_state_bytes(arch_from_cfg(cfg), layout_from_cfg(cfg, world=2), rank=rank)
         row = measured[(scenario, rank)]
         for term in ("params", "grads", "optimizer"):
+            name = "small" if "hidden_size" in scenario else "tiny"
             print(
-                f"PLAN-MS {scenario.split()[0]}{'+' if 'hidden_size' in scenario else ''} zero{cfg.zero.stage} "
-                f"rank{rank} {term} predicted={predicted[term]:.0f} measured={row[term]}"
+                f"PLAN-MS {name} zero{cfg.zero.stage} ga{cfg.data.global_batch // 4} rank{rank} {term} "
+                f"predicted={predicted[term]:.0f} measured={row[term]}"
             )
             assert predicted[term] == pytest.approx(row[term], rel=0.01), term

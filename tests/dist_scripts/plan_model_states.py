@@ -24,25 +24,31 @@ from ultrascale.plan.arch import hf_config, model_key
 
 
 class Tally:
-    """Bytes of distinct tensors, keyed by (address, bytes) so views into one buffer count once each."""
+    """Bytes covered by a set of tensors: the union of their address ranges, so views into one buffer
+    (a flat partition and the per-parameter views of it) count once."""
 
     def __init__(self) -> None:
-        self.seen: set[tuple[int, int]] = set()
-        self.total = 0
+        self.ranges: set[tuple[int, int]] = set()
 
     def add(self, obj: object) -> None:
         if isinstance(obj, torch.Tensor):
-            nbytes = obj.numel() * obj.element_size()
-            key = (obj.data_ptr(), nbytes)
-            if nbytes and key not in self.seen:
-                self.seen.add(key)
-                self.total += nbytes
+            if obj.numel():
+                self.ranges.add((obj.data_ptr(), obj.data_ptr() + obj.numel() * obj.element_size()))
         elif isinstance(obj, (list, tuple)):
             for o in obj:
                 self.add(o)
         elif isinstance(obj, dict):
             for o in obj.values():
                 self.add(o)
+
+    @property
+    def total(self) -> int:
+        total, end = 0, -1
+        for lo, hi in sorted(self.ranges):
+            if hi > end:
+                total += hi - max(lo, end)
+                end = hi
+        return total
 
 
 def measure(engine: deepspeed.DeepSpeedEngine, stage: int) -> dict[str, int]:
@@ -57,6 +63,7 @@ def measure(engine: deepspeed.DeepSpeedEngine, stage: int) -> dict[str, int]:
         optim.add(opt.fp32_groups)
     elif stage in (1, 2):
         grads.add(opt.averaged_gradients)
+        grads.add(getattr(opt, "all_grad_tensors", None))  # stage 2 between accumulation boundaries
         grads.add([p.grad for p in engine.module.parameters() if p.grad is not None])  # stage 1 accumulating
         optim.add(opt.single_partition_of_fp32_groups)
     else:

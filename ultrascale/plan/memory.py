@@ -38,6 +38,7 @@ pipeline stage 0 keeps min(pp, micro_batches) micro-batches in flight (1F1B).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cache
 
 from ultrascale.plan.arch import Arch
 from ultrascale.plan.flops import attention_span
@@ -130,8 +131,9 @@ def zero_group(lay: Layout) -> int:
     return lay.dp * lay.sp
 
 
-def model_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
-    """params / grads / optimizer / step_transient on the device, and host bytes, for one rank."""
+def model_state_bytes(arch: Arch, lay: Layout, rank: int | None = None) -> dict[str, float]:
+    """params / grads / optimizer / step_transient on the device, and host bytes, for ``rank`` of the ZeRO
+    group (None: the heaviest rank)."""
     w = DTYPE_BYTES[lay.dtype]
     dense, expert = rank_params(arch, lay)
     psi = dense + expert
@@ -152,6 +154,8 @@ def model_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
         # Stage 1 reduces only at the accumulation boundary, so with grad_accum > 1 the full 16-bit gradient
         # accumulates in p.grad between boundaries; stage 2/3 reduce every micro-step into the partition.
         grads = w * psi if (st == 1 and lay.grad_accum > 1) else w * shard
+        if st == 2 and lay.grad_accum > 1 and not lay.offload_optimizer:
+            grads += w * partition_overhang(arch.param_sizes, n_dense * lay.tp * lay.pp, rank) / (lay.tp * lay.pp)
         optim = (master + 8) * shard
         transient = 4 * shard if w < 4 else 0.0
     host = 0.0
@@ -163,6 +167,27 @@ def model_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
         host += params
         params = 0.0
     return {"params": params, "grads": grads, "optimizer": optim, "step_transient": transient, "host": host}
+
+
+@cache
+def partition_overhang(sizes: tuple[int, ...], n: int, rank: int | None = None) -> int:
+    """Elements beyond its flat partition that a ZeRO-2 rank accumulates between boundaries.
+
+    Between accumulation boundaries DeepSpeed keeps whole gradients of every parameter that touches the
+    rank's partition, so a parameter straddling a boundary (often the embedding) is held in full by both
+    neighbours. ``sizes`` are in flat-buffer (``model.parameters()``) order."""
+    if n <= 1:
+        return 0
+    part = -(-sum(sizes) // n)
+    over = []
+    for r in range(n) if rank is None else [rank]:
+        lo, hi, pos, held = r * part, (r + 1) * part, 0, 0
+        for size in sizes:
+            if pos < hi and pos + size > lo:
+                held += size
+            pos += size
+        over.append(held - (min(hi, pos) - min(lo, pos)))
+    return max(over)
 
 
 def _persistent_params(arch: Arch, lay: Layout) -> float:

@@ -116,7 +116,7 @@ def plot(path: str | Path, cfg: DictConfig, cands: list[Candidate], top_n: int) 
     ax.set_xticks(range(len(shown)))
     ax.set_xticklabels([_layout_name(c).replace(" ", "\n", 5) for c in shown], fontsize=6)
     ax.set_ylabel("GiB per rank")
-    ax.set_ylim(0, max(cfg.cluster.gpu_memory_gib, max(bottoms)) * 1.2)
+    ax.set_ylim(0, max(cfg.cluster.gpu_memory_gib, max(bottoms)) * 1.45)  # room for labels and legend
     ax.set_title(f"{cfg.model.name} on {cfg.cluster.name}: top {len(shown)} layouts")
     ax.legend(fontsize=7, ncol=4, loc="upper right")
     fig.tight_layout()
