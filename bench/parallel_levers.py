@@ -68,7 +68,7 @@ def main() -> None:
     base = _step_time(tmp, "zero1", common, [])
     rows.append({"lever": "ZeRO-1 dp=2 (baseline)", "model": "tiny", "step_s": base, "vs_baseline": 1.0})
     for name, extra in (("pp=2", ["parallel=pp2"]), ("tp=2", ["parallel=tp2"]), ("sp=2", ["parallel=sp2"])):
-        t = _step_time(tmp, name, common, extra)
+        t = _step_time(tmp, name.replace("=", ""), common, extra)
         rows.append({"lever": f"{name} (dp=1) + ZeRO-1", "model": "tiny", "step_s": t, "vs_baseline": t / base})
     moe_base = _step_time(tmp, "moe_zero1", common, moe)
     rows.append({"lever": "ZeRO-1 dp=2 (baseline)", "model": "tiny_moe", "step_s": moe_base, "vs_baseline": 1.0})
