@@ -77,9 +77,9 @@ def deferred_optimizer(optimizer: torch.optim.Optimizer):
     the HF blocks inside ``deepspeed.initialize``. DeepSpeed calls a callable optimizer with the remapped
     groups at that point; we split them and rebuild the same optimizer class with the same settings.
     """
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
     import inspect
+
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     groups = [dict(g) for g in optimizer.param_groups]  # each group carries its own lr/betas/decay
     klass = type(optimizer)

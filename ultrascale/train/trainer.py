@@ -26,8 +26,8 @@ from ultrascale.model.moe import MoEStats, is_moe
 from ultrascale.model.moe import shard_report as moe_shard_report
 from ultrascale.plan.flops import train_flops_per_token
 from ultrascale.train import checkpoint
-from ultrascale.train.consistency import replicas_agree
 from ultrascale.train.banner import banner, dry_run_report
+from ultrascale.train.consistency import replicas_agree
 from ultrascale.train.engine import build_engine
 from ultrascale.train.loggers import MetricLogger, read_metrics
 from ultrascale.train.metrics import StepTimer, device_peak_flops, memory_gb, throughput
