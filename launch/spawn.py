@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ultrascale.config.compose import PROJECT_ROOT, resolve_path
+from ultrascale.dist import _free_port
 from ultrascale.errors import ConfigError
 
 SPAWNING = ("deepspeed", "torchrun")
@@ -35,12 +35,6 @@ def is_driver(cfg: DictConfig) -> bool:
     if "launcher" not in cfg or cfg.get("dry_run", False) or "WORLD_SIZE" in os.environ:
         return False
     return cfg.launcher.name in (*SPAWNING, "slurm")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exe(name: str) -> str:

@@ -142,3 +142,18 @@ def test_failing_rank_stops_the_job(tiny_data, tmp_path):
     assert "Traceback" in log1.read_text() and "injected failure" in log1.read_text()
     assert "error: torchrun exited with code" in text  # the driver's closing line
     assert not (out / "summary.json").exists()
+
+
+def test_failing_rank_zero_under_deepspeed(tiny_data, tmp_path):
+    """The same under the deepspeed launcher, with rank 0 (the one that logs to the console) failing."""
+    out = tmp_path / "run"
+    args = [*BASE, f"data.path={tiny_data}", f"output_dir={out}"]
+    proc = launch(args, launcher="deepspeed", env={"ULTRASCALE_RAISE_ON_RANK": "0"}, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    log0 = out / "logs" / "rank00000.log"
+    assert (
+        f"error: rank 0 failed: RuntimeError: injected failure on rank 0 at step 0 (ULTRASCALE_RAISE_ON_RANK=0) (traceback in {log0})"
+        in text
+    ), text[-3000:]
+    assert "injected failure" in log0.read_text()
