@@ -95,6 +95,9 @@ def test_parallel_rule_raises_one_clear_error(overrides, world, match):
         (["parallel=sp2", "zero=stage3"], 2, 1),
         (["parallel=ep2", *MOE, "zero=stage2"], 2, 2),
         (["parallel=ep2", *MOE, "zero=stage3"], 4, 4),
+        (["recipe=cpu_smoke", "parallel.pp=2"], 2, 1),
+        (["recipe=cpu_smoke", "parallel.tp=2"], 2, 1),
+        (["recipe=cpu_moe", "parallel.ep=2"], 2, 2),
     ],
 )
 def test_valid_layouts_pass_and_build_json(overrides, world, dp):
