@@ -14,8 +14,13 @@ import torch.distributed as tdist
 
 
 def param_digest(module: torch.nn.Module, zero_stage: int) -> str:
+    """Digest of the replicated parameters. Expert-parallel experts differ per rank by design: skipped."""
+    from deepspeed.moe.utils import is_moe_param
+
     h = hashlib.sha1()
     for name, p in module.named_parameters():
+        if is_moe_param(p):
+            continue
         if zero_stage == 3 and hasattr(p, "ds_id"):
             import deepspeed
 
