@@ -31,7 +31,7 @@ def test_recipe_resolves_to_golden(name):
     topo = validate(cfg, world)
     ds = build_ds_config(cfg, topo)
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * topo.dp
-    assert "\"auto\"" not in json.dumps(ds)  # no "auto" value (the key autoep_size is fine)
+    assert '"auto"' not in json.dumps(ds)  # no "auto" value (the key autoep_size is fine)
     path = GOLDEN / f"{name}.json"
     text = json.dumps(ds, indent=2, sort_keys=True) + "\n"
     if os.environ.get("ULTRASCALE_UPDATE_GOLDEN") == "1":
