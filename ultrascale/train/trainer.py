@@ -199,6 +199,7 @@ class Trainer:
 
             bar = tqdm(total=steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
         tps = []
+        t_first = None  # wall clock after the first step: the loop's true rate includes logging and evals
         for step in range(self.start_step, steps):
             if step == fault and dist.is_rank0():
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -217,6 +218,9 @@ class Trainer:
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
             if cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0 and done != steps:
                 self.save(done)
+            if t_first is None:
+                t_first = time.perf_counter()
+        t_loop = time.perf_counter() - t_first if t_first else 0.0
         if bar:
             bar.close()
         summary = {"steps": steps, "resumed_from": self.start_step}
@@ -234,6 +238,7 @@ class Trainer:
                 final_loss=last["loss"],
                 eval_loss=eval_loss,
                 tokens_per_s=sum(tps) / len(tps) if tps else last["tokens_per_s"],
+                wall_tokens_per_s=self.tokens_per_step * (steps - self.start_step - 1) / t_loop if t_loop else None,
                 mfu=last["mfu"],
                 mem_gb=last["mem_gb"],
             )
