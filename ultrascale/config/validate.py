@@ -30,7 +30,7 @@ def hf_config_keys(model_type: str) -> frozenset[str]:
     from transformers import AutoConfig
 
     try:
-        cfg = AutoConfig.for_model(model_type)
+        cfg = AutoConfig.for_model(model_type, bos_token_id=None, eos_token_id=None)  # defaults may be out of vocab
     except ValueError:
         raise ConfigError(
             f"model.type={model_type!r} is not a transformers model type: use e.g. llama, qwen2, starcoder2, mixtral"
