@@ -7,14 +7,12 @@ engine's partitions and optimizer state (tests/dist_scripts/plan_model_states.py
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from ultrascale.config.compose import PROJECT_ROOT, compose
+from tests.conftest import launch
+from ultrascale.config.compose import compose
 from ultrascale.plan.arch import arch_from_cfg
 from ultrascale.plan.memory import model_state_bytes
 from ultrascale.plan.search import layout_from_cfg
@@ -35,20 +33,7 @@ IDS += ["tiny-zero1-ga2", "tiny-zero2-ga2"]
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict]:
     out = tmp_path_factory.mktemp("plan_ms") / "rows.jsonl"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29531",
-        str(PROJECT_ROOT / "tests/dist_scripts/plan_model_states.py"),
-        str(out),
-        *SCENARIOS,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=PROJECT_ROOT)
+    proc = launch([str(out), *SCENARIOS], script="tests/dist_scripts/plan_model_states.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for r in (0, 1) for line in Path(f"{out}.{r}").read_text().splitlines()]
     return {(row["scenario"], row["rank"]): row for row in rows}
