@@ -37,6 +37,7 @@ from data_prep.filters import quality_reason
 from data_prep.pack import encode_docs, pack
 from data_prep.sources import iter_documents, resolve_input
 from data_prep.tokenizer import EOS, SPECIAL_TOKENS, copy_local, load_dir, load_local, save_hf, train_bpe
+from ultrascale.atomic import atomic_write_text
 from ultrascale.data.shards import MANIFEST, ShardWriter, write_manifest
 from ultrascale.errors import ConfigError, DataError
 
@@ -94,9 +95,7 @@ def _read_jsonl_gz(path: Path) -> list[dict]:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------- map phase

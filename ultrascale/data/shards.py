@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ultrascale.atomic import atomic_write_text
 from ultrascale.errors import DataError
 
 FORMAT = "ultrascale-packed-v1"
@@ -40,15 +41,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 halves disk and page-cache use for vocabularies that fit (StarCoder's 49k does)."""
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ShardWriter:
@@ -112,7 +104,7 @@ def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> Path:
     manifest = {"format": FORMAT, **manifest}
     manifest.setdefault("dtype", token_dtype(manifest["vocab_size"]).name)
     path = Path(out_dir) / MANIFEST
-    _atomic_write_bytes(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return path
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ultrascale import dist
+from ultrascale.atomic import atomic_write_text
 from ultrascale.errors import CheckpointError
 
 log = logging.getLogger("ultrascale")
@@ -32,15 +33,6 @@ UNIVERSAL_SUFFIX = "_universal"
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict:
@@ -72,8 +64,8 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0) -> Path:
     dist.barrier()
     if dist.is_rank0():
         files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*")) if p.is_file()}
-        _atomic_write_text(tag_dir / META, json.dumps({**meta, "step": step, "tag": tag, "files": files}, indent=1))
-        _atomic_write_text(ckpt_dir / LATEST, tag)
+        atomic_write_text(tag_dir / META, json.dumps({**meta, "step": step, "tag": tag, "files": files}, indent=1))
+        atomic_write_text(ckpt_dir / LATEST, tag)
         if keep:
             _prune(ckpt_dir, keep)
     dist.barrier()
