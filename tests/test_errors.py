@@ -75,3 +75,13 @@ def test_help_lists_groups_keys_and_their_docs():
     for text in ("stage3_offload", "recipe ", "dry_run = False", "train.steps = 60", "zero.overlap_comm = True",
                  "Overlap gradient reduction with backward compute"):  # fmt: skip
         assert text in proc.stdout, text
+
+
+def test_tokenizer_larger_than_model_vocab(tiny_data, tmp_path):
+    _one_clean_error(
+        launch(
+            [*FAST, f"data.path={tiny_data}", "model.config.vocab_size=200", f"output_dir={tmp_path / 'run'}"], nproc=0
+        ),
+        "tokenized with 257 tokens",
+        "model.config.vocab_size=200",
+    )

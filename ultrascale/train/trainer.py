@@ -20,8 +20,10 @@ from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.topology import Topology
 from ultrascale.data.loader import StepBatches, eval_batches
 from ultrascale.data.prepare import ensure_prepared
-from ultrascale.data.shards import open_split
+from ultrascale.data.shards import load_manifest, open_split
+from ultrascale.errors import DataError
 from ultrascale.model import sequence
+from ultrascale.model.build import build_hf_config
 from ultrascale.model.moe import MoEStats, is_moe
 from ultrascale.model.moe import shard_report as moe_shard_report
 from ultrascale.plan.flops import train_flops_per_token
@@ -83,11 +85,15 @@ class Trainer:
         self.train_split = open_split(data_path, "train", verify=cfg.data.verify_checksums)
         self.val_split = open_split(data_path, "validation", verify=cfg.data.verify_checksums)
         if self.train_split.seq_len != cfg.data.seq_len:
-            from ultrascale.errors import DataError
-
             raise DataError(
                 f"data.seq_len={cfg.data.seq_len} but {data_path} was packed with seq_len={self.train_split.seq_len}: "
                 f"set data.seq_len={self.train_split.seq_len} or re-run data prep"
+            )
+        data_vocab, model_vocab = int(load_manifest(data_path)["vocab_size"]), build_hf_config(cfg.model).vocab_size
+        if data_vocab > model_vocab:  # token ids past the embedding table would crash deep inside the forward
+            raise DataError(
+                f"{data_path} was tokenized with {data_vocab} tokens but model.config.vocab_size={model_vocab}: "
+                f"set model.config.vocab_size={data_vocab} (or larger) or prepare the data with a smaller tokenizer"
             )
         self.engine, self.info = build_engine(cfg, self.topo, self.ds_config)
         self.dp_rank = tdist.get_rank(self.engine.data_parallel_group) if self.topo.dp > 1 else 0
