@@ -29,6 +29,7 @@ TEST_ENV = {
 os.environ.update(TEST_ENV)
 
 from ultrascale.data.bytecorpus import BYTE_VOCAB, byte_samples, write_byte_dataset  # noqa: E402, F401
+from ultrascale.dist import _free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -68,14 +69,6 @@ def launch(
     else:
         cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), script, *args]
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
