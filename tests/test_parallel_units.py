@@ -55,8 +55,10 @@ def test_pipeline_layers_compute_the_hf_model(model_type, extra, attn):
 
 def test_sequence_shards_keep_every_target():
     """Labels are shifted before slicing: the shard boundary token is still predicted, the last is not."""
+    from ultrascale.data.loader import make_batch
+
     ids = torch.arange(16).reshape(2, 8)
-    parts = [shard(ids, sp=2, sp_rank=r) for r in range(2)]
+    parts = [shard(make_batch(ids.numpy(), None, None, False), sp=2, sp_rank=r) for r in range(2)]
     local = torch.cat([p[0] for p in parts], dim=1)
     pos = torch.cat([p[1] for p in parts], dim=1)
     labels = torch.cat([p[2] for p in parts], dim=1)

@@ -89,11 +89,11 @@ def test_step_batches_cover_each_step_once_for_any_layout(split):
 
 def test_step_batches_are_deterministic_and_wrap_epochs(split):
     b = StepBatches(split, 4, 8, 0, 1, seed=1)
-    assert torch.equal(b.get(5, 1), StepBatches(split, 4, 8, 0, 1, seed=1).get(5, 1))
+    assert torch.equal(b.get(5, 1).input_ids, StepBatches(split, 4, 8, 0, 1, seed=1).get(5, 1).input_ids)
     steps_per_epoch = len(split) // 8
     first_epoch = {int(i) for s in range(steps_per_epoch) for m in range(2) for i in b.indices(s, m)}
     assert len(first_epoch) == steps_per_epoch * 8  # no repeats within an epoch
-    assert b.get(steps_per_epoch + 1, 0).shape == (4, 32)  # keeps going into epoch 2
+    assert b.get(steps_per_epoch + 1, 0).input_ids.shape == (4, 32)  # keeps going into epoch 2
 
 
 def test_eval_batches_equal_count_per_rank(split):

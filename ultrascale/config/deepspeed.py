@@ -93,7 +93,7 @@ def build_ds_config(cfg: DictConfig, topo: Topology) -> dict[str, Any]:
         "gradient_accumulation_steps": gas,
         "gradient_clipping": float(cfg.optim.grad_clip),
         "steps_per_print": 10**9,  # we log ourselves; DeepSpeed's own print is noise
-        "wall_clock_breakdown": False,
+        "wall_clock_breakdown": bool(cfg.train.step_breakdown),  # engine timers feed the step breakdown
         "zero_optimization": _zero_section(cfg.zero),
         "zero_allow_untested_optimizer": True,
         "seed": int(cfg.train.seed),

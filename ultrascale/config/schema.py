@@ -126,6 +126,9 @@ class OptimConfig:
     torch_adam: bool = True
     """Use torch's AdamW inside DeepSpeed instead of JIT-compiling FusedAdam/CPUAdam (minutes on first use).
     Offload always uses DeepSpeedCPUAdam regardless, because that is what makes offload fast."""
+    fused: bool = True
+    """torch AdamW's fused kernel (``fused=True``: one kernel for all parameters instead of a loop of small
+    ops); it exists on CPU and CUDA for fp32/bf16/fp16. Same math as the unfused step."""
     momentum: float = 0.95
     """Muon only: Nesterov momentum."""
     muon_lr: float | None = None
@@ -154,6 +157,12 @@ class DataConfig:
     """Held-out micro-batches per rank per evaluation."""
     verify_checksums: bool = True
     """Check every shard's sha256 against the manifest before training (catches corrupt copies)."""
+    document_masking: bool = True
+    """Padding-free packing done right: position ids restart after every EOS, attention does not cross a
+    document boundary, and a document's first token is not a target. sdpa/eager get a block-diagonal mask
+    from transformers (built from the position ids); flash_attention_2 gets the micro-batch as one row so
+    its varlen kernel sees the boundaries. False trains packed rows as one long text (cross-document
+    attention), which is what most recipe repos do."""
 
 
 @dataclass
@@ -198,6 +207,62 @@ class TrainConfig:
     """Recompute each decoder layer in backward: activation memory drops to ~2·s·b·h per layer, ~30 % more compute."""
     universal_checkpoint: bool = False
     """Load checkpoints in DeepSpeed universal format (resume on a different world size / parallel layout)."""
+    compile: bool = False
+    """``torch.compile`` the model through ``engine.compile()``: fused elementwise kernels, fewer passes over
+    memory. Costs a one-off compile at the first step (logged); pays off on runs longer than a few minutes.
+    Not with parallel.pp>1 (falls back to eager, said in the banner)."""
+    fused_loss: bool = False
+    """Compute the LM loss with a chunked linear cross-entropy (``ultrascale/model/loss.py``): the
+    [tokens, vocab] logits never exist at once, which at a 49k vocabulary is the largest activation of a
+    small model. Same loss and gradients as the plain path. Dense HF decoders with pp=1 and sp=1; MoE models
+    keep the plain path (their forward adds the router loss) and the banner says so."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the fused loss; 0 picks one from the vocabulary size (see ``ultrascale/model/loss.py``)."""
+    step_breakdown: bool = True
+    """Record where each step's time goes (data wait, forward, backward, communication, optimizer) from
+    DeepSpeed's own engine timers (``wall_clock_breakdown``): host clocks on CPU, CUDA events on GPU."""
+    eval_humaneval: int = 0
+    """At every eval_interval also run greedy HumanEval pass@1 on the first N problems on rank 0, in the
+    sandbox (0 = off). Needs a prepared dataset with a tokenizer, zero.stage<=2 and pp=tp=1."""
+    eval_humaneval_max_new_tokens: int = 128
+    """Generation budget per HumanEval completion during training (stop sequences usually end it sooner)."""
+
+
+@dataclass
+class StabilityConfig:
+    """What a run does by itself about a bad step, so a week-long job survives a spike or a NaN unattended.
+
+    Every decision is taken from the all-reduced step loss and grad norm and then all-reduced again, so all
+    ranks act identically. Each event is a row in metrics.jsonl (``event``), a console line, a wandb/TensorBoard
+    point under ``stability/`` and an entry in the report."""
+
+    nonfinite: str = "skip"
+    """A NaN/inf loss or gradient norm: ``skip`` (no optimizer update; the data position still advances),
+    ``rollback`` (reload the last checkpoint and skip the data since it) or ``stop`` (end with an error).
+    The bad update is never applied in any case."""
+    spike: str = "skip"
+    """A loss spike (see spike_zscore): ``none``, ``skip`` (drop this step's update), ``lr_cut`` (apply it with
+    lr x lr_cut_factor and keep the cut for lr_cut_steps) or ``rollback`` (last checkpoint, skip the data
+    window from it to the spike). ``skip`` needs parallel.pp=1 (the pipeline updates inside train_batch)."""
+    spike_zscore: float = 6.0
+    """A step is a spike when its loss exceeds the mean of the recent window by this many standard deviations.
+    One-sided: a loss that falls fast is progress, not a spike."""
+    spike_window: int = 50
+    """Accepted (non-skipped) steps in the moving window of losses the z-score is measured against."""
+    spike_min_history: int = 20
+    """No spike detection until the window holds this many steps (early losses fall too fast to be a baseline)."""
+    spike_min_rel_std: float = 0.02
+    """Floor on the window's standard deviation as a fraction of its mean loss, so a flat stretch of the
+    curve (or a short window) does not turn ordinary noise into a 'spike'."""
+    lr_cut_factor: float = 0.5
+    """``spike=lr_cut``: multiply the scheduled lr by this factor..."""
+    lr_cut_steps: int = 100
+    """...for this many steps after the spike."""
+    max_consecutive: int = 5
+    """End the run with an error after this many bad steps in a row (skips and rollbacks without a clean
+    step between them): something is persistently broken and a human should look."""
+    max_rollbacks: int = 10
+    """End the run with an error after this many rollbacks in total."""
 
 
 @dataclass
@@ -304,6 +369,7 @@ class RootConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     output_dir: str = MISSING
     """Run directory: config, metrics, checkpoints and logs. Re-running with the same one auto-resumes."""

@@ -6,24 +6,93 @@ contiguous range [step*G, (step+1)*G) of a per-epoch permutation (G = global bat
 micro-steps and data-parallel ranks. The set of samples per step is therefore the same for any
 (dp, grad-accum) layout with the same G, which is what lets a universal checkpoint resume on a
 different world size and still see exactly the data it would have seen.
+
+Packed rows hold several documents joined by EOS. With document masking (the default) each
+document is trained as if it were alone: position ids restart after every EOS, attention does not
+cross a document boundary, and the first token of a document is not a target (nothing in its own
+document predicts it). That is padding-free packing: no compute is spent on pad tokens, and no
+token learns from an unrelated file that happened to precede it in the row.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ultrascale.data.shards import SplitReader
 
+IGNORE = -100
+"""Label value for 'not a target' (HF's and torch's cross-entropy ignore_index)."""
+
+
+@dataclass
+class Batch:
+    """One micro-batch as the model consumes it (HF conventions: labels are unshifted, -100 = no target)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Keyword arguments for an HF causal LM (and a DeepSpeed engine wrapping one)."""
+        kw = {"input_ids": self.input_ids, "labels": self.labels}
+        if self.position_ids is not None:
+            kw["position_ids"] = self.position_ids
+        return kw
+
+    def flattened(self) -> Batch:
+        """The micro-batch as one [1, b*s] row: what varlen FlashAttention needs to see document boundaries.
+
+        HF's flash-attention path derives cu_seqlens from position ids only when the batch has one row;
+        with several rows it would run plain causal attention across documents.
+        """
+        flat = [None if t is None else t.reshape(1, -1) for t in (self.input_ids, self.labels, self.position_ids)]
+        return Batch(*flat)
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.labels[:, 1:] != IGNORE).sum())
+
+
+def make_batch(ids: np.ndarray, loss_mask: np.ndarray | None, eos_id: int | None, document_masking: bool) -> Batch:
+    """Labels and position ids for packed rows ``ids`` [b, s] (int64)."""
+    input_ids = torch.from_numpy(ids)
+    labels = input_ids.clone()
+    if loss_mask is not None:
+        labels[~torch.from_numpy(loss_mask)] = IGNORE
+    if not document_masking or eos_id is None:
+        return Batch(input_ids, labels)
+    b, s = input_ids.shape
+    idx = torch.arange(s).expand(b, s)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eos_id  # a document starts right after an EOS
+    last_start = torch.where(starts, idx, 0).cummax(dim=1).values
+    labels[starts] = IGNORE
+    return Batch(input_ids, labels, (idx - last_start).contiguous())
+
 
 class StepBatches:
-    def __init__(self, reader: SplitReader, micro_batch: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(
+        self,
+        reader: SplitReader,
+        micro_batch: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        eos_id: int | None = None,
+        document_masking: bool = False,
+    ):
         self.reader = reader
         self.mb = micro_batch
         self.gb = global_batch
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
+        self.eos_id = eos_id
+        self.document_masking = document_masking
         self.n = len(reader)
         self._perms: dict[int, np.ndarray] = {}
 
@@ -44,18 +113,28 @@ class StepBatches:
         pos = self.positions(step, micro)
         return np.array([self._perm(int(p // self.n))[p % self.n] for p in pos], dtype=np.int64)
 
-    def get(self, step: int, micro: int) -> torch.Tensor:
-        return torch.from_numpy(self.reader.get(self.indices(step, micro)))
+    def get(self, step: int, micro: int) -> Batch:
+        idx = self.indices(step, micro)
+        return make_batch(self.reader.get(idx), self.reader.get_loss_mask(idx), self.eos_id, self.document_masking)
 
     def epoch(self, step: int) -> float:
         return step * self.gb / self.n
 
 
-def eval_batches(reader: SplitReader, micro_batch: int, num_batches: int, dp_rank: int, dp_size: int):
+def eval_batches(
+    reader: SplitReader,
+    micro_batch: int,
+    num_batches: int,
+    dp_rank: int,
+    dp_size: int,
+    eos_id: int | None = None,
+    document_masking: bool = False,
+):
     """The same held-out samples at every evaluation (first ones in file order), split over ranks."""
     # Every rank must run the same number of forwards (ZeRO-3 gathers weights collectively in forward).
     batches = min(num_batches, len(reader) // (micro_batch * dp_size))
     total = batches * micro_batch * dp_size
     mine = np.arange(dp_rank, total, dp_size, dtype=np.int64)
     for i in range(0, len(mine), micro_batch):
-        yield torch.from_numpy(reader.get(mine[i : i + micro_batch]))
+        idx = mine[i : i + micro_batch]
+        yield make_batch(reader.get(idx), reader.get_loss_mask(idx), eos_id, document_masking)

@@ -5,7 +5,12 @@ A prepared dataset is a directory::
     manifest.json                 format, seq_len, dtype, tokenizer path, per-split shard list + sha256
     tokenizer/                    an HF tokenizer directory (AutoTokenizer loads it)
     train/shard_00000.npy ...     uint16/uint32 arrays of shape [num_samples, seq_len]
+    train/mask_00000.npy ...      optional: bool [num_samples, seq_len] loss masks (True = a training target)
     validation/shard_00000.npy
+
+Loss masks exist for supervised data (prompt + completion), where the prompt must be read but not
+learned; pretraining corpora have none and every token is a target. A shard's mask is listed in its
+manifest entry (``loss_mask``) with its own sha256, so it is verified and versioned with the tokens.
 
 Samples are already packed (documents joined with EOS) and globally shuffled, so the reader can be a
 memory-map and an index: no tokenization, no worker processes, nothing to keep in sync on resume.
@@ -60,26 +65,38 @@ class ShardWriter:
         self.samples_per_shard = samples_per_shard
         (self.root / split).mkdir(parents=True, exist_ok=True)
         self._buf: list[np.ndarray] = []
+        self._mask_buf: list[np.ndarray] = []
         self._buffered = 0
+        self._masked: bool | None = None  # decided by the first add(): a split is all masked or all unmasked
         self.shards: list[dict] = []
 
-    def add(self, samples: np.ndarray) -> None:
+    def add(self, samples: np.ndarray, loss_mask: np.ndarray | None = None) -> None:
         samples = np.asarray(samples)
         if samples.ndim != 2 or samples.shape[1] != self.seq_len:
             raise ValueError(f"samples must be [n, {self.seq_len}], got {list(samples.shape)}")
+        if loss_mask is not None:
+            loss_mask = np.asarray(loss_mask, dtype=bool)
+            if loss_mask.shape != samples.shape:
+                raise ValueError(
+                    f"loss_mask must have the samples' shape {list(samples.shape)}, got {list(loss_mask.shape)}"
+                )
+        if self._masked is None:
+            self._masked = loss_mask is not None
+        elif self._masked != (loss_mask is not None):
+            raise ValueError(f"split {self.split!r}: give a loss_mask with every add() or with none")
         while len(samples):
             take = min(len(samples), self.samples_per_shard - self._buffered)
             self._buf.append(samples[:take].astype(self.dtype, copy=False))
+            if loss_mask is not None:
+                self._mask_buf.append(loss_mask[:take])
+                loss_mask = loss_mask[take:]
             self._buffered += take
             samples = samples[take:]
             if self._buffered == self.samples_per_shard:
                 self._flush()
 
-    def _flush(self) -> None:
-        if not self._buffered:
-            return
-        arr = np.concatenate(self._buf, axis=0)
-        rel = f"{self.split}/shard_{len(self.shards):05d}.npy"
+    def _save(self, rel: str, arr: np.ndarray) -> str:
+        """Write one array atomically (temp name, fsync, rename); returns its sha256."""
         path = self.root / rel
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -87,8 +104,20 @@ class ShardWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        self.shards.append({"path": rel, "num_samples": int(arr.shape[0]), "sha256": sha256_file(path)})
-        self._buf, self._buffered = [], 0
+        return sha256_file(path)
+
+    def _flush(self) -> None:
+        if not self._buffered:
+            return
+        arr = np.concatenate(self._buf, axis=0)
+        idx = len(self.shards)
+        entry: dict = {"path": f"{self.split}/shard_{idx:05d}.npy", "num_samples": int(arr.shape[0])}
+        if self._masked:  # the mask lands first: a shard entry never points at a missing mask
+            mrel = f"{self.split}/mask_{idx:05d}.npy"
+            entry["loss_mask"] = {"path": mrel, "sha256": self._save(mrel, np.concatenate(self._mask_buf, axis=0))}
+        entry["sha256"] = self._save(entry["path"], arr)
+        self.shards.append(entry)
+        self._buf, self._mask_buf, self._buffered = [], [], 0
 
     def close(self) -> dict:
         self._flush()
@@ -117,13 +146,18 @@ def write_samples(
     eos_token_id: int,
     tokenizer: str,
     extra: dict | None = None,
+    loss_masks: dict[str, Iterable[np.ndarray]] | None = None,
 ) -> dict:
-    """Write whole splits and the manifest in one call (tests and small corpora)."""
+    """Write whole splits and the manifest in one call (tests, small corpora, supervised sets).
+
+    ``loss_masks[split]``, if given, yields bool arrays parallel to ``splits[split]`` (True = a target).
+    """
     entries = {}
     for split, chunks in splits.items():
         w = ShardWriter(out_dir, split, seq_len, vocab_size)
+        masks = iter(loss_masks[split]) if loss_masks and split in loss_masks else None
         for c in chunks:
-            w.add(c)
+            w.add(c, next(masks) if masks is not None else None)
         entries[split] = w.close()
     manifest = {
         "seq_len": seq_len,
@@ -146,17 +180,29 @@ class SplitReader:
     seq_len: int
     arrays: list[np.ndarray]
     offsets: np.ndarray  # cumulative sample counts, len(arrays)+1
+    masks: list[np.ndarray] | None = None  # loss masks parallel to ``arrays`` (supervised data only)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def get(self, indices: np.ndarray) -> np.ndarray:
-        """Gather samples by global index into one int64 array [len(indices), seq_len]."""
-        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+    @property
+    def has_loss_mask(self) -> bool:
+        return self.masks is not None
+
+    def _gather(self, arrays: list[np.ndarray], indices: np.ndarray, dtype) -> np.ndarray:
+        out = np.empty((len(indices), self.seq_len), dtype=dtype)
         shard_ids = np.searchsorted(self.offsets, indices, side="right") - 1
         for i, (g, s) in enumerate(zip(indices, shard_ids)):
-            out[i] = self.arrays[s][g - self.offsets[s]]
+            out[i] = arrays[s][g - self.offsets[s]]
         return out
+
+    def get(self, indices: np.ndarray) -> np.ndarray:
+        """Gather samples by global index into one int64 array [len(indices), seq_len]."""
+        return self._gather(self.arrays, indices, np.int64)
+
+    def get_loss_mask(self, indices: np.ndarray) -> np.ndarray | None:
+        """The samples' loss masks (bool [len(indices), seq_len]; True = a target), or None if unmasked."""
+        return None if self.masks is None else self._gather(self.masks, indices, bool)
 
 
 def load_manifest(path: str | os.PathLike) -> dict:
@@ -187,28 +233,35 @@ def open_split(path: str | os.PathLike, split: str, verify: bool = True) -> Spli
     if split not in manifest["splits"]:
         raise DataError(f"{root / MANIFEST} has no split {split!r} (has: {sorted(manifest['splits'])})")
     seq_len = int(manifest["seq_len"])
-    arrays, counts = [], [0]
-    for shard in manifest["splits"][split]["shards"]:
-        spath = root / shard["path"]
-        if not spath.exists():
-            raise DataError(f"shard {spath} listed in the manifest is missing: re-run data prep for {root}")
-        if verify and sha256_file(spath) != shard["sha256"]:
-            raise DataError(
-                f"shard {spath} is corrupt (sha256 differs from manifest.json): re-run data prep for {root}"
-            )
-        try:
-            arr = np.load(spath, mmap_mode="r")
-        except (ValueError, OSError, EOFError) as e:
-            raise DataError(
-                f"shard {spath} is truncated or not a .npy file ({e}): re-run data prep for {root}"
-            ) from None
-        if arr.ndim != 2 or arr.shape[1] != seq_len or arr.shape[0] != shard["num_samples"]:
-            raise DataError(
-                f"shard {spath} has shape {list(arr.shape)}, manifest says [{shard['num_samples']}, {seq_len}]: "
-                f"re-run data prep for {root}"
-            )
+    shards = manifest["splits"][split]["shards"]
+    arrays, masks, counts = [], [], [0]
+    for shard in shards:
+        arr = _load_array(root, shard["path"], shard["sha256"], verify, [shard["num_samples"], seq_len])
         arrays.append(arr)
         counts.append(counts[-1] + arr.shape[0])
+        if "loss_mask" in shard:
+            m = shard["loss_mask"]
+            masks.append(_load_array(root, m["path"], m["sha256"], verify, [shard["num_samples"], seq_len]))
     if counts[-1] == 0:
         raise DataError(f"split {split!r} in {root} has no samples: the corpus is too small for seq_len={seq_len}")
-    return SplitReader(root, split, seq_len, arrays, np.asarray(counts, dtype=np.int64))
+    if masks and len(masks) != len(arrays):
+        raise DataError(f"{root / MANIFEST}: only some shards of split {split!r} have a loss_mask: re-run data prep")
+    return SplitReader(root, split, seq_len, arrays, np.asarray(counts, dtype=np.int64), masks or None)
+
+
+def _load_array(root: Path, rel: str, sha256: str, verify: bool, shape: list[int]) -> np.ndarray:
+    """Memory-map one shard (or mask) file, checking presence, checksum and shape against the manifest."""
+    spath = root / rel
+    if not spath.exists():
+        raise DataError(f"shard {spath} listed in the manifest is missing: re-run data prep for {root}")
+    if verify and sha256_file(spath) != sha256:
+        raise DataError(f"shard {spath} is corrupt (sha256 differs from manifest.json): re-run data prep for {root}")
+    try:
+        arr = np.load(spath, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as e:
+        raise DataError(f"shard {spath} is truncated or not a .npy file ({e}): re-run data prep for {root}") from None
+    if list(arr.shape) != shape:
+        raise DataError(
+            f"shard {spath} has shape {list(arr.shape)}, manifest says {shape}: re-run data prep for {root}"
+        )
+    return arr

@@ -47,11 +47,15 @@ class EmbedPipe(nn.Module):
         self.embed_tokens = embed_tokens
         self.dropout = dropout
 
-    def forward(self, ids: torch.Tensor):
+    def forward(self, inputs):
+        """``ids`` or ``(ids, position_ids)``: packed documents bring position ids that restart at each one,
+        and the decoder layers then build the block-diagonal mask from them (see ``_mask_for``)."""
+        ids, pos = inputs if isinstance(inputs, tuple) else (inputs, None)
         hidden = self.embed_tokens(ids)
         if self.dropout:
             hidden = F.dropout(hidden, p=self.dropout, training=self.training)
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1).contiguous()
+        if pos is None:
+            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1).contiguous()
         return hidden, pos
 
 

@@ -49,21 +49,26 @@ def sp_group():
     return parallel_state_sp.get_sequence_parallel_group()
 
 
-def shard(ids: torch.Tensor, sp: int, sp_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input ids, position ids, next-token labels) of this rank's s/sp slice.
+def shard(batch, sp: int, sp_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, position ids, next-token labels) of this rank's s/sp slice of a ``Batch``.
 
     Labels are shifted on the *full* sequence before slicing, so the token at a shard boundary is still
-    predicted (by the previous shard's last position); the final position has no target (-100).
+    predicted (by the previous shard's last position); the final position has no target (-100). Position
+    ids come from the batch (they restart at document boundaries when document masking is on), because
+    Ulysses all-gathers them to rebuild the full sequence's rotary positions.
     """
+    ids = batch.input_ids
     b, s = ids.shape
-    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
-    pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
+    labels = F.pad(batch.labels[:, 1:], (0, 1), value=-100)
+    pos = batch.position_ids
+    if pos is None:
+        pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
     chunk = s // sp
     sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
     return ids[:, sl].contiguous(), pos[:, sl].contiguous(), labels[:, sl].contiguous()
 
 
-def sp_loss(engine, ids: torch.Tensor, group, sp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sp_loss(engine, batch, group, sp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to backpropagate, full-sequence mean loss to log) from this rank's shard.
 
     DeepSpeed reduces gradients over data-parallel replicas by *averaging* but over the sp ranks of a
@@ -71,7 +76,7 @@ def sp_loss(engine, ids: torch.Tensor, group, sp: int) -> tuple[torch.Tensor, to
     shard_sum / total_tokens: the sp ranks' gradients then add up to the gradient of the full-sequence mean.
     (A differentiable all-gather of the shard losses would count every shard sp times.)
     """
-    local_ids, pos, labels = shard(ids, sp, tdist.get_rank(group))
+    local_ids, pos, labels = shard(batch, sp, tdist.get_rank(group))
     logits = engine(input_ids=local_ids, position_ids=pos).logits
     loss_sum = F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"

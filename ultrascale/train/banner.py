@@ -28,6 +28,23 @@ def _zero_line(cfg: DictConfig) -> str:
     return f"ZeRO-{z.stage}" + (f" ({', '.join(extras)})" if extras else "")
 
 
+def document_masking(cfg: DictConfig, topo: Topology) -> tuple[bool, str]:
+    """(on?, what it does here): Ulysses discards 4-D masks, so with sp>1 only flash attention keeps documents apart."""
+    if not cfg.data.document_masking:
+        return False, "off: packed rows are one text (data.document_masking=false)"
+    attn = str(cfg.model.attn_implementation)
+    if topo.sp > 1 and not attn.startswith("flash"):
+        return False, f"off: Ulysses sp={topo.sp} drops {attn} masks (use flash_attention_2 for it)"
+    how = "varlen kernel, micro-batch as one row" if attn.startswith("flash") else f"{attn} block-diagonal mask"
+    return True, f"on: positions restart at EOS, no cross-document attention ({how})"
+
+
+def _stability_line(cfg: DictConfig) -> str:
+    st = cfg.stability
+    spike = "off" if st.spike == "none" else f"{st.spike} at z>{st.spike_zscore:g} (window {st.spike_window})"
+    return f"non-finite -> {st.nonfinite}, spike -> {spike}, stop after {st.max_consecutive} bad steps in a row"
+
+
 def banner(
     cfg: DictConfig, topo: Topology, ds_config: dict, info, tokens_per_step: int, peak_src: str, out: Path
 ) -> str:
@@ -43,6 +60,9 @@ def banner(
         f"  optimizer  {info.optimizer}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
         f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}; MFU peak from {peak_src}",
+        f"  packing    document masking {document_masking(cfg, topo)[1]}",
+        f"  stability  {_stability_line(cfg)}",
+        f"  timing     step breakdown {'on (DeepSpeed engine timers)' if cfg.train.step_breakdown else 'off'}",
         f"  output     {out}  (config.yaml, ds_config.json, metrics.jsonl, checkpoints/, logs/)",
     ]
     for k, v in info.extras.items():

@@ -52,14 +52,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0) -> Path:
-    """Collective: every rank calls it. Returns the tag directory once it is complete and pointed to."""
+def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0, client: dict | None = None) -> Path:
+    """Collective: every rank calls it. Returns the tag directory once it is complete and pointed to.
+
+    ``client`` is trainer state that must travel with the weights (the data offset after a rollback, the
+    stability counters); :func:`load` returns it.
+    """
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
     if dist.is_rank0() and tag_dir.exists():  # a leftover partial save of the same step
         shutil.rmtree(tag_dir)
     dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**(client or {}), "step": step}, save_latest=False)
     torch.save(rng_state(), tag_dir / f"rng_state_rank{dist.rank():05d}.pt")
     dist.barrier()
     if dist.is_rank0():
@@ -144,18 +148,24 @@ def find_resume(ckpt_dir: Path, resume: str, universal: bool) -> Path | None:
     return target
 
 
-def load(engine, tag_dir: Path, same_world: bool) -> int:
-    """Collective. Loads weights, optimizer, scheduler; restores this rank's RNG. Returns the step."""
+def load(engine, tag_dir: Path, same_world: bool) -> tuple[int, dict]:
+    """Collective. Loads weights and optimizer; restores this rank's RNG. Returns (step, client state)."""
     path, client = engine.load_checkpoint(
-        str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True, load_lr_scheduler_states=False
     )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {tag_dir}: see the rank logs")
-    step = int((client or {}).get("step", 0)) or int(json.loads((_meta_dir(tag_dir) / META).read_text())["step"])
+    client = dict(client or {})
+    step = int(client.get("step", 0)) or int(read_meta(tag_dir)["step"])
     rng = _meta_dir(tag_dir) / f"rng_state_rank{dist.rank():05d}.pt"
     if same_world and rng.exists():
         set_rng_state(torch.load(rng, weights_only=False))
-    return step
+    return step, client
+
+
+def read_meta(tag_dir: Path) -> dict:
+    """The ``ultrascale_meta.json`` of a checkpoint (also for its universal twin)."""
+    return json.loads((_meta_dir(tag_dir) / META).read_text())
 
 
 def _meta_dir(tag_dir: Path) -> Path:

@@ -10,7 +10,8 @@ from omegaconf import DictConfig
 
 from ultrascale.config.topology import Topology
 from ultrascale.model.build import build_hf_config, build_model
-from ultrascale.train.optim import build_optimizer, build_scheduler, param_groups
+from ultrascale.train.optim import build_optimizer, param_groups
+from ultrascale.train.stability import StepGate
 
 log = logging.getLogger("ultrascale")
 
@@ -22,6 +23,8 @@ class EngineInfo:
     hf_config: object
     n_params: int
     optimizer: str
+    gate: StepGate | None = None
+    fused_loss: bool = False
     extras: dict = field(default_factory=dict)
 
 
@@ -51,10 +54,11 @@ def build_engine(cfg: DictConfig, topo: Topology, ds_config: dict):
     model, mpu, extras = _wrap_for_parallel(model, cfg, topo)
     if cfg.train.activation_checkpointing and topo.pp == 1:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fused_loss, extras["loss"] = _install_loss(model, cfg, topo)
 
     optimizer = build_optimizer(model, cfg)
     if optimizer is not None:
-        opt_name = "AdamW (torch, no decay on norms/biases)"
+        opt_name = f"AdamW (torch{', fused' if cfg.optim.fused else ''}, no decay on norms/biases)"
         params = None
         if topo.ep > 1:  # build it after AutoEP, with the expert params in their own groups
             from ultrascale.model.moe import deferred_optimizer
@@ -65,19 +69,51 @@ def build_engine(cfg: DictConfig, topo: Topology, ds_config: dict):
         opt_name = f"{ds_config['optimizer']['type']} (DeepSpeed{', CPU offload' if cfg.zero.offload_optimizer != 'none' else ''})"
         params = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_embeddings)
 
+    # No lr_scheduler: the trainer sets each step's lr from the step number (optim.apply_lr).
     engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        model_parameters=params,
-        lr_scheduler=lambda opt: build_scheduler(opt, cfg),
-        config=ds_config,
-        mpu=mpu,
+        model=model, optimizer=optimizer, model_parameters=params, config=ds_config, mpu=mpu
     )
+    gate = StepGate(engine.basic_optimizer or engine.optimizer)
     if topo.pp > 1:
         from ultrascale.model.pipeline import stage_summary
 
         extras["pipeline"] = stage_summary(engine)
-    return engine, EngineInfo(hf_config=hf, n_params=n_params, optimizer=opt_name, extras=extras)
+    extras["compile"] = _compile(engine, cfg, topo)
+    return engine, EngineInfo(hf, n_params, opt_name, gate=gate, fused_loss=fused_loss, extras=extras)
+
+
+def _install_loss(model, cfg: DictConfig, topo: Topology) -> tuple[bool, str]:
+    """(installed?, banner line): the chunked linear cross-entropy where it computes the same loss."""
+    if not cfg.train.fused_loss:
+        return False, "plain HF cross-entropy (train.fused_loss=false)"
+    why_not = None
+    if topo.pp > 1:
+        why_not = "the pipeline's last stage computes its own loss"
+    elif topo.sp > 1:
+        why_not = "sequence parallelism sums per-shard losses itself"
+    elif topo.tp > 1:
+        why_not = "AutoTP shards the LM head"
+    if why_not:
+        return False, f"plain HF cross-entropy ({why_not})"
+    from ultrascale.model.loss import install_fused_loss
+
+    try:
+        installed = install_fused_loss(model, chunk_tokens=int(cfg.train.loss_chunk_tokens) or None)
+    except ValueError as e:  # a model whose logits are not a plain linear head (soft-capping, MoE aux loss)
+        return False, f"plain HF cross-entropy ({e})"
+    if installed is False:
+        return False, "plain HF cross-entropy (MoE: the forward adds the router loss)"
+    return True, "chunked linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)"
+
+
+def _compile(engine, cfg: DictConfig, topo: Topology) -> str:
+    """torch.compile the module via DeepSpeed; the compile itself happens at the first forward."""
+    if not cfg.train.compile:
+        return "off (train.compile=false)"
+    if topo.pp > 1:
+        return "off (not with the pipeline engine)"
+    engine.compile()
+    return "torch.compile (inductor) at the first step"
 
 
 def _wrap_for_parallel(model, cfg: DictConfig, topo: Topology):

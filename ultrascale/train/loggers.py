@@ -1,6 +1,11 @@
-"""Fan-out of per-step metrics to metrics.jsonl, the console, TensorBoard and wandb (rank 0 only).
+"""Fan-out of per-step metrics and events to metrics.jsonl, the console, TensorBoard and wandb (rank 0 only).
 
-metrics.jsonl is the source of truth (plots, sweeps and tests read it); the others are views.
+metrics.jsonl is the source of truth (plots, the comb report, sweeps and tests read it); the others are
+views. Its rows are either step rows (loss, lr, throughput and the step-time breakdown) or event rows
+with an ``event`` key (eval, checkpoint, skip, lr_cut, rollback, stop, resume); every row has ``step`` and
+``time_s`` (seconds since this process started the run). On wandb and TensorBoard the same numbers are
+grouped by what they answer: ``train/`` (is it learning), ``eval/`` (does it generalise), ``perf/`` (is the
+hardware busy) and ``stability/`` (is the run healthy).
 """
 
 from __future__ import annotations
@@ -8,13 +13,31 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("ultrascale")
 
-CONSOLE_KEYS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "mem_gb", "data_wait")
+CONSOLE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "mem_gb", "data_wait")
+PERF_KEYS = {"tokens_per_s", "tflops", "mfu", "mem_gb", "step_s", "data_wait_s", "fwd_s", "bwd_s", "comm_s",
+             "opt_s", "other_s", "data_wait", "checkpoint_s"}  # fmt: skip
+EVAL_KEYS = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl", "eval_s": "eval/seconds"}
+STABILITY_EVENTS = ("skip", "lr_cut", "rollback", "stop")
+
+
+def dashboard_key(key: str) -> str:
+    """The wandb/TensorBoard name of a metrics.jsonl key."""
+    if "/" in key:
+        return key
+    if key in EVAL_KEYS:
+        return EVAL_KEYS[key]
+    if key.startswith("humaneval"):
+        return f"eval/{key}"
+    if key in PERF_KEYS:
+        return f"perf/{key}"
+    return f"train/{key}"
 
 
 def _fmt(k: str, v: float) -> str:
@@ -28,13 +51,14 @@ def _fmt(k: str, v: float) -> str:
 
 
 class MetricLogger:
-    def __init__(self, cfg: DictConfig, out_dir: Path, enabled: bool):
+    def __init__(self, cfg: DictConfig, out_dir: Path, enabled: bool, ds_config: dict | None = None):
         self.enabled = enabled
         self.cfg = cfg.logger
         self.jsonl = None
         self.tb = None
         self.wandb_run = None
-        self.history: list[dict] = []
+        self.t0 = time.perf_counter()
+        self.counts = dict.fromkeys(STABILITY_EVENTS, 0)
         if not enabled:
             return
         self.jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
@@ -46,6 +70,8 @@ class MetricLogger:
             import wandb
 
             os.environ.setdefault("WANDB_MODE", self.cfg.wandb_mode)
+            config = OmegaConf.to_container(cfg, resolve=True)
+            config["deepspeed"] = ds_config or {}
             self.wandb_run = wandb.init(
                 project=self.cfg.wandb_project,
                 entity=self.cfg.wandb_entity,
@@ -53,26 +79,49 @@ class MetricLogger:
                 name=self.cfg.run_name or out_dir.name,
                 dir=str(out_dir),
                 mode=self.cfg.wandb_mode,
-                config=OmegaConf.to_container(cfg, resolve=True),
+                config=config,
                 resume="allow",
                 id=_wandb_id(out_dir),
             )
 
+    def _write(self, step: int, fields: dict) -> dict:
+        row = {"step": step, "time_s": round(time.perf_counter() - self.t0, 4), **fields}
+        self.jsonl.write(json.dumps(row) + "\n")
+        return row
+
+    def _scalars(self, step: int, values: dict) -> None:
+        if self.tb:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb_run and values:
+            self.wandb_run.log(values, step=step)
+
     def log(self, step: int, metrics: dict, console: bool = True) -> None:
+        """A step row: numbers only."""
         if not self.enabled:
             return
-        row = {"step": step, **{k: float(v) for k, v in metrics.items() if v is not None}}
-        self.history.append(row)
-        self.jsonl.write(json.dumps(row) + "\n")
-        if self.tb:
-            for k, v in row.items():
-                if k != "step":
-                    self.tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
-        if self.wandb_run:
-            self.wandb_run.log({k if "/" in k else f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
+        row = self._write(step, {k: float(v) for k, v in metrics.items() if v is not None})
+        self._scalars(step, {dashboard_key(k): v for k, v in row.items() if k not in ("step", "time_s")})
         if console and self.cfg.console:
             parts = [_fmt(k, row[k]) for k in CONSOLE_KEYS if k in row]
             log.info(f"step {step:>6} | " + " | ".join(parts))
+
+    def event(self, step: int, kind: str, console: bool = True, **fields) -> None:
+        """An event row (eval, checkpoint, skip, lr_cut, rollback, stop, resume)."""
+        if not self.enabled:
+            return
+        fields = {k: v for k, v in fields.items() if v is not None}
+        self._write(step, {"event": kind, **fields})
+        nums = {k: float(v) for k, v in fields.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        numbers = {dashboard_key(k): v for k, v in nums.items()}
+        if kind in STABILITY_EVENTS:
+            self.counts[kind] += 1
+            numbers = {f"stability/{kind}_{k}": v for k, v in nums.items()}
+            numbers.update({f"stability/{k}s": float(n) for k, n in self.counts.items()})
+        self._scalars(step, numbers)
+        if console and self.cfg.console:
+            detail = ", ".join(f"{k}={_short(v)}" for k, v in fields.items())
+            (log.warning if kind in STABILITY_EVENTS else log.info)(f"step {step:>6} | {kind}: {detail}")
 
     def summary(self, values: dict) -> None:
         if self.wandb_run:
@@ -91,6 +140,10 @@ class MetricLogger:
             run_dir = self.wandb_run.dir
             self.wandb_run.finish()
         return run_dir
+
+
+def _short(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _wandb_id(out_dir: Path) -> str:

@@ -2,7 +2,9 @@
 
 Weight decay pulls weights toward zero; on norm gains and biases that only fights the model (a norm
 gain of 0 zeroes its layer), so they go in a no-decay group. Schedules are plain functions of the step
-so they are testable, resumable (the step is in the checkpoint) and identical on every rank.
+so they are testable, resumable (the step is in the checkpoint) and identical on every rank. The trainer
+sets each step's lr itself (:func:`apply_lr`) instead of handing DeepSpeed a scheduler object: a skipped
+step, an lr cut after a loss spike and a rollback then cannot knock the schedule off the step count.
 """
 
 from __future__ import annotations
@@ -63,9 +65,18 @@ def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Opti
         betas=tuple(o.betas),
         eps=o.eps,
         weight_decay=o.weight_decay,
+        fused=bool(o.fused) or None,  # None lets torch pick its default (foreach) when fused is off
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    total = int(cfg.train.steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, cfg.optim.sched, total))
+BASE_LR = "ultrascale_base_lr"
+"""Param-group key holding the group's peak lr (groups may differ, e.g. Muon's matrices vs its Adam half)."""
+
+
+def apply_lr(optimizer: torch.optim.Optimizer, step: int, cfg: DictConfig, factor: float = 1.0) -> float:
+    """Set every param group's lr for optimizer step ``step``; returns the first group's (for logging)."""
+    mult = lr_multiplier(step, cfg.optim.sched, int(cfg.train.steps)) * factor
+    for g in optimizer.param_groups:
+        g.setdefault(BASE_LR, g["lr"])
+        g["lr"] = g[BASE_LR] * mult
+    return optimizer.param_groups[0]["lr"]

@@ -1,9 +1,19 @@
-"""The training loop: data -> engine steps -> metrics, evals and atomic checkpoints, with auto-resume."""
+"""The training loop: data -> engine steps -> metrics, evals, stability policies and atomic checkpoints.
+
+One optimizer step is ``grad_accum`` micro-steps of forward, backward and ``engine.step()``. Before the
+last micro-step's backward the step's loss is all-reduced and judged (:mod:`ultrascale.train.stability`),
+so a NaN or a spike can be skipped before its update is applied, rolled back to the last checkpoint, or
+answered with an lr cut. The data a step reads is addressed by ``step + data_offset``: a rollback moves
+the offset past the data window that caused it, and the offset is saved in every checkpoint, so a run that
+is killed after a rollback resumes without re-reading the skipped window.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -18,7 +28,7 @@ from ultrascale import dist
 from ultrascale.config.compose import resolve_path
 from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.topology import Topology
-from ultrascale.data.loader import StepBatches, eval_batches
+from ultrascale.data.loader import Batch, StepBatches, eval_batches
 from ultrascale.data.prepare import ensure_prepared
 from ultrascale.data.shards import load_manifest, open_split
 from ultrascale.errors import DataError
@@ -28,12 +38,22 @@ from ultrascale.model.moe import MoEStats, is_moe
 from ultrascale.model.moe import shard_report as moe_shard_report
 from ultrascale.plan.flops import train_flops_per_token
 from ultrascale.train import checkpoint
-from ultrascale.train.banner import banner, dry_run_report
+from ultrascale.train.banner import banner, document_masking, dry_run_report
+from ultrascale.train.breakdown import StepBreakdown
 from ultrascale.train.consistency import replicas_agree
 from ultrascale.train.engine import build_engine
 from ultrascale.train.loggers import MetricLogger, read_metrics
-from ultrascale.train.metrics import StepTimer, device_peak_flops, memory_gb, throughput
+from ultrascale.train.metrics import device_peak_flops, memory_gb, throughput
+from ultrascale.train.optim import apply_lr
 from ultrascale.train.plot import plot_curves
+from ultrascale.train.stability import (
+    FaultInjector,
+    StabilityMonitor,
+    TrainingHealthError,
+    Verdict,
+    agree,
+    grads_finite_norm,
+)
 
 log = logging.getLogger("ultrascale")
 
@@ -44,12 +64,12 @@ FAULT_ENV = "ULTRASCALE_FAULT_AT_STEP"
 RAISE_ENV = "ULTRASCALE_RAISE_ON_RANK"
 
 
-def _mean_across_ranks(value: torch.Tensor) -> float:
-    v = value.detach().float().reshape(1).clone()
+def _all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    v = values.detach().float().clone()
     if tdist.is_initialized() and tdist.get_world_size() > 1:
         tdist.all_reduce(v)
         v /= tdist.get_world_size()
-    return float(v.item())
+    return v
 
 
 def _prepare_run_dir(cfg: DictConfig, out: Path, ds_config: dict) -> None:
@@ -81,104 +101,247 @@ class Trainer:
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        data_path = ensure_prepared(cfg.data)
-        self.train_split = open_split(data_path, "train", verify=cfg.data.verify_checksums)
-        self.val_split = open_split(data_path, "validation", verify=cfg.data.verify_checksums)
+        self.data_path = ensure_prepared(cfg.data)
+        manifest = load_manifest(self.data_path)
+        self.train_split = open_split(self.data_path, "train", verify=cfg.data.verify_checksums)
+        self.val_split = open_split(self.data_path, "validation", verify=cfg.data.verify_checksums)
         if self.train_split.seq_len != cfg.data.seq_len:
             raise DataError(
-                f"data.seq_len={cfg.data.seq_len} but {data_path} was packed with seq_len={self.train_split.seq_len}: "
-                f"set data.seq_len={self.train_split.seq_len} or re-run data prep"
+                f"data.seq_len={cfg.data.seq_len} but {self.data_path} was packed with "
+                f"seq_len={self.train_split.seq_len}: set data.seq_len={self.train_split.seq_len} or re-run data prep"
             )
-        data_vocab, model_vocab = int(load_manifest(data_path)["vocab_size"]), build_hf_config(cfg.model).vocab_size
+        data_vocab, model_vocab = int(manifest["vocab_size"]), build_hf_config(cfg.model).vocab_size
         if data_vocab > model_vocab:  # token ids past the embedding table would crash deep inside the forward
             raise DataError(
-                f"{data_path} was tokenized with {data_vocab} tokens but model.config.vocab_size={model_vocab}: "
+                f"{self.data_path} was tokenized with {data_vocab} tokens but model.config.vocab_size={model_vocab}: "
                 f"set model.config.vocab_size={data_vocab} (or larger) or prepare the data with a smaller tokenizer"
             )
+        self.manifest = manifest
         self.engine, self.info = build_engine(cfg, self.topo, self.ds_config)
+        self.gate = self.info.gate
+        # A plain torch optimizer under ZeRO-0 fp32 has no DeepSpeed wrapper to refuse a non-finite update.
+        self.raw_optimizer = self.engine.optimizer is self.engine.basic_optimizer
         self.dp_rank = tdist.get_rank(self.engine.data_parallel_group) if self.topo.dp > 1 else 0
         self.pipe = self.topo.pp > 1  # engine.train_batch() runs the whole 1F1B schedule per step
         self.sp_group = sequence.sp_group() if self.topo.sp > 1 else None
         if self.sp_group is not None:  # sp ranks of one replica read the same samples
             self.dp_rank = sequence.dp_rank(self.rank, self.topo)
         self.moe = MoEStats(self.engine.module, cfg.parallel.moe) if is_moe(self.engine.module) else None
+        self.doc_mask, _ = document_masking(cfg, self.topo)
+        self.flat = self.doc_mask and str(cfg.model.attn_implementation).startswith("flash")
+        self.eos = int(manifest["eos_token_id"])
         self.batches = StepBatches(
-            self.train_split, cfg.data.micro_batch, cfg.data.global_batch, self.dp_rank, self.topo.dp, cfg.train.seed
-        )
+            self.train_split, cfg.data.micro_batch, cfg.data.global_batch, self.dp_rank, self.topo.dp,
+            cfg.train.seed, eos_id=self.eos, document_masking=self.doc_mask,
+        )  # fmt: skip
         self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         self.flops_per_token = train_flops_per_token(self.info.hf_config, cfg.data.seq_len)
         self.peak, self.peak_src = device_peak_flops()
-        self.start_step = 0
+        self.stability = StabilityMonitor(cfg.stability)
+        self.injector = FaultInjector(self.rank)
+        self.breakdown = StepBreakdown(self.engine, bool(cfg.train.step_breakdown), self.pipe)
+        self.start_step, self.data_offset = 0, 0
+        self.metrics = MetricLogger(cfg, self.out, enabled=dist.is_rank0(), ds_config=self.ds_config)
         tag_dir = checkpoint.find_resume(self.ckpt_dir, str(cfg.train.resume), cfg.train.universal_checkpoint)
         if tag_dir is not None:
-            meta = json.loads((checkpoint._meta_dir(tag_dir) / checkpoint.META).read_text())
-            self.start_step = checkpoint.load(
-                self.engine, tag_dir, same_world=meta.get("world_size") == self.topo.world
-            )
+            self.start_step = self._load(tag_dir, checkpoint.read_meta(tag_dir).get("world_size"))
             if dist.is_rank0():
+                self.metrics.jsonl.flush()
                 _truncate_metrics(self.out / "metrics.jsonl", self.start_step)
-            log.info(f"resumed from {tag_dir} at step {self.start_step}")
+            self.metrics.event(self.start_step, "resume", from_step=self.start_step, checkpoint=str(tag_dir))
         dist.barrier()
-        self.metrics = MetricLogger(cfg, self.out, enabled=dist.is_rank0())
+        self.humaneval = self._humaneval_setup()
         log.info(banner(cfg, self.topo, self.ds_config, self.info, self.tokens_per_step, self.peak_src, self.out))
 
+    def _load(self, tag_dir: Path, saved_world: int | None) -> int:
+        """Restore engine, RNG, data offset and stability state from a checkpoint; returns its step."""
+        step, client = checkpoint.load(self.engine, tag_dir, same_world=saved_world == self.topo.world)
+        self.data_offset = int(client.get("data_offset", 0))
+        self.stability.load_state(client.get("stability", {}))
+        log.info(f"loaded checkpoint {tag_dir} (step {step}, data offset {self.data_offset})")
+        return step
+
+    def _humaneval_setup(self):
+        """The tokenizer for in-training HumanEval on rank 0 (None elsewhere or when off). Collective."""
+        n = int(self.cfg.train.eval_humaneval)
+        if not n:
+            return None
+        tokenizer, error = None, None
+        if dist.is_rank0():
+            from transformers import AutoTokenizer
+
+            from ultrascale.errors import UltrascaleError
+            from ultrascale.eval.sandbox import check_available
+
+            tok_dir = self.data_path / str(self.manifest["tokenizer"])
+            try:
+                check_available()
+                if not (tok_dir / "tokenizer.json").exists():
+                    raise DataError(
+                        f"train.eval_humaneval={n} needs a tokenizer, but {self.data_path} has none at {tok_dir} "
+                        "(byte-level data?): prepare data with data_prep or set train.eval_humaneval=0"
+                    )
+                tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+            except UltrascaleError as e:
+                error = e
+        error = dist.broadcast_object(error)
+        if error is not None:
+            raise error
+        return tokenizer
+
     # ---- steps ------------------------------------------------------------------------------------
-    def train_step(self, step: int) -> dict:
-        engine, timer = self.engine, StepTimer()
-        lr = engine.get_lr()[0]
-        losses = []
+    def _pipe_inputs(self, b: Batch):
+        inputs = (b.input_ids, b.position_ids) if b.position_ids is not None else b.input_ids
+        return inputs, b.labels
+
+    def train_step(self, step: int) -> tuple[dict, Verdict]:
+        """One optimizer step; returns its metrics row and the (all-ranks) stability verdict."""
+        engine, bd = self.engine, self.breakdown
+        data_step = step + self.data_offset
+        fault = self.injector.factor(step + 1)  # planted faults name steps as logged (1-based)
+        bd.start()
         if self.pipe:
-            with timer.data():
-                micro = [self.batches.get(step, m) for m in range(self.batches.grad_accum)]
-            losses.append(engine.train_batch(data_iter=iter([(ids, ids) for ids in micro])).detach())
-        for micro in range(0 if self.pipe else self.batches.grad_accum):
-            with timer.data():
-                ids = self.batches.get(step, micro)
-            loss, lm_loss = self._loss(ids)
-            engine.backward(loss)
-            engine.step()
-            losses.append(lm_loss.detach())
-        step_s, data_wait = timer.finish()
+            t = time.perf_counter()
+            micro = [self.batches.get(data_step, m) for m in range(self.batches.grad_accum)]
+            bd.add("data_wait_s", time.perf_counter() - t)
+            lr = apply_lr(engine.optimizer, step, self.cfg, self.stability.lr_factor(step))
+            self.gate.arm(False)
+            self._pipe = {"step": step, "fault": fault}  # the gate's pre_step judges the step before the update
+            self.gate.pre_step = self._pipe_judge
+            loss = engine.train_batch(data_iter=iter([self._pipe_inputs(b) for b in micro])).detach()
+            bd.after_pipe_batch()
+            verdict = self._pipe.get("verdict", Verdict())
+            loss_mean = self._pipe.get("loss", float(loss))
+            lr = self._pipe.get("lr", lr)
+        else:
+            losses = []
+            gas = self.batches.grad_accum
+            for m in range(gas):
+                t = time.perf_counter()
+                batch = self.batches.get(data_step, m)
+                if self.flat:
+                    batch = batch.flattened()
+                bd.add("data_wait_s", time.perf_counter() - t)
+                loss, lm_loss = self._loss(batch)
+                if fault is not None:
+                    loss, lm_loss = loss * fault, lm_loss * fault
+                losses.append(lm_loss.detach())
+                last = m == gas - 1
+                if last:  # judge the step before its update can be applied
+                    t = time.perf_counter()
+                    loss_mean = float(_all_reduce_mean(torch.stack(losses).mean().reshape(1)))
+                    bd.add("comm_s", time.perf_counter() - t)
+                    verdict = agree(self.stability.judge(loss_mean))
+                engine.backward(loss)
+                if last:
+                    if verdict.action == "lr_cut":
+                        self.stability.start_lr_cut(step)
+                    lr = apply_lr(engine.optimizer, step, self.cfg, self.stability.lr_factor(step))
+                    skip = verdict.bad
+                    if self.raw_optimizer and not skip:  # ZeRO-0 fp32: nothing else checks the gradients
+                        norm = grads_finite_norm(self.engine.module.parameters())
+                        skip = not math.isfinite(norm)
+                        if skip:
+                            verdict = self.stability.nonfinite_grad()
+                    self.gate.arm(skip)
+                engine.step()
+                bd.after_micro_step()
+        applied = engine.was_step_applied() and not self.gate.vetoed
+        if not applied and not verdict.bad:  # DeepSpeed refused a non-finite gradient norm on every rank
+            verdict = self.stability.nonfinite_grad()
         gn = engine.get_global_grad_norm()
-        return {
-            "loss": _mean_across_ranks(torch.stack(losses).mean()),
+        row = {
+            "loss": loss_mean,
             "lr": lr,
             "grad_norm": float(gn) if gn is not None else None,
-            "step_time": step_s,
-            "data_wait": data_wait,
-            **throughput(self.tokens_per_step, step_s, self.flops_per_token, self.topo.world, self.peak),
+            **bd.finish(),
             "mem_gb": memory_gb(),
-            "epoch": self.batches.epoch(step + 1),
+            "epoch": self.batches.epoch(data_step + 1),
             **(self.moe.flush() if self.moe else {}),
         }
+        row.update(throughput(self.tokens_per_step, row["step_s"], self.flops_per_token, self.topo.world, self.peak))
+        return row, verdict
 
-    def _loss(self, ids: torch.Tensor, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pipe_judge(self) -> bool:
+        """Inside the pipeline's optimizer step, on every rank: the step's loss from the last stages, judged.
+
+        Only last-stage ranks hold the loss (``engine.total_loss``, summed over micro-batches); one world
+        all-reduce of (sum, count) gives every stage the mean. Returns True to veto this update.
+        """
+        engine, p = self.engine, self._pipe
+        t = time.perf_counter()
+        last = engine.is_last_stage() and engine.total_loss is not None
+        local = float(engine.total_loss) / self.batches.grad_accum if last else 0.0
+        if p["fault"] is not None and (last or math.isnan(p["fault"])):
+            local *= p["fault"]
+        totals = torch.tensor([local, float(last)], dtype=torch.float64)
+        if tdist.is_initialized():
+            tdist.all_reduce(totals)
+        p["loss"] = float(totals[0] / totals[1])
+        verdict = agree(self.stability.judge(p["loss"]))
+        if verdict.action == "lr_cut":
+            self.stability.start_lr_cut(p["step"])
+            p["lr"] = apply_lr(engine.optimizer, p["step"], self.cfg, self.stability.lr_factor(p["step"]))
+        p["verdict"] = verdict
+        dt = time.perf_counter() - t  # measured inside DeepSpeed's optimizer timer: move it to comm
+        self.breakdown.add("comm_s", dt)
+        self.breakdown.add("opt_s", -dt)
+        return verdict.bad
+
+    def _loss(self, batch: Batch, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to backpropagate, LM loss to log) for one micro-batch (non-pipeline path)."""
         if self.sp_group is not None:
-            return sequence.sp_loss(self.engine, ids, self.sp_group, self.topo.sp)
-        out = self.engine(input_ids=ids, labels=ids)
+            return sequence.sp_loss(self.engine, batch, self.sp_group, self.topo.sp)
+        out = self.engine(**batch.model_inputs())
         if self.moe is not None:
             return out.loss, self.moe.observe(out, record=train)
         return out.loss, out.loss
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict:
+        """Held-out loss over every rank's share of the validation split (token-weighted), plus HumanEval."""
+        t0 = time.perf_counter()
         self.engine.eval()
-        total, n = torch.zeros(1), torch.zeros(1)
-        for ids in eval_batches(
-            self.val_split, self.cfg.data.micro_batch, self.cfg.data.eval_batches, self.dp_rank, self.topo.dp
-        ):
-            if self.pipe:
-                loss = self.engine.eval_batch(iter([(ids, ids)]), num_micro_batches=1)
-            else:
-                loss = self._loss(ids, train=False)[1]
-            total += loss.float().cpu()
-            n += 1
+        total = torch.zeros(2, dtype=torch.float64)  # sum of per-token losses, number of targets
+        with _eager(self.cfg):
+            for b in eval_batches(self.val_split, self.cfg.data.micro_batch, self.cfg.data.eval_batches,
+                                  self.dp_rank, self.topo.dp, self.eos, self.doc_mask):  # fmt: skip
+                if self.pipe:
+                    loss = self.engine.eval_batch(iter([self._pipe_inputs(b)]), num_micro_batches=1)
+                else:
+                    loss = self._loss(b.flattened() if self.flat else b, train=False)[1]
+                total += torch.tensor([float(loss) * b.num_targets, b.num_targets], dtype=torch.float64)
         self.engine.train()
         if tdist.is_initialized() and tdist.get_world_size() > 1:
             tdist.all_reduce(total)
-            tdist.all_reduce(n)
-        return float(total / n) if n.item() else float("nan")
+        loss = float(total[0] / total[1]) if total[1] else float("nan")
+        result = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        if int(self.cfg.train.eval_humaneval):
+            result.update(self._eval_humaneval())
+        self.breakdown.reset_engine_timers()
+        result["eval_s"] = time.perf_counter() - t0
+        return result
+
+    def _eval_humaneval(self) -> dict:
+        """Greedy pass@1 on the first train.eval_humaneval problems, generated on rank 0; others wait."""
+        score = None
+        if self.humaneval is not None:
+            from ultrascale.eval.humaneval import evaluate
+
+            model = self.engine.module
+            use_cache, model.config.use_cache = model.config.use_cache, True  # generation wants its KV cache
+            try:
+                with _eager(self.cfg):
+                    res = evaluate(
+                        model, self.humaneval, limit=int(self.cfg.train.eval_humaneval),
+                        max_new_tokens=int(self.cfg.train.eval_humaneval_max_new_tokens),
+                    )  # fmt: skip
+                score = res["pass@1"]
+            finally:
+                model.config.use_cache = use_cache
+                model.train()
+        score = dist.broadcast_object(score)
+        return {"humaneval_pass@1": score, "humaneval_problems": int(self.cfg.train.eval_humaneval)}
 
     def save(self, step: int) -> None:
         t0 = time.perf_counter()
@@ -187,11 +350,31 @@ class Trainer:
             "topology": self.topo.as_dict(),
             "precision": self.cfg.precision.dtype,
             "zero_stage": int(self.cfg.zero.stage),
+            "data_offset": self.data_offset,
         }
-        checkpoint.save(self.engine, self.ckpt_dir, step, meta, keep=self.cfg.train.keep_checkpoints)
+        client = {"data_offset": self.data_offset, "stability": self.stability.state()}
+        checkpoint.save(self.engine, self.ckpt_dir, step, meta, keep=self.cfg.train.keep_checkpoints, client=client)
         secs = time.perf_counter() - t0
         log.info(f"checkpoint {checkpoint.tag_for(step)} saved in {secs:.1f}s")
-        self.metrics.log(step, {"checkpoint_s": secs}, console=False)
+        self.metrics.event(step, "checkpoint", checkpoint_s=secs, console=False)
+
+    def _rollback(self, step: int, verdict: Verdict) -> int:
+        """Reload the newest checkpoint and skip the data window from it through the bad step; returns its step."""
+        latest = self.ckpt_dir / checkpoint.LATEST
+        if not latest.exists():
+            raise TrainingHealthError(
+                f"stability: {verdict.reason} at step {step} calls for a rollback but no checkpoint exists yet: "
+                f"set train.checkpoint_interval below {step + 1} or use stability.{verdict.reason}=skip"
+            )
+        tag_dir = self.ckpt_dir / latest.read_text().strip()
+        old_offset = self.data_offset
+        to_step = self._load(tag_dir, self.topo.world)
+        self.data_offset = old_offset + step + 1 - to_step  # step `to_step` now reads what step+1 would have
+        self.metrics.event(
+            step + 1, "rollback", reason=verdict.reason, to_step=to_step, zscore=verdict.zscore,
+            skip_from=to_step + old_offset, skip_to=step + 1 + old_offset,
+        )  # fmt: skip
+        return to_step
 
     # ---- loop -------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -206,49 +389,74 @@ class Trainer:
             bar = tqdm(total=steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
         tps = []
         t_first = None  # wall clock after the first step: the loop's true rate includes logging and evals
-        for step in range(self.start_step, steps):
+        steps_run = 0
+        step = self.start_step
+        while step < steps:
             if step == fault and dist.is_rank0():
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == self.start_step and self.rank == raise_on:
                 raise RuntimeError(f"injected failure on rank {self.rank} at step {step} ({RAISE_ENV}={raise_on})")
-            last = self.train_step(step)
+            if steps_run == 0 and cfg.compile:
+                t_compile = time.perf_counter()
+            last, verdict = self.train_step(step)
+            self.injector.fired(step + 1)
             done = step + 1
-            if done > self.start_step + 1:  # the first step includes one-off warm-up costs
+            if steps_run == 0 and cfg.compile:
+                log.info(f"compile: first step (compile included) took {time.perf_counter() - t_compile:.1f}s")
+            steps_run += 1
+            if steps_run > 1:  # the first step includes one-off warm-up costs
                 tps.append(last["tokens_per_s"])
-            if cfg.eval_interval and done % cfg.eval_interval == 0 and done != steps:
-                last["eval_loss"] = self.evaluate()
-            if done % cfg.log_interval == 0 or done == steps or "eval_loss" in last:
+            if done % cfg.log_interval == 0 or done == steps or verdict.action != "ok":
                 self.metrics.log(done, last)
+            self._report_verdict(done, verdict, last)
+            self.stability.record(verdict, last["loss"], done)
+            if verdict.action == "rollback":
+                step = self._rollback(step, verdict)
+                continue
             if bar:
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
+            if cfg.eval_interval and done % cfg.eval_interval == 0 and done != steps:
+                self.metrics.event(done, "eval", **self.evaluate())
             if cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0 and done != steps:
                 self.save(done)
             if t_first is None:
                 t_first = time.perf_counter()
+            step = done
         t_loop = time.perf_counter() - t_first if t_first else 0.0
         if bar:
             bar.close()
         summary = {"steps": steps, "resumed_from": self.start_step}
-        agree, digests = replicas_agree(self.engine.module, int(self.cfg.zero.stage), self.engine.data_parallel_group)
-        summary.update(replicas_agree=agree, param_digests=digests)
-        if not agree:
+        agree_, digests = replicas_agree(self.engine.module, int(self.cfg.zero.stage), self.engine.data_parallel_group)
+        summary.update(replicas_agree=agree_, param_digests=digests)
+        if not agree_:
             log.warning(f"data-parallel replicas hold different parameters: {digests}")
         if self.moe is not None:  # expert shards differ by design; the rest must agree
             summary.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
+        summary.update(self.stability.state(), data_offset=self.data_offset)
         if self.start_step < steps:
-            eval_loss = self.evaluate()
-            self.metrics.log(steps, {"eval_loss": eval_loss})
+            ev = self.evaluate()
+            self.metrics.event(steps, "eval", **ev)
             self.save(steps)
             summary.update(
                 final_loss=last["loss"],
-                eval_loss=eval_loss,
+                eval_loss=ev["eval_loss"],
+                eval_ppl=ev["eval_ppl"],
                 tokens_per_s=sum(tps) / len(tps) if tps else last["tokens_per_s"],
-                wall_tokens_per_s=self.tokens_per_step * (steps - self.start_step - 1) / t_loop if t_loop else None,
+                wall_tokens_per_s=self.tokens_per_step * (steps_run - 1) / t_loop if t_loop else None,
                 mfu=last["mfu"],
                 mem_gb=last["mem_gb"],
             )
         return summary
+
+    def _report_verdict(self, done: int, verdict: Verdict, row: dict) -> None:
+        if verdict.action in ("ok", "rollback"):  # a rollback is logged once it has happened
+            return
+        fields = {"reason": verdict.reason, "loss": row["loss"], "zscore": verdict.zscore,
+                  "grad_norm": row["grad_norm"]}  # fmt: skip
+        if verdict.action == "lr_cut":
+            fields.update(factor=float(self.cfg.stability.lr_cut_factor), until_step=self.stability.lr_cut_until + 1)
+        self.metrics.event(done, verdict.action, **fields)
 
     def finish(self, summary: dict) -> None:
         if not dist.is_rank0():
@@ -258,16 +466,36 @@ class Trainer:
         plot = None
         if self.cfg.logger.plot:
             plot = plot_curves(read_metrics(self.out / "metrics.jsonl"), self.out / "curves.png", title=self.out.name)
+        report = _write_report(self.out)
         wandb_dir = self.metrics.close()
         lines = [f"done: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})}"]
         lines.append(f"  run dir     {self.out}")
         lines.append(f"  metrics     {self.out / 'metrics.jsonl'}" + (f"  plot {plot}" if plot else ""))
+        if report:
+            lines.append(f"  report      {report}  (python -m ultrascale.report run_dir={self.out})")
         lines.append(f"  checkpoint  {self.ckpt_dir / (self.ckpt_dir / 'latest').read_text().strip()}")
         if self.cfg.logger.tensorboard:
             lines.append(f"  tensorboard tensorboard --logdir {self.out / 'tensorboard'}")
         if wandb_dir:
             lines.append(f"  wandb       {Path(wandb_dir).parent}  (wandb sync {Path(wandb_dir).parent})")
         log.info("\n".join(lines))
+
+
+def _eager(cfg: DictConfig):
+    """Evaluation and generation run eagerly: their shapes differ from training's and would recompile."""
+    return torch.compiler.set_stance("force_eager") if cfg.train.compile else contextlib.nullcontext()
+
+
+def _write_report(out: Path) -> Path | None:
+    """The comb report (report.md + report.png); a failure to draw it never fails a finished run."""
+    try:
+        from ultrascale.report import write_report
+
+        md, _ = write_report([out])
+        return md
+    except Exception as e:
+        log.warning(f"report not written: {type(e).__name__}: {e}")
+        return None
 
 
 def run(cfg: DictConfig, topo: Topology) -> dict | None:

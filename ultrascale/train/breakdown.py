@@ -1,0 +1,100 @@
+"""Where each step's time goes: data wait, forward, backward, communication, optimizer, other.
+
+Averages hide the comb: a run that is 30 % idle looks fine in tokens/s until someone asks where the
+30 % went. The parts come from DeepSpeed's own engine timers (``wall_clock_breakdown``): host clocks on
+CPU, CUDA events on GPU, so no synchronisation is added inside the step. The parts are disjoint, and
+``other_s`` is the rest of the step's wall time (our own bookkeeping, the loss all-reduce's wait, Python):
+
+    data_wait_s + fwd_s + bwd_s + comm_s + opt_s + other_s = step_s
+
+``comm_s`` is what DeepSpeed exposes as a separate phase: the gradient reduction at the end of backward
+(``bwd_allreduce``) and, for the pipeline, the stage-to-stage sends/receives. Reductions that overlap the
+backward (ZeRO ``overlap_comm`` buckets) are inside ``bwd_s``; ZeRO-1/2's parameter all-gather after the
+update is inside ``opt_s``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deepspeed.utils.timer import (
+    BACKWARD_INNER_MICRO_TIMER,
+    BACKWARD_REDUCE_MICRO_TIMER,
+    FORWARD_MICRO_TIMER,
+    STEP_MICRO_TIMER,
+)
+
+PARTS = ("data_wait_s", "fwd_s", "bwd_s", "comm_s", "opt_s")
+_ENGINE = {"fwd_s": FORWARD_MICRO_TIMER, "bwd_s": BACKWARD_INNER_MICRO_TIMER, "comm_s": BACKWARD_REDUCE_MICRO_TIMER,
+           "opt_s": STEP_MICRO_TIMER}  # fmt: skip
+_PIPE_COMM = ("pipe_send_output", "pipe_send_grad", "pipe_recv_input", "pipe_recv_grad")
+
+
+class StepBreakdown:
+    """Accumulates one optimizer step's parts; ``finish()`` returns the row fields."""
+
+    def __init__(self, engine, enabled: bool, pipe: bool):
+        self.engine = engine
+        self.enabled = enabled
+        self.pipe = pipe
+        self.parts: dict[str, float] = {}
+        self.t0 = 0.0
+        if enabled:
+            _quiet_timer_log(engine.timers)
+
+    def start(self) -> None:
+        self.parts = dict.fromkeys(PARTS, 0.0)
+        self.t0 = time.perf_counter()
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] += seconds
+
+    def after_micro_step(self) -> None:
+        """After ``engine.step()``: DeepSpeed has cached this micro-step's timers (milliseconds)."""
+        if not self.enabled:
+            return
+        cache = self.engine.get_wall_clock_timers() or {}
+        for part, name in _ENGINE.items():
+            self.parts[part] += cache.get(name, 0.0) / 1000.0
+
+    def after_pipe_batch(self) -> None:
+        """After ``train_batch()``: the pipeline engine's timers accumulate; read and reset them."""
+        if not self.enabled:
+            return
+        timers = self.engine.timers
+        for part, name in _ENGINE.items():
+            self.parts[part] += timers(name).elapsed(reset=True) / 1000.0
+        for name in _PIPE_COMM:
+            self.parts["comm_s"] += timers(name).elapsed(reset=True) / 1000.0
+        self.reset_engine_timers()
+
+    def reset_engine_timers(self) -> None:
+        """Drop time the engine timers recorded outside a training step (evaluation forwards)."""
+        if not self.enabled:
+            return
+        names = set(self.engine.engine_timers.active_timers()) | (set(_PIPE_COMM) if self.pipe else set())
+        for name in names:
+            self.engine.timers(name).reset()
+
+    def finish(self) -> dict[str, float]:
+        step_s = time.perf_counter() - self.t0
+        row = {"step_s": step_s, "data_wait_s": self.parts["data_wait_s"]}
+        if self.enabled:
+            row.update({p: self.parts[p] for p in PARTS[1:]})
+            row["other_s"] = max(0.0, step_s - sum(self.parts.values()))
+        row["data_wait"] = self.parts["data_wait_s"] / step_s if step_s > 0 else 0.0  # fraction, for the console
+        return row
+
+
+def _quiet_timer_log(timers) -> None:
+    """DeepSpeed prints every timer group on every micro-step once ``wall_clock_breakdown`` is on; we log
+    the numbers ourselves. Keep the resets its callers rely on, drop the printing (and, on GPU, the event
+    synchronisation that formatting the string would cost)."""
+
+    def log(names, normalizer=1.0, reset=True, memory_breakdown=False, ranks=None):
+        if reset:
+            for name in names:
+                if name in timers.timers:
+                    timers.timers[name].reset()
+
+    timers.log = log
