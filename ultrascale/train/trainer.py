@@ -145,6 +145,7 @@ class Trainer:
         tag_dir = checkpoint.find_resume(self.ckpt_dir, str(cfg.train.resume), cfg.train.universal_checkpoint)
         if tag_dir is not None:
             self.start_step = self._load(tag_dir, checkpoint.read_meta(tag_dir).get("world_size"))
+            log.info(f"resumed from {tag_dir} at step {self.start_step} (data offset {self.data_offset})")
             if dist.is_rank0():
                 self.metrics.jsonl.flush()
                 _truncate_metrics(self.out / "metrics.jsonl", self.start_step)
@@ -158,7 +159,6 @@ class Trainer:
         step, client = checkpoint.load(self.engine, tag_dir, same_world=saved_world == self.topo.world)
         self.data_offset = int(client.get("data_offset", 0))
         self.stability.load_state(client.get("stability", {}))
-        log.info(f"loaded checkpoint {tag_dir} (step {step}, data offset {self.data_offset})")
         return step
 
     def _humaneval_setup(self):
