@@ -7,10 +7,13 @@ CPU, CUDA events on GPU, so no synchronisation is added inside the step. The par
 
     data_wait_s + fwd_s + bwd_s + comm_s + opt_s + other_s = step_s
 
-``comm_s`` is what DeepSpeed exposes as a separate phase: the gradient reduction at the end of backward
-(``bwd_allreduce``) and, for the pipeline, the stage-to-stage sends/receives. Reductions that overlap the
-backward (ZeRO ``overlap_comm`` buckets) are inside ``bwd_s``; ZeRO-1/2's parameter all-gather after the
-update is inside ``opt_s``.
+``comm_s`` is what DeepSpeed exposes as a separate phase, the gradient reduction at the end of backward
+(``bwd_allreduce``), plus our own loss all-reduce. Reductions that overlap the backward (ZeRO ``overlap_comm``
+buckets) are inside ``bwd_s``; ZeRO-1/2's parameter all-gather after the update is inside ``opt_s``.
+
+The pipeline engine cannot run with ``wall_clock_breakdown`` in DeepSpeed 0.19.8 (its backward starts a micro
+timer the base engine's hook already started), so pipeline runs record the data wait and the step time, and
+the rest of the step stays in ``other_s``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from deepspeed.utils.timer import (
 PARTS = ("data_wait_s", "fwd_s", "bwd_s", "comm_s", "opt_s")
 _ENGINE = {"fwd_s": FORWARD_MICRO_TIMER, "bwd_s": BACKWARD_INNER_MICRO_TIMER, "comm_s": BACKWARD_REDUCE_MICRO_TIMER,
            "opt_s": STEP_MICRO_TIMER}  # fmt: skip
-_PIPE_COMM = ("pipe_send_output", "pipe_send_grad", "pipe_recv_input", "pipe_recv_grad")
 
 
 class StepBreakdown:
@@ -57,31 +59,18 @@ class StepBreakdown:
         for part, name in _ENGINE.items():
             self.parts[part] += cache.get(name, 0.0) / 1000.0
 
-    def after_pipe_batch(self) -> None:
-        """After ``train_batch()``: the pipeline engine's timers accumulate; read and reset them."""
-        if not self.enabled:
-            return
-        timers = self.engine.timers
-        for part, name in _ENGINE.items():
-            self.parts[part] += timers(name).elapsed(reset=True) / 1000.0
-        for name in _PIPE_COMM:
-            self.parts["comm_s"] += timers(name).elapsed(reset=True) / 1000.0
-        self.reset_engine_timers()
-
     def reset_engine_timers(self) -> None:
         """Drop time the engine timers recorded outside a training step (evaluation forwards)."""
         if not self.enabled:
             return
-        names = set(self.engine.engine_timers.active_timers()) | (set(_PIPE_COMM) if self.pipe else set())
-        for name in names:
+        for name in self.engine.engine_timers.active_timers():
             self.engine.timers(name).reset()
 
     def finish(self) -> dict[str, float]:
         step_s = time.perf_counter() - self.t0
         row = {"step_s": step_s, "data_wait_s": self.parts["data_wait_s"]}
-        if self.enabled:
-            row.update({p: self.parts[p] for p in PARTS[1:]})
-            row["other_s"] = max(0.0, step_s - sum(self.parts.values()))
+        row.update({p: self.parts[p] for p in (PARTS[1:] if self.enabled else ("comm_s",))})
+        row["other_s"] = max(0.0, step_s - sum(row[p] for p in PARTS if p in row))
         row["data_wait"] = self.parts["data_wait_s"] / step_s if step_s > 0 else 0.0  # fraction, for the console
         return row
 

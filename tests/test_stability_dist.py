@@ -1,0 +1,109 @@
+"""2-rank runs of the bad-step policies through train.py, with faults planted by ULTRASCALE_INJECT.
+
+Each run is a real gloo job; the assertions read what it wrote (metrics.jsonl, summary.json, the offline
+wandb file): a NaN on one rank is skipped on both and the replicas still agree, a spike is rolled back with
+its data window skipped (and a kill after the rollback resumes identically), the cap ends the run with one
+line, and the pipeline engine can veto a spiking update too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import FAST, check, launch, metrics
+from tests.wandb_files import read_run
+
+pytestmark = pytest.mark.dist
+
+LR = 3e-3
+
+
+def _events(run_dir, kind):
+    return [r for r in metrics(run_dir) if r.get("event") == kind]
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("zero", ["stage0", "stage2"])
+def test_nan_on_rank1_is_skipped_on_both_ranks_and_a_spike_cuts_the_lr(zero, tiny_data, tmp_path):
+    out = tmp_path / zero
+    args = [*FAST, f"zero={zero}", f"data.path={tiny_data}", f"output_dir={out}", "train.steps=10",
+            "optim.sched.name=constant", "optim.sched.warmup_steps=0", f"optim.lr={LR}",
+            "stability.spike=lr_cut", "stability.lr_cut_steps=2", "stability.spike_min_history=3",
+            "logger=default", "logger.tensorboard=false", "logger.wandb_group=faults"]  # fmt: skip
+    check(launch(args, env={"ULTRASCALE_INJECT": "nan@3:1,spike@7:0"}))
+    (skip,) = _events(out, "skip")
+    assert (skip["step"], skip["reason"]) == (3, "nonfinite")
+    (cut,) = _events(out, "lr_cut")
+    assert (cut["step"], cut["reason"], cut["until_step"]) == (7, "spike", 8) and cut["zscore"] > 6
+    lrs = {r["step"]: r["lr"] for r in metrics(out) if "lr" in r}
+    assert lrs[7] == pytest.approx(LR / 2) and lrs[8] == pytest.approx(LR / 2)
+    assert lrs[6] == pytest.approx(LR) and lrs[9] == pytest.approx(LR)
+    s = _summary(out)
+    assert s["replicas_agree"] is True and s["skips"] == 1 and s["final_loss"] < 8.0
+    run = read_run(out)  # the offline wandb file: grouped metrics, the config and the DeepSpeed JSON
+    assert run["group"] == "faults" and run["config"]["deepspeed"]["zero_optimization"]["stage"] == int(zero[-1])
+    keys = set().union(*run["history"])
+    assert {"train/loss", "train/lr", "perf/tokens_per_s", "perf/mfu", "perf/fwd_s", "eval/loss",
+            "stability/skips", "stability/lr_cuts"} <= keys  # fmt: skip
+
+
+ROLLBACK = [*FAST, "train.steps=8", "train.checkpoint_interval=3", "train.keep_checkpoints=0",
+            "stability=rollback", "stability.spike_min_history=2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def rolled_back(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rollback") / "run"
+    check(launch([*ROLLBACK, f"data.path={tiny_data}", f"output_dir={out}"], env={"ULTRASCALE_INJECT": "spike@5:0"}))
+    return out
+
+
+def test_spike_rolls_back_to_the_checkpoint_and_skips_the_window(rolled_back):
+    (rb,) = _events(rolled_back, "rollback")
+    assert (rb["step"], rb["reason"], rb["to_step"]) == (5, "spike", 3)
+    assert (rb["skip_from"], rb["skip_to"]) == (3, 5)  # the data of steps 4 and 5 (0-based 3, 4) is never trained on
+    s = _summary(rolled_back)
+    assert s["steps"] == 8 and s["rollbacks"] == 1 and s["data_offset"] == 2 and s["replicas_agree"] is True
+    steps = [r["step"] for r in metrics(rolled_back) if "loss" in r and "event" not in r]
+    assert steps == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]  # 4 and 5 happened twice: before and after the rollback
+    report = (rolled_back / "report.md").read_text()
+    assert "rollback" in report
+
+
+def test_a_kill_after_the_rollback_resumes_with_the_window_still_skipped(rolled_back, tiny_data, tmp_path):
+    out = tmp_path / "killed"
+    args = [*ROLLBACK, f"data.path={tiny_data}", f"output_dir={out}"]
+    killed = launch(args, env={"ULTRASCALE_INJECT": "spike@5:0", "ULTRASCALE_FAULT_AT_STEP": "6"})
+    assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_00000006"
+    check(launch(args))  # no fault this time: the resumed run must not need it
+    assert _summary(out)["data_offset"] == 2
+    ref = {r["step"]: r["loss"] for r in metrics(rolled_back) if "loss" in r and "event" not in r}
+    got = {r["step"]: r["loss"] for r in metrics(out) if "loss" in r and "event" not in r}
+    for step in (7, 8):
+        assert got[step] == pytest.approx(ref[step], rel=1e-6), step
+
+
+def test_consecutive_bad_steps_stop_the_run_with_one_line(tiny_data, tmp_path):
+    out = tmp_path / "cap"
+    proc = launch([*FAST, f"data.path={tiny_data}", f"output_dir={out}", "train.steps=8", "stability.max_consecutive=2"],
+                  env={"ULTRASCALE_INJECT": "nan@2:0,nan@3:1"})  # fmt: skip
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "2 bad steps in a row" in errors[0] and "max_consecutive=2" in errors[0], proc.stderr
+    assert "ultrascale/train" not in proc.stderr  # no traceback from our ranks (torchrun prints its own summary)
+    assert [e["step"] for e in _events(out, "skip")] == [2, 3]
+
+
+def test_pipeline_vetoes_a_spiking_update_before_it_is_applied(tiny_data, tmp_path):
+    out = tmp_path / "pipe"
+    args = [*FAST, "parallel=pp2", f"data.path={tiny_data}", f"output_dir={out}", "train.steps=8",
+            "stability.spike_min_history=2"]  # fmt: skip
+    check(launch(args, env={"ULTRASCALE_INJECT": "spike@5:1"}))  # rank 1 holds the last stage, where the loss is
+    (skip,) = _events(out, "skip")
+    assert (skip["step"], skip["reason"]) == (5, "spike") and skip["loss"] > 20
+    assert _summary(out)["skips"] == 1
