@@ -3,6 +3,7 @@
 python plan.py model=llama3_8b cluster=h100_8x data.seq_len=8192 data.global_batch=64
 python plan.py model=starcoder2_15b cluster=h100_8x cluster.nodes=4 output_json=runs/plan/sc2.json plot=sc2.png
 python plan.py model=tiny cluster=cpu_local search.enabled=false zero=stage3   # explain one layout
+python plan.py budget=hoffmann budget.train_flops=5.76e23 budget.inference_tokens=2e12  # size for serving
 python plan.py --help                                                          # groups and keys
 """
 
@@ -18,6 +19,12 @@ def main(cfg: DictConfig) -> list:
     from ultrascale.plan.search import plan
 
     cfg = resolve_cluster(cfg)
+    if cfg.budget.enabled:  # model size and tokens for a budget + serving volume, instead of layouts
+        from ultrascale.plan.budget import budget_from_cfg
+        from ultrascale.plan.report import budget_table
+
+        print(budget_table(budget_from_cfg(cfg)))
+        return []
     arch = arch_from_cfg(cfg)
     cands = plan(cfg)
     fits = [c for c in cands if c.fits]

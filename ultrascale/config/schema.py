@@ -443,6 +443,52 @@ class SearchConfig:
 
 
 @dataclass
+class ScalingLawConfig:
+    """A fitted Chinchilla loss surface L(N, D) = E + A/N^alpha + B/D^beta (N parameters, D training tokens).
+    The fit decides the answer, so it is a config choice: ``budget=hoffmann`` or ``budget=besiroglu``."""
+
+    name: str = "hoffmann"
+    """Which fit, shown in the budget table."""
+    E: float = 1.6934
+    """Irreducible loss (nats/token on the fit's data): no model reaches it."""
+    A: float = 406.4
+    """Coefficient of the parameter term A/N^alpha."""
+    B: float = 410.7
+    """Coefficient of the data term B/D^beta."""
+    alpha: float = 0.3392
+    """Parameter exponent."""
+    beta: float = 0.2849
+    """Data exponent."""
+
+
+@dataclass
+class BudgetConfig:
+    """Inference-aware sizing (Sardana et al. 2024): the model size and training tokens that reach a loss for the
+    least training + serving cost, printed beside the Chinchilla point. Give exactly one of ``train_flops``,
+    ``train_gpu_hours`` or ``target_loss``; the first two set the loss bar as what Chinchilla would reach."""
+
+    enabled: bool = False
+    """Print the budget table instead of planning layouts (``budget=hoffmann|besiroglu`` turn it on)."""
+    law: ScalingLawConfig = field(default_factory=ScalingLawConfig)
+    """The loss surface both optima are read from."""
+    train_flops: float | None = None
+    """Training compute budget (FLOPs, 6·N·D): the bar is the loss of Chinchilla's model for it."""
+    train_gpu_hours: float | None = None
+    """Training budget in GPU-hours on ``cluster`` (at ``cluster.peak_tflops`` x the training MFU)."""
+    target_loss: float | None = None
+    """The loss to reach directly; must be above ``law.E``."""
+    inference_tokens: float = 0.0
+    """Tokens served over the model's life (prompt + generated), each costing 2·N FLOPs."""
+    train_mfu: float | None = None
+    """Training MFU for GPU-hours; null = ``cluster.matmul_efficiency``."""
+    inference_mfu: float | None = None
+    """Serving MFU; null = the training MFU. Lower it (decoding is memory-bound) and inference FLOPs cost more,
+    which shifts the optimum to smaller models: the optimum minimises GPU-hours, not FLOPs."""
+    usd_per_gpu_hour: float | None = None
+    """Price of one GPU-hour: adds a dollar row; null = no dollars."""
+
+
+@dataclass
 class PlanRootConfig(RootConfig):
     """Root for ``plan.py``: the training groups (the layout and model) plus the cluster and search."""
 
@@ -454,6 +500,8 @@ class PlanRootConfig(RootConfig):
     """Write the full result (every layout, its terms and any rejection reason) to this path."""
     plot: str | None = None
     """Write a PNG of the top layouts' memory breakdown against the GPU limit, with predicted tokens/s."""
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    """Inference-aware model size and training tokens for a budget and a serving volume (``budget=hoffmann``)."""
 
 
 def register_configs() -> None:

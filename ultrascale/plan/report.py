@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from ultrascale.plan.arch import Arch
+from ultrascale.plan.budget import BudgetPlan, Point
 from ultrascale.plan.search import GIB, Candidate
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers", "fragmentation", "reserved")
@@ -123,3 +125,49 @@ def plot(path: str | Path, cfg: DictConfig, cands: list[Candidate], top_n: int) 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _count(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g}"
+
+
+def budget_table(bp: BudgetPlan) -> str:
+    """Chinchilla's point beside the inference-aware ones: sizes, loss, FLOPs and GPU-hours, then the saving."""
+    c, pts = bp.costing, (bp.chinchilla, bp.same_loss, bp.same_cost)
+    rows: list[tuple[str, Callable[[Point], str]]] = [
+        ("params N", lambda p: _count(p.params)),
+        ("training tokens D", lambda p: _count(p.train_tokens)),
+        ("tokens per param D/N", lambda p: f"{p.tokens_per_param:.1f}"),
+        ("loss", lambda p: f"{p.loss:.4f}"),
+        ("training FLOPs", lambda p: f"{p.train_flops:.3e}"),
+        ("inference FLOPs", lambda p: f"{p.inference_flops:.3e}"),
+        ("total FLOPs", lambda p: f"{p.total_flops:.3e}"),
+        ("training GPU-hours", lambda p: f"{c.train_gpu_hours(p):,.0f}"),
+        ("inference GPU-hours", lambda p: f"{c.inference_gpu_hours(p):,.0f}"),
+        ("total GPU-hours", lambda p: f"{c.gpu_hours(p):,.0f}"),
+    ]
+    if c.usd_per_gpu_hour is not None:
+        rows.append(
+            (f"total $ at ${c.usd_per_gpu_hour:g}/GPU-h", lambda p: f"${c.gpu_hours(p) * c.usd_per_gpu_hour:,.0f}")
+        )
+    best = bp.same_loss
+    lines = [
+        f"inference-aware sizing (Sardana et al. 2024), fit {bp.law.describe()}",
+        f"loss bar: {bp.bar}; {_count(best.inference_tokens)} tokens served",
+        f"GPU-hours at {c.peak_flops / 1e12:g} TFLOP/s peak, MFU {c.train_mfu:.0%} training / "
+        f"{c.inference_mfu:.0%} serving",
+        "",
+        f"{'':<28}{'Chinchilla':>16}{'inference-aware':>18}{'inference-aware':>18}",
+        f"{'':<28}{'compute-optimal':>16}{'same loss':>18}{'same total cost':>18}",
+    ]
+    lines += [f"{name:<28}{f(pts[0]):>16}{f(pts[1]):>18}{f(pts[2]):>18}" for name, f in rows]
+    lines += [
+        "",
+        f"suggestion: {_count(best.params)} params on {_count(best.train_tokens)} tokens "
+        f"({best.tokens_per_param:.0f} tokens/param) reaches the Chinchilla loss for {bp.saving:.1%} less total "
+        f"cost (GPU-hours; {1 - best.total_flops / bp.chinchilla.total_flops:.1%} fewer FLOPs)",
+    ]
+    return "\n".join(lines)
