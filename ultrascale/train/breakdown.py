@@ -1,8 +1,11 @@
 """Where each step's time goes: data wait, forward, backward, communication, optimizer, other.
 
 Averages hide the comb: a run that is 30 % idle looks fine in tokens/s until someone asks where the
-30 % went. The parts come from DeepSpeed's own engine timers (``wall_clock_breakdown``): host clocks on
-CPU, CUDA events on GPU, so no synchronisation is added inside the step. The parts are disjoint, and
+30 % went. Backward, gradient reduction and optimizer come from DeepSpeed's own engine timers
+(``wall_clock_breakdown``); the forward is timed here around the engine call, because DeepSpeed times it
+from module hooks, and a ``time.time()`` inside a compiled module's hooks breaks the ``torch.compile``
+graph. Host clocks on CPU, CUDA events on GPU, so no synchronisation is added inside the step. The parts
+are disjoint, and
 ``other_s`` is the rest of the step's wall time (our own bookkeeping, the loss all-reduce's wait, Python):
 
     data_wait_s + fwd_s + bwd_s + comm_s + opt_s + other_s = step_s
@@ -20,16 +23,11 @@ from __future__ import annotations
 
 import time
 
-from deepspeed.utils.timer import (
-    BACKWARD_INNER_MICRO_TIMER,
-    BACKWARD_REDUCE_MICRO_TIMER,
-    FORWARD_MICRO_TIMER,
-    STEP_MICRO_TIMER,
-)
+import torch
+from deepspeed.utils.timer import BACKWARD_INNER_MICRO_TIMER, BACKWARD_REDUCE_MICRO_TIMER, STEP_MICRO_TIMER
 
 PARTS = ("data_wait_s", "fwd_s", "bwd_s", "comm_s", "opt_s")
-_ENGINE = {"fwd_s": FORWARD_MICRO_TIMER, "bwd_s": BACKWARD_INNER_MICRO_TIMER, "comm_s": BACKWARD_REDUCE_MICRO_TIMER,
-           "opt_s": STEP_MICRO_TIMER}  # fmt: skip
+_ENGINE = {"bwd_s": BACKWARD_INNER_MICRO_TIMER, "comm_s": BACKWARD_REDUCE_MICRO_TIMER, "opt_s": STEP_MICRO_TIMER}
 
 
 class StepBreakdown:
@@ -41,12 +39,30 @@ class StepBreakdown:
         self.pipe = pipe
         self.parts: dict[str, float] = {}
         self.t0 = 0.0
+        self.cuda = torch.cuda.is_available()
+        self._fwd: list = []
         if enabled:
             _quiet_timer_log(engine.timers)
+            engine.engine_timers.forward_timers = []  # timed by forward() below, outside any compiled region
 
     def start(self) -> None:
         self.parts = dict.fromkeys(PARTS, 0.0)
+        self._fwd = []
         self.t0 = time.perf_counter()
+
+    def forward(self, fn, *args, **kwargs):
+        """Run one forward, timing it (CUDA events read at ``finish``; host clock on CPU)."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self._fwd.append((start, end))
+            return out
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.parts["fwd_s"] += time.perf_counter() - t
+        return out
 
     def add(self, part: str, seconds: float) -> None:
         self.parts[part] += seconds
@@ -68,6 +84,7 @@ class StepBreakdown:
 
     def finish(self) -> dict[str, float]:
         step_s = time.perf_counter() - self.t0
+        self.parts["fwd_s"] += sum(a.elapsed_time(b) for a, b in self._fwd) / 1000.0  # the step has synchronised
         row = {"step_s": step_s, "data_wait_s": self.parts["data_wait_s"]}
         row.update({p: self.parts[p] for p in (PARTS[1:] if self.enabled else ("comm_s",))})
         row["other_s"] = max(0.0, step_s - sum(row[p] for p in PARTS if p in row))

@@ -221,7 +221,7 @@ class Trainer:
                 if self.flat:
                     batch = batch.flattened()
                 bd.add("data_wait_s", time.perf_counter() - t)
-                loss, lm_loss = self._loss(batch)
+                loss, lm_loss = bd.forward(self._loss, batch)
                 if fault is not None:
                     loss, lm_loss = loss * fault, lm_loss * fault
                 losses.append(lm_loss.detach())
