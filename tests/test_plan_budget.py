@@ -217,3 +217,12 @@ def test_cli_bad_input_is_one_line() -> None:
     assert (
         proc.stderr.startswith("error: budget: set exactly one of budget.train_flops") and proc.stderr.count("\n") == 1
     )
+
+
+def test_table_without_serving_says_chinchilla_is_optimal() -> None:
+    from ultrascale.plan.report import budget_table
+
+    out = budget_table(budget_from_cfg(_cfg("budget=besiroglu", "budget.target_loss=2.1")))
+    rows = {line[:28].strip(): line[28:].split() for line in out.splitlines() if line[:28].strip()}
+    assert rows["params N"] == ["13.4", "B"] * 3 and rows["tokens per param D/N"] == ["20.0"] * 3
+    assert "the Chinchilla point is already the cheapest" in out

@@ -128,10 +128,14 @@ def plot(path: str | Path, cfg: DictConfig, cands: list[Candidate], top_n: int) 
 
 
 def _count(x: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.3g}"
+    """Three significant figures with a unit: 13.0 B, 619 B, 1.30 T."""
+    if x < 1:
+        return f"{x:g}"
+    unit, scale = next(
+        (u, k) for u, k in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3), ("", 1.0)) if x >= k * 0.9995
+    )
+    v = x / scale
+    return f"{v:.{2 if v < 9.995 else 1 if v < 99.95 else 0}f} {unit}".rstrip()
 
 
 def budget_table(bp: BudgetPlan) -> str:
@@ -164,6 +168,9 @@ def budget_table(bp: BudgetPlan) -> str:
         f"{'':<28}{'compute-optimal':>16}{'same loss':>18}{'same total cost':>18}",
     ]
     lines += [f"{name:<28}{f(pts[0]):>16}{f(pts[1]):>18}{f(pts[2]):>18}" for name, f in rows]
+    if best.inference_tokens == 0:
+        lines += ["", "no tokens served: the Chinchilla point is already the cheapest (budget.inference_tokens=...)"]
+        return "\n".join(lines)
     lines += [
         "",
         f"suggestion: {_count(best.params)} params on {_count(best.train_tokens)} tokens "
