@@ -35,7 +35,7 @@ def _step_time(tmp: Path, name: str, common: list[str], extra: list[str]) -> flo
     run = tmp / name
     _torchrun(2, ["train.py", *common, f"output_dir={run}", *extra])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time"] for r in rows if "step_time" in r and r["step"] > WARMUP]
+    times = [r["step_s"] for r in rows if "step_s" in r and "event" not in r and r["step"] > WARMUP]
     return statistics.median(times)
 
 

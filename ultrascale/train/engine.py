@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from ultrascale.config.topology import Topology
 from ultrascale.model.build import build_hf_config, build_model
+from ultrascale.model.moe import is_moe
 from ultrascale.train.optim import build_optimizer, param_groups
 from ultrascale.train.stability import StepGate
 
@@ -110,8 +111,17 @@ def _compile(engine, cfg: DictConfig, topo: Topology) -> str:
     """torch.compile the module via DeepSpeed; the compile itself happens at the first forward."""
     if not cfg.train.compile:
         return "off (train.compile=false)"
+    why_not = None
     if topo.pp > 1:
-        return "off (not with the pipeline engine)"
+        why_not = "not with the pipeline engine"
+    elif topo.tp > 1 or topo.sp > 1 or topo.ep > 1:
+        why_not = "not with AutoTP/Ulysses/AutoEP module rewrites"
+    elif is_moe(engine.module):
+        why_not = "MoE routing is data-dependent"
+    elif int(cfg.zero.stage) == 3:
+        why_not = "ZeRO-3's per-module gather hooks would split the graph"
+    if why_not:
+        return f"off ({why_not}; eager)"
     engine.compile()
     return "torch.compile (inductor) at the first step"
 
@@ -123,7 +133,7 @@ def _wrap_for_parallel(model, cfg: DictConfig, topo: Topology):
     ``deepspeed.initialize`` from the ``tensor_parallel`` JSON section (and remaps our optimizer).
     """
     mpu, extras = None, {}
-    from ultrascale.model.moe import is_moe, prepare_moe
+    from ultrascale.model.moe import prepare_moe
 
     if is_moe(model):
         extras["moe"] = prepare_moe(model, cfg, topo)
