@@ -21,9 +21,13 @@ def main(cfg: DictConfig) -> list:
     cfg = resolve_cluster(cfg)
     if cfg.budget.enabled:  # model size and tokens for a budget + serving volume, instead of layouts
         from ultrascale.plan.budget import budget_from_cfg
-        from ultrascale.plan.report import budget_table
+        from ultrascale.plan.report import budget_table, write_budget_json
 
-        print(budget_table(budget_from_cfg(cfg)))
+        bp = budget_from_cfg(cfg)
+        print(budget_table(bp))
+        if cfg.output_json:
+            write_budget_json(cfg.output_json, bp)
+            print(f"wrote {cfg.output_json}")
         return []
     arch = arch_from_cfg(cfg)
     cands = plan(cfg)

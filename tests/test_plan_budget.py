@@ -4,6 +4,7 @@ out by hand here, the optimum against a brute-force search, Sardana et al. 2024'
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -180,6 +181,7 @@ def test_conf_fits_and_gpu_hour_budget() -> None:
         (["budget.train_flops=1e23", "budget.inference_mfu=55"], r"^budget.inference_mfu=55.0 must be a fraction"),
         (["budget.train_flops=1e23", "budget.inference_tokens=-5"], r"^budget.inference_tokens=-5.0 must be >= 0"),
         (["budget.train_flops=1e23", "budget.law.beta=0"], r"^budget.law.beta=0.0 must be positive"),
+        (["budget.train_flops=1e23", "plot=x.png"], r"^plot=x.png draws layouts, and budget mode plans none"),
     ],
 )
 def test_bad_inputs_are_one_line_config_errors(overrides: list[str], message: str) -> None:
@@ -194,11 +196,20 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_prints_the_table() -> None:
+def test_cli_prints_the_table(tmp_path) -> None:
     proc = _run(
-        "budget=hoffmann", "budget.train_flops=5.76e23", "budget.inference_tokens=2e12", "budget.usd_per_gpu_hour=2.5"
+        "budget=hoffmann",
+        "budget.train_flops=5.76e23",
+        "budget.inference_tokens=2e12",
+        "budget.usd_per_gpu_hour=2.5",
+        f"output_json={tmp_path}/budget.json",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "budget.json").read_text())
+    assert doc["chinchilla"]["train_flops"] == pytest.approx(GOPHER_FLOPS, rel=1e-12)
+    assert doc["same_loss"]["params"] == pytest.approx(3.03e10, rel=2e-3) and doc["saving"] == pytest.approx(
+        0.032, abs=1e-3
+    )
     out = proc.stdout
     assert "fit hoffmann: L = 1.6934 + 406.4/N^0.3392 + 410.7/D^0.2849" in out
     rows = {line[:28].strip(): line[28:].split() for line in out.splitlines() if line[:28].strip()}

@@ -234,6 +234,8 @@ def plan_budget(law: ScalingLaw, costing: Costing, inference_tokens: float, *, t
 def budget_from_cfg(cfg: DictConfig) -> BudgetPlan:
     """Validate the ``budget`` group (one-line errors naming the key) and build the plan on ``cfg.cluster``."""
     b, c = cfg.budget, cfg.cluster
+    if cfg.get("plot"):
+        raise ConfigError(f"plot={cfg.plot} draws layouts, and budget mode plans none: drop plot= (output_json= works)")
     law = ScalingLaw(b.law.E, b.law.A, b.law.B, b.law.alpha, b.law.beta, b.law.name)
     for key in ("A", "B", "alpha", "beta"):
         if not b.law[key] > 0:

@@ -178,3 +178,28 @@ def budget_table(bp: BudgetPlan) -> str:
         f"cost (GPU-hours; {1 - best.total_flops / bp.chinchilla.total_flops:.1%} fewer FLOPs)",
     ]
     return "\n".join(lines)
+
+
+def write_budget_json(path: str | Path, bp: BudgetPlan) -> None:
+    """The budget table as numbers: each point with its FLOPs and GPU-hours, the fit and the costing."""
+    import dataclasses
+
+    c = bp.costing
+
+    def point(p: Point) -> dict[str, float]:
+        return {**dataclasses.asdict(p), "tokens_per_param": p.tokens_per_param, "train_flops": p.train_flops,
+                "inference_flops": p.inference_flops, "total_flops": p.total_flops,
+                "train_gpu_hours": c.train_gpu_hours(p), "inference_gpu_hours": c.inference_gpu_hours(p),
+                "total_gpu_hours": c.gpu_hours(p)}  # fmt: skip
+
+    doc = {
+        "law": dataclasses.asdict(bp.law),
+        "costing": dataclasses.asdict(c),
+        "bar": bp.bar,
+        "chinchilla": point(bp.chinchilla),
+        "same_loss": point(bp.same_loss),
+        "same_cost": point(bp.same_cost),
+        "saving": bp.saving,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1))
