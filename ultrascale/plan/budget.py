@@ -148,7 +148,7 @@ def chinchilla_for_loss(law: ScalingLaw, target_loss: float, inference_tokens: f
 def inference_aware_optimal(
     law: ScalingLaw, target_loss: float, inference_tokens: float, inference_weight: float = 1.0
 ) -> Point:
-    """The (N, D) that reaches ``target_loss`` for the least 6·N·D + w·2·N·D_inf (Sardana et al. 2024, eq. 2).
+    """The (N, D) that reaches ``target_loss`` for the least 6·N·D + w·2·N·D_inf (Sardana et al. 2024).
 
     ``inference_weight`` w is what an inference FLOP costs in training FLOPs (1 for the FLOP count,
     train_mfu/inference_mfu for GPU-hours or dollars on one accelerator type)."""
