@@ -1,0 +1,174 @@
+"""Each compute lever off vs on, through ``train.py`` on the same ranks, model, data and batch.
+
+Levers (every other lever stays at its default while one is toggled):
+
+    compile      train.compile            torch.compile of the model (engine.compile)
+    fused_loss   train.fused_loss         chunked linear cross-entropy: no [tokens, vocab] logits
+    fused_adamw  optim.fused              torch AdamW's fused kernel
+    doc_mask     data.document_masking   block-diagonal attention + restarting positions (a correctness lever: its cost)
+    breakdown    train.step_breakdown    DeepSpeed's engine timers for the step breakdown (its overhead)
+    packing      padded -> packed         one document per row, padded (pads loss-masked) vs packed rows;
+                                          counted in real (non-pad) tokens/s, the work that trains the model
+
+Method on a shared 2-core machine: the two settings of a lever run alternately (off, on, on, off, ...) so a
+slow stretch of the machine hits both, each run's rate is wall-clock tokens/s over steps 2..N (the first step
+holds one-off costs such as compilation, which is reported separately), and the speedup is the median of
+the per-round paired ratios, shown with its min-max spread. Memory is the peak resident set per rank
+(``mem_gb``; CUDA peak allocated on a GPU).
+
+    python bench/levers.py [--levers compile,fused_loss,...] [--rounds 3] [--steps 30] [--seq-len 256] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _harness import torchrun  # noqa: E402
+
+LEVERS = {
+    "compile": ("train.compile=false", "train.compile=true"),
+    "fused_loss": ("train.fused_loss=false", "train.fused_loss=true"),
+    "fused_adamw": ("optim.fused=false", "optim.fused=true"),
+    "doc_mask": ("data.document_masking=false", "data.document_masking=true"),
+    "breakdown": ("train.step_breakdown=false", "train.step_breakdown=true"),
+    "packing": (None, None),  # data differs, see _padded_dataset
+}
+
+
+def _padded_dataset(src: Path, out: Path) -> tuple[Path, float]:
+    """The packed byte corpus re-cut as one document per row (EOS-terminated, padded with masked EOS).
+
+    Returns the directory and the fraction of real tokens, so a padded run's rate can be counted in the
+    tokens that train the model.
+    """
+    import numpy as np
+
+    from ultrascale.data.shards import open_split, write_samples
+
+    manifest = json.loads((src / "manifest.json").read_text())
+    eos, seq = int(manifest["eos_token_id"]), int(manifest["seq_len"])
+    splits, masks, real = {}, {}, 0
+    for name in ("train", "validation"):
+        flat = open_split(src, name).get(np.arange(len(open_split(src, name))))
+        toks = flat.reshape(-1)
+        ends = np.flatnonzero(toks == eos)
+        rows, mrows, start = [], [], 0
+        for end in ends:  # each document, cut into rows of seq tokens, the last row padded
+            doc = toks[start : end + 1]
+            start = end + 1
+            for i in range(0, len(doc), seq):
+                piece = doc[i : i + seq]
+                row = np.full(seq, eos, dtype=np.int64)
+                row[: len(piece)] = piece
+                m = np.zeros(seq, dtype=bool)
+                m[: len(piece)] = True
+                rows.append(row)
+                mrows.append(m)
+        splits[name], masks[name] = [np.stack(rows)], [np.stack(mrows)]
+        if name == "train":
+            real = float(np.stack(mrows).mean())
+    write_samples(out, splits, seq_len=seq, vocab_size=int(manifest["vocab_size"]), eos_token_id=eos,
+                  tokenizer="tokenizer", loss_masks=masks)  # fmt: skip
+    return out, real
+
+
+def _run(tmp: Path, name: str, common: list[str], extra: list[str]) -> dict:
+    run = tmp / name
+    torchrun(2, ["train.py", *common, f"output_dir={run}", *extra])
+    summary = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if "event" not in r and "step_s" in r]
+    return {
+        "tokens_per_s": summary["wall_tokens_per_s"],
+        "mem_gb": max(r["mem_gb"] for r in steps),
+        "first_step_s": steps[0]["step_s"] if steps else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated subset of {list(LEVERS)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--json", dest="json_path", help="write results as JSON here")
+    a = ap.parse_args()
+    levers = [x for x in a.levers.split(",") if x]
+    unknown = set(levers) - set(LEVERS)
+    if unknown:
+        sys.exit(f"error: unknown lever(s) {sorted(unknown)}: choose from {list(LEVERS)}")
+
+    from ultrascale.data.bytecorpus import write_byte_dataset
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_levers_"))
+    data = write_byte_dataset(tmp / "data", seq_len=a.seq_len, max_files=200)
+    common = ["logger=none", f"data.seq_len={a.seq_len}", "data.micro_batch=4", "data.global_batch=16",
+              f"train.steps={a.steps}", "train.eval_interval=0", "train.checkpoint_interval=0",
+              "optim.sched.warmup_steps=5", "data.eval_batches=1"]  # fmt: skip
+    padded = real_frac = None
+    results = []
+    for lever in levers:
+        off, on = LEVERS[lever]
+        pairs = []
+        for r in range(a.rounds):
+            order = ("off", "on") if r % 2 == 0 else ("on", "off")
+            got = {}
+            for side in order:
+                if lever == "packing":
+                    if padded is None:
+                        padded, real_frac = _padded_dataset(data, tmp / "padded")
+                    extra = [f"data.path={padded if side == 'off' else data}"]
+                else:
+                    extra = [f"data.path={data}", off if side == "off" else on]
+                got[side] = _run(tmp, f"{lever}_{side}_{r}", common, extra)
+                if lever == "packing" and side == "off":
+                    got[side]["tokens_per_s"] *= real_frac  # count only real tokens
+            pairs.append(got)
+            print(f"{lever:<12} round {r + 1}/{a.rounds}: off {got['off']['tokens_per_s']:,.0f} tok/s, "
+                  f"on {got['on']['tokens_per_s']:,.0f} tok/s", flush=True)  # fmt: skip
+        ratios = [p["on"]["tokens_per_s"] / p["off"]["tokens_per_s"] for p in pairs]
+        res = {
+            "lever": lever,
+            "off": off or "padded rows",
+            "on": on or "packed rows",
+            "off_tokens_per_s": statistics.median(p["off"]["tokens_per_s"] for p in pairs),
+            "on_tokens_per_s": statistics.median(p["on"]["tokens_per_s"] for p in pairs),
+            "speedup": statistics.median(ratios),
+            "speedup_min": min(ratios),
+            "speedup_max": max(ratios),
+            "mem_off_gb": statistics.median(p["off"]["mem_gb"] for p in pairs),
+            "mem_on_gb": statistics.median(p["on"]["mem_gb"] for p in pairs),
+            "first_step_on_s": statistics.median(p["on"]["first_step_s"] for p in pairs),
+            "first_step_off_s": statistics.median(p["off"]["first_step_s"] for p in pairs),
+            "rounds": pairs,
+        }
+        if lever == "packing":
+            res["real_token_fraction_padded"] = real_frac
+        results.append(res)
+
+    print(f"\n{'lever':<12} {'off tok/s':>10} {'on tok/s':>10} {'speedup':>8} {'spread':>13} "
+          f"{'mem off':>8} {'mem on':>8} {'1st step on':>11}")  # fmt: skip
+    for r in results:
+        print(f"{r['lever']:<12} {r['off_tokens_per_s']:>10,.0f} {r['on_tokens_per_s']:>10,.0f} {r['speedup']:>8.3f} "
+              f"{r['speedup_min']:>6.3f}-{r['speedup_max']:<6.3f} {r['mem_off_gb']:>7.3f}G {r['mem_on_gb']:>7.3f}G "
+              f"{r['first_step_on_s']:>10.1f}s")  # fmt: skip
+    print(
+        f"\n{a.rounds} paired rounds per lever, {a.steps} steps, seq {a.seq_len}, 2 CPU ranks, tiny Llama (vocab 4096)"
+    )
+    if a.json_path:
+        Path(a.json_path).parent.mkdir(parents=True, exist_ok=True)
+        settings = {"rounds": a.rounds, "steps": a.steps, "seq_len": a.seq_len, "nproc": 2, "common": common}
+        Path(a.json_path).write_text(json.dumps({"settings": settings, "levers": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

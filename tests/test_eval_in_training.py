@@ -1,0 +1,53 @@
+"""Evaluation during training and the per-step time breakdown, on 2 ranks through train.py.
+
+Held-out loss is sharded over the ranks and all-reduced (token-weighted); HumanEval runs greedy on rank 0
+in the sandbox on a BPE-tokenized corpus; every step row carries the breakdown that the comb report draws.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.conftest import FAST, check, launch, metrics
+
+pytestmark = pytest.mark.dist
+
+PARTS = ("data_wait_s", "fwd_s", "bwd_s", "comm_s", "opt_s", "other_s")
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory):
+    """40 stdlib files through the real data prep (BPE with 512 tokens, seq 64): a few seconds."""
+    from data_prep.api import prepare
+
+    out = tmp_path_factory.mktemp("bpe") / "data"
+    prepare(str(out), source="stdlib", seq_len=64, vocab_size=512, max_files=40)
+    return out
+
+
+def test_eval_and_humaneval_during_training_and_the_step_breakdown(bpe_data, tmp_path):
+    out = tmp_path / "run"
+    check(launch([*FAST, f"data.path={bpe_data}", f"output_dir={out}", "train.steps=4", "train.eval_interval=2",
+                  "train.eval_humaneval=2", "train.eval_humaneval_max_new_tokens=16"]))  # fmt: skip
+    rows = metrics(out)
+    evals = [r for r in rows if r.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [2, 4]
+    for e in evals:
+        assert e["eval_ppl"] == pytest.approx(math.exp(e["eval_loss"]), rel=1e-6) and e["eval_s"] > 0
+        assert 0.0 <= e["humaneval_pass@1"] <= 1.0 and e["humaneval_problems"] == 2
+    steps = [r for r in rows if "event" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert all(r[p] >= 0 for p in PARTS), r
+        assert sum(r[p] for p in PARTS) == pytest.approx(r["step_s"], rel=0.05), r  # disjoint parts, whole step
+        assert r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["opt_s"] > 0
+
+
+def test_humaneval_during_training_needs_a_tokenizer(tiny_data, tmp_path):
+    proc = launch([*FAST, f"data.path={tiny_data}", f"output_dir={tmp_path / 'r'}", "train.steps=2",
+                   "train.eval_humaneval=2"])  # fmt: skip
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "train.eval_humaneval=2 needs a tokenizer" in errors[0], proc.stderr[-2000:]
