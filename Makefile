@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-parallel bench-export clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-parallel bench-export bench-levers clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,9 @@ bench-data: setup
 
 bench-export: setup
 	$(BIN)/python bench/bench_export.py --json bench/results/bench_export.json
+
+bench-levers: setup
+	$(BIN)/python bench/levers.py --json bench/results/levers.json
 
 bench-parallel: setup
 	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json
