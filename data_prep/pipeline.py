@@ -400,7 +400,7 @@ def reduce(cfg: DataPrepConfig, work: Path, map_dir: Path) -> dict:
     tok_done = work / "tokenizer.done"
     if not tok_done.exists():
         if cfg.tokenizer.path:
-            load_local(cfg.tokenizer.path)
+            load_local(cfg.tokenizer.path, fim=cfg.fim.rate > 0)
             copy_local(cfg.tokenizer.path, tok_dir)
         else:
             texts, budget = [], cfg.tokenizer.train_max_bytes

@@ -69,8 +69,12 @@ def save_hf(tok, out_dir: Path, model_max_length: int) -> None:
     os.replace(tmp, out_dir)
 
 
-def load_local(path: str):
-    """A local HF tokenizer directory; it must already define the special tokens we emit."""
+def load_local(path: str, fim: bool = True):
+    """A local HF tokenizer directory; it must already define the special tokens we emit.
+
+    EOS always (documents are joined with it); the FIM sentinels only when FIM is on: a pretrained model's
+    tokenizer without them (SmolLM2's, for one) is fine for plain next-token data.
+    """
     from tokenizers import Tokenizer
 
     p = Path(path)
@@ -79,10 +83,13 @@ def load_local(path: str):
             f"tokenizer.path={path} has no tokenizer.json: point it at a local HF (fast) tokenizer directory"
         )
     tok = Tokenizer.from_file(str(p / "tokenizer.json"))
-    missing = [t for t in SPECIAL_TOKENS[:5] if tok.token_to_id(t) is None]
+    if tok.token_to_id(EOS) is None:
+        raise DataError(f"tokenizer.path={path} has no {EOS} token: add it or train one (tokenizer.path=null)")
+    missing = [t for t in SPECIAL_TOKENS[1:5] if tok.token_to_id(t) is None] if fim else []
     if missing:
         raise DataError(
-            f"tokenizer.path={path} lacks special tokens {missing}: add them or train one (tokenizer.path=null)"
+            f"tokenizer.path={path} lacks the FIM tokens {missing}: set fim.rate=0 (no fill-in-the-middle "
+            "samples), add the tokens, or train one (tokenizer.path=null)"
         )
     return tok
 

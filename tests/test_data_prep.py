@@ -369,3 +369,21 @@ def test_prepare_defaults_meet_the_training_contract(tmp_path):
     assert m["seq_len"] == 256 and m["vocab_size"] <= 4096 and m["tokenizer"] == "tokenizer"
     assert m["splits"]["train"]["num_samples"] >= 1500 and m["splits"]["validation"]["num_samples"] >= 50
     assert len(open_split(str(tmp_path / "stdlib"), "validation")) == m["splits"]["validation"]["num_samples"]
+
+
+def test_a_pretrained_tokenizer_without_fim_tokens_needs_fim_off(prepared, tmp_path):
+    """SmolLM2's tokenizer has EOS but no FIM sentinels: fine for plain data, a clear error with FIM on."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    corpus, _, _ = prepared
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["def f(x):\n    return x\n"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    tok_dir = tmp_path / "pretrained_tok"
+    tok_dir.mkdir()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    with pytest.raises(DataError, match=r"lacks the FIM tokens .* set fim\.rate=0"):
+        run(cfg_for(corpus, tmp_path / "fim_on", f"tokenizer.path={tok_dir}"))
+    m = run(cfg_for(corpus, tmp_path / "fim_off", f"tokenizer.path={tok_dir}", "fim.rate=0"))
+    assert m["eos_token_id"] == tok.token_to_id(EOS) and m["splits"]["train"]["num_samples"] > 0
