@@ -211,7 +211,7 @@ class TrainConfig:
     """``torch.compile`` the model through ``engine.compile()``: fused elementwise kernels, fewer passes over
     memory. Costs a one-off compile at the first step (logged); pays off on runs longer than a few minutes.
     Not with parallel.pp>1 (falls back to eager, said in the banner)."""
-    fused_loss: bool = False
+    fused_loss: bool = True
     """Compute the LM loss with a chunked linear cross-entropy (``ultrascale/model/loss.py``): the
     [tokens, vocab] logits never exist at once, which at a 49k vocabulary is the largest activation of a
     small model. Same loss and gradients as the plain path. Dense HF decoders with pp=1 and sp=1; MoE models
