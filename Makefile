@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-parallel bench-export bench-levers clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-parallel bench-export bench-levers bench-loss clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,9 @@ bench-export: setup
 
 bench-levers: setup
 	$(BIN)/python bench/levers.py --json bench/results/levers.json
+
+bench-loss: setup
+	$(BIN)/python bench/bench_loss.py --json bench/results/bench_loss.json
 
 bench-parallel: setup
 	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json
