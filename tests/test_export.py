@@ -183,7 +183,7 @@ def _engine_logits(out: Path, run_dirs: list[Path]) -> None:
         topo = validate(cfg, dist.world_size())
         engine, _ = build_engine(cfg, topo, build_ds_config(cfg, topo))
         tag_dir = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
-        step = checkpoint.load(engine, tag_dir, same_world=True)
+        step, _ = checkpoint.load(engine, tag_dir, same_world=True)
         split = open_split(resolve_path(cfg.data.path), "validation")
         engine.eval()
         if topo.pp > 1:  # the pipeline engine returns the loss of a batch, not logits
