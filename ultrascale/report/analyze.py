@@ -1,0 +1,372 @@
+"""Where a run's time went, and the shape of its stalls: the numbers behind ``report.md`` and ``report.png``.
+
+Averages hide the comb. A run that waits on data for a third of every step after step 400 looks merely
+"a bit slow" in its mean tokens/s, so besides the shares over the whole run this finds *where* the largest
+stall lives: the step window in which its share of step time is highest, fitted as one level inside the
+window and one outside (least squares over time-weighted shares), and reported only when the split explains
+most of the variation and moves the share by at least 5 points.
+
+A stall is any time not spent in forward/backward compute: inside a step the data wait, communication,
+optimizer and "other" parts; between steps the checkpoint saves, the evaluations, and whatever else the wall
+clock shows (start-up, logging), which is estimated as the remainder. They are ranked by estimated seconds of
+wall time, so a 4 s checkpoint every 30 steps and a 30 ms data wait every step compete on equal terms.
+
+Step rows are samples (one every ``train.log_interval`` steps), so a row stands for the steps since the
+previous one. The first step row after a start or resume carries warm-up and compilation; the "steady"
+numbers leave it out, and its extra time is not multiplied by the steps it stands for.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ultrascale.report.load import Run, finite
+
+PARTS = ("data_wait_s", "fwd_s", "bwd_s", "comm_s", "opt_s", "other_s")
+LABELS = {
+    "data_wait_s": "data wait",
+    "fwd_s": "forward",
+    "bwd_s": "backward",
+    "comm_s": "communication",
+    "opt_s": "optimizer",
+    "other_s": "other",
+    "checkpoint": "checkpointing",
+    "eval": "evaluation",
+    "outside": "outside steps",
+}
+COMPUTE = ("fwd_s", "bwd_s")
+# Events drawn as markers and listed one by one (checkpoints and evals are counted and timed instead).
+MARKED = ("skip", "lr_cut", "rollback", "stop", "resume")
+# At most this many bins in the window search (O(bins^2)), so thousands of rows stay in milliseconds.
+MAX_BINS = 120
+# A window is reported only if it explains this much of the share's variance and moves it this much.
+MIN_GAIN, MIN_SHIFT = 0.5, 0.05
+
+
+@dataclass
+class Tick:
+    """One slot of the comb, in file order: a logged step, a checkpoint or an eval (events take no slot)."""
+
+    pos: float
+    step: int
+    kind: str
+    seconds: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+    steady: bool = True
+    represents: int = 1
+    row: dict = field(default_factory=dict)
+
+
+@dataclass
+class Breakdown:
+    """Mean seconds and share of step time per part; shares are time-weighted (sum of part / sum of step)."""
+
+    n: int
+    step_s: float
+    mean: dict[str, float]
+    frac: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.frac.values())
+
+
+@dataclass
+class Window:
+    """Where a part's share of step time is highest. ``kind``: after, until, between or throughout."""
+
+    kind: str
+    first: int
+    last: int
+    share_in: float
+    share_out: float | None
+    pos: tuple[float, float]
+
+    def phrase(self) -> str:
+        s_in, s_out = pct(self.share_in), pct(self.share_out or 0.0)
+        if self.kind == "after":
+            return f"{s_in} of step time after step {self.first} ({s_out} before)"
+        if self.kind == "until":
+            return f"{s_in} of step time until step {self.last} ({s_out} after)"
+        if self.kind == "between":
+            return f"{s_in} of step time from step {self.first} to step {self.last} ({s_out} elsewhere)"
+        return f"{s_in} of step time throughout (steps {self.first}–{self.last})"
+
+
+@dataclass
+class Stall:
+    key: str
+    seconds: float
+    wall_frac: float
+    step_frac: float | None = None
+    window: Window | None = None
+    detail: str = ""
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.key]
+
+    def sentence(self) -> str:
+        """The stall in words, e.g. 'data wait 31 % of step time after step 400 (2 % before), 25 % of wall time'."""
+        if self.window is not None:
+            return f"{self.label} {self.window.phrase()}, {pct(self.wall_frac)} of wall time"
+        return f"{self.label} took {pct(self.wall_frac)} of wall time ({self.detail})"
+
+
+@dataclass
+class Stat:
+    mean: float
+    p50: float
+    min: float
+    max: float
+
+
+@dataclass
+class Analysis:
+    run: Run
+    comb: list[Tick]
+    parts: tuple[str, ...]
+    all: Breakdown | None
+    steady: Breakdown | None
+    wall_s: float
+    resumes: int
+    steps_run: int
+    step_time_s: float
+    compute_frac: float
+    stalls: list[Stall]
+    stats: dict[str, Stat]
+    events: Counter
+    marked: list[dict]
+    final_loss: float | None
+    final_step: int
+    min_loss: float | None
+    evals: list[dict]
+
+    @property
+    def largest(self) -> Stall | None:
+        return self.stalls[0] if self.stalls else None
+
+    @property
+    def breakdown(self) -> Breakdown | None:
+        return self.steady or self.all
+
+
+def pct(x: float) -> str:
+    """31 %, 2.4 %, 0.3 %: whole points where the first decimal is noise."""
+    x *= 100
+    return f"{x:.0f} %" if abs(x) >= 10 else f"{x:.1f} %"
+
+
+def _num(v) -> float | None:
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def _step_parts(row: dict) -> tuple[float, dict[str, float]] | None:
+    """The disjoint parts of one step row; ``other_s`` is recomputed (clamped at 0) if the row lacks it."""
+    step_s = _num(row.get("step_s"))
+    if step_s is None or step_s <= 0:
+        return None
+    parts = {p: _num(row.get(p)) or 0.0 for p in PARTS[:-1]}
+    other = _num(row.get("other_s"))
+    parts["other_s"] = other if other is not None else max(0.0, step_s - sum(parts.values()))
+    return step_s, parts
+
+
+def _comb(run: Run) -> tuple[list[Tick], float, int, int]:
+    """File order as comb slots; also wall time (time_s restarts at each resume), resumes, steps executed."""
+    comb: list[Tick] = []
+    wall, seg_max, resumes, executed = 0.0, 0.0, 0, 0
+    cur, warm, pos = 0, True, 0
+    for r in run.rows:
+        ev = r.get("event")
+        if ev == "resume":
+            wall, seg_max = wall + seg_max, 0.0
+            resumes += 1
+            cur, warm = int(_num(r.get("from_step")) or r["step"]), True
+        seg_max = max(seg_max, _num(r["time_s"]) or 0.0)
+        if ev is None:
+            sp = _step_parts(r)
+            gap = r["step"] - cur
+            executed += max(gap, 0)
+            if sp is not None:
+                comb.append(Tick(pos, r["step"], "step", sp[0], sp[1], steady=not warm, represents=max(gap, 1), row=r))
+                pos += 1
+            cur, warm = r["step"], False
+        elif ev in ("checkpoint", "eval"):
+            secs = _num(r.get(f"{ev}_s")) or 0.0
+            comb.append(Tick(pos, r["step"], ev, secs, row=r))
+            pos += 1
+        else:
+            if ev == "rollback":
+                cur = int(_num(r.get("to_step")) or cur)
+            comb.append(Tick(pos - 0.5, r["step"], ev, row=r))
+    return comb, wall + seg_max, resumes, executed
+
+
+def breakdown(ticks: list[Tick], parts: tuple[str, ...]) -> Breakdown | None:
+    if not ticks:
+        return None
+    total = sum(t.seconds for t in ticks)
+    sums = {p: sum(t.parts[p] for t in ticks) for p in parts}
+    n = len(ticks)
+    return Breakdown(n, total / n, {p: s / n for p, s in sums.items()}, {p: s / total for p, s in sums.items()})
+
+
+def find_window(ticks: list[Tick], part: str) -> Window:
+    """The step window where ``part``'s share of step time is highest, or 'throughout' if there is none.
+
+    Rows are binned (at most MAX_BINS), then every contiguous window of bins is tried as one level inside
+    and one outside; the least-squares best wins if it explains MIN_GAIN of the variance and moves the
+    share by MIN_SHIFT. Shares are weighted by step time so one slow step counts for its seconds.
+    """
+    n = len(ticks)
+    overall = sum(t.parts[part] for t in ticks) / sum(t.seconds for t in ticks)
+    flat = Window("throughout", ticks[0].step, ticks[-1].step, overall, None, (ticks[0].pos, ticks[-1].pos))
+    nb = min(n, MAX_BINS)
+    if nb < 3:
+        return flat
+    bins = [ticks[b * n // nb : (b + 1) * n // nb] for b in range(nb)]
+    w, x, q = [0.0], [0.0], [0.0]  # prefix sums of weight (step s), weight*share (part s), weight*share^2
+    for b in bins:
+        s, p = sum(t.seconds for t in b), sum(t.parts[part] for t in b)
+        w.append(w[-1] + s)
+        x.append(x[-1] + p)
+        q.append(q[-1] + p * p / s)
+
+    def sse(ws: float, xs: float, qs: float) -> float:
+        return qs - xs * xs / ws if ws > 0 else 0.0
+
+    base = sse(w[nb], x[nb], q[nb])
+    if base <= 1e-12:
+        return flat
+    min_len = 2 if nb >= 6 else 1
+    best = None
+    for i in range(nb):
+        for j in range(i + min_len, nb + 1):
+            if i == 0 and j == nb:
+                continue
+            wi, xi, qi = w[j] - w[i], x[j] - x[i], q[j] - q[i]
+            wo, xo, qo = w[nb] - wi, x[nb] - xi, q[nb] - qi
+            if wi <= 0 or wo <= 0 or xi / wi <= xo / wo:
+                continue
+            err = sse(wi, xi, qi) + sse(wo, xo, qo)
+            if best is None or err < best[0]:
+                best = (err, i, j, xi / wi, xo / wo)
+    if best is None:
+        return flat
+    err, i, j, s_in, s_out = best
+    if 1 - err / base < MIN_GAIN or s_in - s_out < MIN_SHIFT:
+        return flat
+    inside = [t for b in bins[i:j] for t in b]
+    pos = (inside[0].pos, inside[-1].pos)
+    if j == nb:
+        return Window("after", bins[i - 1][-1].step, inside[-1].step, s_in, s_out, pos)
+    if i == 0:
+        return Window("until", inside[0].step, inside[-1].step, s_in, s_out, pos)
+    return Window("between", inside[0].step, inside[-1].step, s_in, s_out, pos)
+
+
+def _stat(values: list[float]) -> Stat | None:
+    if not values:
+        return None
+    return Stat(statistics.fmean(values), statistics.median(values), min(values), max(values))
+
+
+def _event_stall(key: str, ticks: list[Tick], denom: float, noun: str) -> Stall | None:
+    if not ticks:
+        return None
+    secs = [t.seconds for t in ticks]
+    total, mean = sum(secs), statistics.fmean(secs)
+    slow = max(ticks, key=lambda t: t.seconds)
+    detail = f"{len(ticks)} {noun}{'s' if len(ticks) != 1 else ''}, {mean:.1f} s each"
+    if len(ticks) > 1 and slow.seconds > 1.5 * mean:
+        detail += f", slowest {slow.seconds:.1f} s at step {slow.step}"
+    return Stall(key, total, total / denom, detail=detail)
+
+
+def analyze(run: Run) -> Analysis:
+    comb, wall, resumes, executed = _comb(run)
+    steps = [t for t in comb if t.kind == "step"]
+    has_comm = any("comm_s" in t.row for t in steps)
+    parts = tuple(p for p in PARTS if p != "comm_s" or has_comm)
+    steady_ticks = [t for t in steps if t.steady]
+    all_bd, steady_bd = breakdown(steps, parts), breakdown(steady_ticks, parts)
+    ref = steady_bd or all_bd
+
+    # Seconds per part over every executed step: a row stands for the steps since the previous row; a
+    # warm-up row counts its own time once and the steady mean for the rest of the steps it stands for.
+    part_s = dict.fromkeys(parts, 0.0)
+    for t in steps:
+        for p in parts:
+            rest = ref.mean[p] if not t.steady and ref is not None else t.parts[p]
+            part_s[p] += t.parts[p] + (t.represents - 1) * rest
+    step_time = sum(part_s.values())
+    ckpts = [t for t in comb if t.kind == "checkpoint"]
+    evals = [t for t in comb if t.kind == "eval"]
+    ckpt_s, eval_s = sum(t.seconds for t in ckpts), sum(t.seconds for t in evals)
+    denom = max(wall, step_time + ckpt_s + eval_s, 1e-9)
+
+    stalls: list[Stall] = []
+    window_ticks = steady_ticks or steps
+    for p in parts:
+        if p in COMPUTE or not steps:
+            continue
+        win = find_window(window_ticks, p)
+        stalls.append(Stall(p, part_s[p], part_s[p] / denom, ref.frac[p], win))
+    for key, ticks, noun in (("checkpoint", ckpts, "save"), ("eval", evals, "eval")):
+        st = _event_stall(key, ticks, denom, noun)
+        if st is not None:
+            stalls.append(st)
+    outside = max(0.0, wall - step_time - ckpt_s - eval_s)
+    if outside > 0:
+        stalls.append(
+            Stall(
+                "outside",
+                outside,
+                outside / denom,
+                detail=f"{outside:.0f} s of start-up, logging and the like; "
+                "the wall time no step, eval or checkpoint accounts for",
+            )
+        )
+    stalls.sort(key=lambda s: s.seconds, reverse=True)
+
+    stat_rows = [t.row for t in (steady_ticks or steps)] or run.step_rows
+    stats = {}
+    for key in ("tokens_per_s", "tflops", "mfu", "mem_gb", "step_s"):
+        st = _stat(finite([r.get(key) for r in stat_rows]))
+        if st is not None:
+            stats[key] = st
+
+    curve = run.curve()
+    losses = [(r["step"], _num(r.get("loss"))) for r in curve]
+    losses = [(s, v) for s, v in losses if v is not None]
+    final_loss = losses[-1][1] if losses else _num(run.summary.get("final_loss"))
+    last_eval: dict[int, dict] = {}
+    for r in run.events:
+        if r["event"] == "eval":
+            last_eval[r["step"]] = r
+    return Analysis(
+        run=run,
+        comb=comb,
+        parts=parts,
+        all=all_bd,
+        steady=steady_bd,
+        wall_s=wall,
+        resumes=resumes,
+        steps_run=executed,
+        step_time_s=step_time,
+        compute_frac=sum(part_s[p] for p in COMPUTE) / denom,
+        stalls=stalls,
+        stats=stats,
+        events=Counter(r["event"] for r in run.events),
+        marked=[r for r in run.events if r["event"] in MARKED],
+        final_loss=final_loss,
+        final_step=curve[-1]["step"],
+        min_loss=min(v for _, v in losses) if losses else None,
+        evals=[last_eval[s] for s in sorted(last_eval)],
+    )
