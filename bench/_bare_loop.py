@@ -1,8 +1,12 @@
 """Baseline for bench/train_overhead.py: the least code that trains the same model with DeepSpeed.
 
-Same model config, same DeepSpeed JSON (read from the train.py run), same shards, same batch; no
-metrics, no checkpoints, no loggers. Prints one JSON line with the mean tokens/s (first step excluded).
-Run under torchrun; not a user-facing tool.
+Same model config, same DeepSpeed JSON (read from the train.py run), same shards, same batch, the same
+warmup + schedule (set by hand each step); a plain torch AdamW over all parameters; no metrics, no
+checkpoints, no loggers. Reads consecutive rows, rank-interleaved, in order.
+
+Timed like the other two sides: wall clock from the end of optimizer step 1 to the end of step N, so
+whatever the loop does between steps counts. Run under torchrun as ``_bare_loop.py RUN_DIR DATA_DIR STEPS``;
+prints one JSON line (tokens/s, per-step losses) on rank 0. Not a user-facing tool.
 """
 
 import json
@@ -23,34 +27,48 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     import torch.distributed as dist
 
+    from ultrascale.data.shards import open_split
     from ultrascale.model.build import build_model
+    from ultrascale.train.optim import lr_multiplier
 
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     ds = json.loads(Path(run_dir, "ds_config.json").read_text())
     model = build_model(cfg.model, seed=cfg.train.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=0.1)
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
-    manifest = json.loads(Path(data_dir, "manifest.json").read_text())
-    arr = np.load(os.path.join(data_dir, manifest["splits"]["train"]["shards"][0]["path"]), mmap_mode="r")
+    split = open_split(data_dir, "train", verify=False)
     mb, gas, rank, world = (
         ds["train_micro_batch_size_per_gpu"],
         ds["gradient_accumulation_steps"],
         dist.get_rank(),
         dist.get_world_size(),
     )
-    times = []
+    losses, stamps = [], []
     for step in range(steps):
-        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = o.lr * lr_multiplier(step, o.sched, steps)
         for m in range(gas):
-            start = ((step * gas + m) * world + rank) * mb % (len(arr) - mb)
-            ids = torch.from_numpy(np.asarray(arr[start : start + mb], dtype=np.int64))
+            start = ((step * gas + m) * world + rank) * mb % (len(split) - mb)
+            ids = torch.from_numpy(split.get(np.arange(start, start + mb)))
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
-        times.append(time.perf_counter() - t0)
-    tokens = ds["train_batch_size"] * cfg.data.seq_len
+            losses.append(loss.detach())
+        stamps.append(time.perf_counter())
+    # Outside the timed window: each step's loss, mean over micro-steps and ranks (what train.py logs).
+    per_step = torch.stack(losses).float().reshape(steps, gas).mean(1)
+    dist.all_reduce(per_step)
+    per_step /= world
+    tokens = ds["train_batch_size"] * cfg.data.seq_len * (steps - 1)
     if rank == 0:
-        print(json.dumps({"tokens_per_s": tokens / (sum(times[1:]) / len(times[1:])), "loss": loss.item()}))
+        out = {
+            "tokens_per_s": tokens / (stamps[-1] - stamps[0]),
+            "steps_timed": steps - 1,
+            "loss": float(per_step[-1]),
+            "losses": [round(float(x), 5) for x in per_step],
+        }
+        print(json.dumps(out), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

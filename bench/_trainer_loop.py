@@ -1,0 +1,201 @@
+"""Baseline for bench/train_overhead.py: what a user gets from HF ``Trainer`` + DeepSpeed out of the box.
+
+Same model (``build_model`` from the train.py run's config.yaml), the same DeepSpeed JSON (that run's
+ds_config.json, passed as ``TrainingArguments(deepspeed=...)``), the same packed shards as plain
+``{"input_ids", "labels"}`` rows through ``default_data_collator``, and the same micro batch, accumulation,
+steps, peak lr, weight decay, betas, eps, grad clip and warmup + schedule shape. Everything else is
+Trainer's own default (its optimizer, its sampler, its progress bar, its loss bookkeeping); nothing is
+saved or evaluated. Its sampler shuffles with ``train.seed``, so it reads the same samples in another order.
+
+Timed like the other two sides: wall clock from the end of optimizer step 1 (a ``TrainerCallback``'s
+``on_step_end``) to the end of step N, so tokens/s = global batch * seq_len * (N - 1) / that time.
+
+On a CPU-only host accelerate picks no backend and sees world size 1 while DeepSpeed sees 2; the fix a
+user finds (shared/probes/README.md) is ``ACCELERATE_USE_DEEPSPEED=true``, a ``PartialState`` built with
+gloo first, and ``accelerator_config={"use_configured_state": True}``.
+
+Run under torchrun as ``_trainer_loop.py RUN_DIR DATA_DIR STEPS OUT_DIR``; prints one JSON line on rank 0.
+Not a user-facing tool.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class PackedRows(torch.utils.data.Dataset):
+    """The packed shards as Trainer expects them: int64 ``input_ids`` and unshifted ``labels``, no padding."""
+
+    def __init__(self, split):
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        idx = np.asarray([i])
+        ids = torch.from_numpy(self.split.get(idx)[0])
+        labels = ids.clone()
+        mask = self.split.get_loss_mask(idx)
+        if mask is not None:  # supervised data: prompt tokens are read but not learned
+            labels[~torch.from_numpy(mask[0])] = -100
+        return {"input_ids": ids, "labels": labels}
+
+
+def _schedule(sched, steps: int) -> tuple[str, dict, int]:
+    """(lr_scheduler_type, lr_scheduler_kwargs, warmup_steps): the config's schedule in Trainer's terms."""
+    total = int(sched.total_steps or steps) if "total_steps" in sched else steps
+    warmup = min(int(sched.warmup_steps), max(total - 1, 0))
+    floor = float(sched.get("min_lr_ratio", 0.0))
+    if sched.name == "cosine":
+        return "cosine_with_min_lr", {"min_lr_rate": floor}, warmup
+    if sched.name == "constant":
+        return "constant_with_warmup", {}, warmup
+    if sched.name == "wsd":
+        decay = max(1, round(total * float(sched.decay_fraction)))
+        return "warmup_stable_decay", {"num_decay_steps": decay, "min_lr_ratio": floor}, warmup
+    sys.exit(f"error: optim.sched.name={sched.name!r} has no HF Trainer equivalent in this benchmark")
+
+
+def _describe(opt) -> str:
+    """The torch optimizer Trainer built (DeepSpeed wraps it), with its kernel choice."""
+    flags = {k: opt.defaults.get(k) for k in ("fused", "foreach") if k in opt.defaults}
+    return f"{type(opt).__module__}.{type(opt).__name__}({', '.join(f'{k}={v}' for k, v in flags.items())})"
+
+
+def _plain(v):
+    """JSON-safe: DeepSpeed/accelerate use float('inf') as 'never', which strict JSON cannot hold."""
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _diff(before: dict, after: dict) -> dict:
+    """Keys of the DeepSpeed JSON that Trainer/accelerate added, removed or rewrote: {key: [ours, theirs]}."""
+    a, b = _flat(before), _flat(after)
+    return {k: [_plain(a.get(k)), _plain(b.get(k))] for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
+def main() -> None:
+    run_dir, data_dir, steps, out_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    from accelerate import PartialState
+
+    PartialState(backend="gloo")  # before TrainingArguments: see the module docstring
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+    from ultrascale.data.shards import open_split
+    from ultrascale.model.build import build_model
+
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    ds = json.loads(Path(run_dir, "ds_config.json").read_text())
+    ds_before = json.loads(json.dumps(ds))
+    precision = str(cfg.precision.dtype)
+    sched_type, sched_kwargs, warmup = _schedule(cfg.optim.sched, steps)
+    o = cfg.optim
+    targs = TrainingArguments(
+        output_dir=out_dir,
+        deepspeed=ds,
+        per_device_train_batch_size=int(ds["train_micro_batch_size_per_gpu"]),
+        gradient_accumulation_steps=int(ds["gradient_accumulation_steps"]),
+        max_steps=steps,
+        learning_rate=float(o.lr),
+        weight_decay=float(o.weight_decay),
+        adam_beta1=float(o.betas[0]),
+        adam_beta2=float(o.betas[1]),
+        adam_epsilon=float(o.eps),
+        max_grad_norm=float(o.grad_clip),
+        lr_scheduler_type=sched_type,
+        lr_scheduler_kwargs=sched_kwargs,
+        warmup_steps=warmup,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        seed=int(cfg.train.seed),
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        dataloader_num_workers=0,
+        accelerator_config={"use_configured_state": True},
+    )
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    train = PackedRows(open_split(data_dir, "train", verify=False))
+    stamps: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+    class LossTrainer(Trainer):
+        """Trainer, unchanged, except that it keeps each micro-step's (already detached) loss for the report."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.micro_losses: list[torch.Tensor] = []
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            self.micro_losses.append(loss)
+            return loss
+
+    trainer = LossTrainer(
+        model=model, args=targs, train_dataset=train, data_collator=default_data_collator, callbacks=[StepClock()]
+    )
+    trainer.train()
+    # Outside the timed window: per-step loss as Trainer logs it (sum of a step's micro losses, mean over ranks).
+    gas = int(ds["gradient_accumulation_steps"])
+    per_step = torch.stack(trainer.micro_losses).float().reshape(-1, gas).sum(1)
+    dist.all_reduce(per_step)
+    per_step /= dist.get_world_size()
+    tokens = int(ds["train_batch_size"]) * int(cfg.data.seq_len) * (len(stamps) - 1)
+    if dist.get_rank() == 0:
+        used = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+        engine = trainer.model_wrapped
+        print(
+            json.dumps(
+                {
+                    "tokens_per_s": tokens / (stamps[-1] - stamps[0]),
+                    "steps_timed": len(stamps) - 1,
+                    "loss": float(per_step[-1]),
+                    "losses": [round(float(x), 5) for x in per_step],
+                    "settings": {
+                        "optim": str(getattr(targs.optim, "value", targs.optim)),
+                        "optimizer": _describe(engine.basic_optimizer),
+                        "lr_scheduler_type": sched_type,
+                        "lr_scheduler_kwargs": sched_kwargs,
+                        "warmup_steps": warmup,
+                        "torch_compile": bool(targs.torch_compile),
+                        "average_tokens_across_devices": bool(targs.average_tokens_across_devices),
+                        "engine": type(engine).__name__,
+                        "zero_stage": int(engine.zero_optimization_stage()),
+                        "world_size": int(targs.world_size),
+                        "ds_config_changed_by_trainer": _diff(ds_before, used),
+                    },
+                }
+            ),
+            flush=True,
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
