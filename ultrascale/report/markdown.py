@@ -12,8 +12,8 @@ _STATS = (
     ("tokens_per_s", "tokens/s", "{:,.0f}", 1.0),
     ("tflops", "TFLOP/s", "{:.3g}", 1.0),
     ("mfu", "MFU", "{:.1f} %", 100.0),
-    ("mem_gb", "memory (GiB)", "{:.2f}", 1.0),
-    ("step_s", "step time (s)", "{:.3g}", 1.0),
+    ("mem_gb", "memory GiB", "{:.2f}", 1.0),
+    ("step_s", "step time s", "{:.3g}", 1.0),
 )
 _MAX_EVENT_ROWS = 50
 
@@ -219,18 +219,23 @@ def _compare(analyses: list[Analysis]) -> list[str]:
 
 
 def _faster(base: Analysis, other: Analysis) -> str:
-    for key, name, higher_better in (("tokens_per_s", "tokens/s", True), ("step_s", "step time", False)):
-        if key in base.stats and key in other.stats and base.stats[key].mean > 0 and other.stats[key].mean > 0:
-            b, o = base.stats[key].mean, other.stats[key].mean
-            ratio = o / b if higher_better else b / o
-            if abs(ratio - 1) < 0.01:
-                return f"{other.run.label} and {base.run.label} are equally fast ({name} within 1 %)."
-            fast, slow = (other, base) if ratio > 1 else (base, other)
-            r = ratio if ratio > 1 else 1 / ratio
-            return (
-                f"**{fast.run.label} is {r:.2f}× as fast as {slow.run.label}** "
-                f"(steady mean {name} {o:,.4g} vs {b:,.4g})."
-            )
+    """Which run is faster and by how much: steady tokens/s, or step time where a run has no tokens/s."""
+    for key, name, fmt, higher_better in (
+        ("tokens_per_s", "tokens/s", "{:,.0f}", True),
+        ("step_s", "step time", "{:.3g} s", False),
+    ):
+        b = base.stats[key].mean if key in base.stats else 0.0
+        o = other.stats[key].mean if key in other.stats else 0.0
+        if b <= 0 or o <= 0:
+            continue
+        ratio = o / b if higher_better else b / o
+        if abs(ratio - 1) < 0.01:
+            return f"{other.run.label} and {base.run.label} are equally fast ({name} within 1 %)."
+        fast, slow = (other, base) if ratio > 1 else (base, other)
+        return (
+            f"**{fast.run.label} is {max(ratio, 1 / ratio):.2f}× as fast as {slow.run.label}** "
+            f"(steady mean {name} {fmt.format(o)} vs {fmt.format(b)})."
+        )
     return f"{other.run.label} vs {base.run.label}: no common throughput column to compare."
 
 

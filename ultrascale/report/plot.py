@@ -1,7 +1,7 @@
 """``report.png``: the comb, for people who would rather look than read.
 
 Top: every logged step as a stacked bar of its parts in seconds (compute in blues, stalls in warm colours),
-in file order, with checkpoints and evals as their own hatched bars where they happened, so the gaps between
+in file order, with checkpoints and evals as their own bars (green, cyan) where they happened, so the gaps between
 the teeth are where they really were; bars taller than the step-time scale are clipped and labelled. Below:
 the same steps as shares of step time with the largest stall's window shaded, then tokens/s with MFU,
 memory, and loss, each with the run's events marked. Several runs go side by side with shared y axes.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ultrascale.atomic import atomic_write_bytes
 from ultrascale.report.analyze import LABELS, Analysis, Tick
+from ultrascale.report.load import finite
 
 COLORS = {
     "fwd_s": "#1f77b4",
@@ -38,7 +39,6 @@ EVENT_STYLE = {
     "resume": dict(color="#555555", ls="--", lw=1.5),
     "stop": dict(color="black", ls="-", lw=2.0),
 }
-_BARS_UP_TO = 300  # more slots than this are drawn as filled stairs (one artist per part, not one per bar)
 _ROWS = 5
 
 
@@ -55,91 +55,98 @@ def _xticks(ax, steps: list[Tick]) -> None:
     ax.set_xticks([t.pos for t in chosen], [str(t.step) for t in chosen])
 
 
-def _stack(ax, a: Analysis, values, n_slots: int) -> None:
-    """Stacked parts at their comb slots: bars when few, filled stairs when many."""
+def _bars(ax, x: list[float], bottom: list[float], height: list[float], **kw) -> None:
+    """Vertical bars as one PolyCollection: a Rectangle per bar costs seconds once there are thousands."""
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+
+    if not x:
+        return
+    half = 0.4 if max(x) < 300 else 0.5  # narrow bars leave visible gaps; many slots touch instead
+    x, lo = np.asarray(x, float), np.asarray(bottom, float)
+    hi = lo + np.asarray(height, float)
+    verts = np.stack([np.stack([x - half, lo], 1), np.stack([x - half, hi], 1),
+                      np.stack([x + half, hi], 1), np.stack([x + half, lo], 1)], 1)  # fmt: skip
+    coll = PolyCollection(verts, linewidths=0, **kw)
+    coll.set_in_layout(False)  # inside the axes anyway; measuring thousands of polygons for the layout is slow
+    ax.add_collection(coll)
+    ax.update_datalim([(x.min() - half, 0), (x.max() + half, hi.max())])
+    ax.autoscale_view()
+
+
+def _stack(ax, a: Analysis, values) -> None:
+    """Each logged step's parts stacked at its comb slot."""
     steps = [t for t in a.comb if t.kind == "step"]
-    bottom = {t.pos: 0.0 for t in steps}
+    bottom = [0.0] * len(steps)
     for p in STACK:
         if p not in a.parts:
             continue
-        vals = {t.pos: values(t, p) for t in steps}
-        if n_slots <= _BARS_UP_TO:
-            xs = list(vals)
-            ax.bar(
-                xs,
-                [vals[x] for x in xs],
-                bottom=[bottom[x] for x in xs],
-                width=0.8,
-                color=COLORS[p],
-                label=LABELS[p],
-                linewidth=0,
-            )
-        else:
-            lo, hi = [0.0] * n_slots, [0.0] * n_slots
-            for x, v in vals.items():
-                lo[int(x)], hi[int(x)] = bottom[x], bottom[x] + v
-            ax.stairs(
-                hi, [i - 0.5 for i in range(n_slots + 1)], baseline=lo, fill=True, color=COLORS[p], label=LABELS[p]
-            )
-        for x, v in vals.items():
-            bottom[x] += v
+        h = [values(t, p) for t in steps]
+        _bars(ax, [t.pos for t in steps], bottom, h, facecolors=COLORS[p], label=LABELS[p])
+        bottom = [b + v for b, v in zip(bottom, h)]
 
 
-def _markers(ax, a: Analysis, by_step: bool, seen: set[str]) -> None:
+def _markers(ax, a: Analysis, by_step: bool, label: bool) -> None:
     """Vertical lines for events: at their comb slot (file order) or at their step (curve panels)."""
+    kinds: dict[str, list[float]] = {}
     for t in a.comb:
         if t.kind == "step" or (not by_step and t.kind in ("checkpoint", "eval")):
             continue
-        label = t.kind.replace("_", " ") if t.kind not in seen else None
-        seen.add(t.kind)
-        ax.axvline(t.step if by_step else t.pos, alpha=0.8, label=label, **EVENT_STYLE.get(t.kind, {}))
+        kinds.setdefault(t.kind, []).append(t.step if by_step else t.pos)
+    for kind, xs in kinds.items():
+        style = EVENT_STYLE.get(kind, {"color": "k", "ls": "-", "lw": 1.0})
+        ax.vlines(xs, 0, 1, transform=ax.get_xaxis_transform(), colors=style["color"], linestyles=style["ls"],
+                  linewidths=style["lw"], alpha=0.8, label=kind.replace("_", " ") if label else None)  # fmt: skip
 
 
 def _comb_panel(ax, a: Analysis, cap: float) -> None:
-    n_slots = int(max((t.pos for t in a.comb), default=0)) + 1
-    _stack(ax, a, lambda t, p: min(t.parts[p], cap), n_slots)
+    _stack(ax, a, lambda t, p: min(t.parts[p], cap))
     for kind in ("checkpoint", "eval"):
         ticks = [t for t in a.comb if t.kind == kind]
-        if ticks:
-            ax.bar(
-                [t.pos for t in ticks],
-                [min(t.seconds, cap) for t in ticks],
-                width=0.8,
-                color=COLORS[kind],
-                hatch="//",
-                edgecolor="white",
-                linewidth=0,
-                label=LABELS[kind],
-            )
-    for t in a.comb:
-        if t.seconds > cap and t.kind in ("step", "checkpoint", "eval"):
-            ax.annotate(f"{t.seconds:.1f} s", (t.pos, cap), ha="center", va="bottom", fontsize=7, rotation=90)
-    _markers(ax, a, by_step=False, seen={"checkpoint", "eval"})
-    ax.set_ylim(0, cap * 1.15)
+        heights = [min(t.seconds, cap) for t in ticks]
+        _bars(ax, [t.pos for t in ticks], [0.0] * len(ticks), heights, facecolors=COLORS[kind], label=LABELS[kind])
+    clipped = [t for t in a.comb if t.seconds > cap and t.kind in ("step", "checkpoint", "eval")]
+    for t in clipped[:40]:
+        ax.annotate(f"{t.seconds:.1f} s", (t.pos, cap), ha="center", va="bottom", fontsize=7, rotation=90)
+    _markers(ax, a, by_step=False, label=True)
+    ax.set_ylim(0, cap * 1.2)
     ax.set_ylabel("seconds")
-    ax.set_title("the comb: each logged step's parts, checkpoints and evals (file order)", fontsize=9)
+    ax.set_xlabel("logged steps in file order; checkpoints and evals as their own bars (taller ones clipped, labelled)")
     _xticks(ax, [t for t in a.comb if t.kind == "step"])
 
 
 def _share_panel(ax, a: Analysis) -> None:
-    n_slots = int(max((t.pos for t in a.comb), default=0)) + 1
-    _stack(ax, a, lambda t, p: t.parts[p] / t.seconds, n_slots)
+    _stack(ax, a, lambda t, p: t.parts[p] / t.seconds)
     s = a.largest
     if s is not None and s.window is not None and s.window.kind != "throughout":
         lo, hi = s.window.pos
-        ax.axvspan(lo - 0.5, hi + 0.5, color=COLORS.get(s.key, "k"), alpha=0.12, lw=0)
-        ax.annotate(f"{s.label}: {s.window.phrase()}", ((lo + hi) / 2, 1.02), ha="center", va="bottom", fontsize=8)
-    ax.set_ylim(0, 1.12)
+        ax.plot([lo - 0.5, hi + 0.5], [1.03, 1.03], color=COLORS.get(s.key, "k"), lw=4, solid_capstyle="butt")
+        ax.annotate(f"{s.label}: {s.window.phrase()}", ((lo + hi) / 2, 1.05), ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.15)
     ax.set_ylabel("share of step time")
-    ax.set_title("shares of step time (gaps = checkpoints, evals)", fontsize=9)
+    ax.set_xlabel("the same steps as shares (gaps: checkpoints, evals)")
     _xticks(ax, [t for t in a.comb if t.kind == "step"])
 
 
-def _curve(ax, a: Analysis, key: str, scale: float = 1.0, **kw):
-    pts = [(r["step"], r[key] * scale) for r in a.run.curve() if isinstance(r.get(key), int | float)]
+def _finite(v) -> bool:
+    return isinstance(v, int | float) and math.isfinite(v)
+
+
+def _curve(ax, a: Analysis, key: str, scale: float = 1.0, **kw) -> list[tuple[int, float]]:
+    pts = [(r["step"], r[key] * scale) for r in a.run.curve() if _finite(r.get(key))]
     if pts:
         ax.plot(*zip(*pts), **kw)
     return pts
+
+
+def _loss_range(analyses: list[Analysis]) -> tuple[float | None, float | None]:
+    """The loss panels' shared y range: every run's train and eval loss, not a skipped step's spike."""
+    ys = [y for a in analyses for y in finite([r.get("loss") for r in a.run.curve()])]
+    ys += [y for a in analyses for y in finite([e.get("eval_loss") for e in a.evals])]
+    if not ys:
+        return None, None
+    pad = max(ys) - min(ys) + 1e-9
+    return min(ys) - 0.05 * pad, max(ys) + 0.1 * pad
 
 
 def plot(analyses: list[Analysis], out_path: Path, title: str = "") -> Path:
@@ -154,6 +161,7 @@ def plot(analyses: list[Analysis], out_path: Path, title: str = "") -> Path:
         _ROWS,
         ncol,
         figsize=(8 * ncol, 17),
+        layout="constrained",
         sharey="row",
         squeeze=False,
         gridspec_kw={"height_ratios": [3, 2, 2, 1.5, 2.5]},
@@ -162,6 +170,7 @@ def plot(analyses: list[Analysis], out_path: Path, title: str = "") -> Path:
     cap = 3 * _p95(steps_s) if steps_s else 1.0
     cap = min(cap, max([t.seconds for a in analyses for t in a.comb] + [1e-9]))
     mfu_axes = []
+    lo, top = _loss_range(analyses)
     for c, a in enumerate(analyses):
         col = axes[:, c]
         _comb_panel(col[0], a, cap)
@@ -184,39 +193,44 @@ def plot(analyses: list[Analysis], out_path: Path, title: str = "") -> Path:
 
         ax = col[4]
         _curve(ax, a, "loss", color="C0", lw=1.1, label="train loss")
-        ev = [(e["step"], e["eval_loss"]) for e in a.evals if isinstance(e.get("eval_loss"), int | float)]
+        ev = [(e["step"], e["eval_loss"]) for e in a.evals if _finite(e.get("eval_loss"))]
         if ev:
             ax.plot(*zip(*ev), "o-", color="C1", lw=1.4, label="eval loss")
-        skips = [
-            (t.step, t.row["loss"])
-            for t in a.comb
-            if t.kind == "skip" and isinstance(t.row.get("loss"), int | float) and math.isfinite(t.row["loss"])
-        ]
+        # a skipped step's loss (a 20x spike) would flatten the curve: clip it to the top edge, print its value
+        skips = [(t.step, t.row.get("loss")) for t in a.comb if t.kind == "skip" and _finite(t.row.get("loss"))]
         if skips:
-            ax.plot(*zip(*skips), "x", color=EVENT_STYLE["skip"]["color"], ms=8, mew=2, label="skipped step loss")
+            y_at = [min(y, top) if top is not None else y for _, y in skips]
+            ax.plot([x for x, _ in skips], y_at, "x", color=EVENT_STYLE["skip"]["color"], ms=8, mew=2,
+                    label="skipped step's loss", clip_on=False)  # fmt: skip
+            for (x, y), ya in zip(skips, y_at):
+                if y > ya:
+                    ax.annotate(f"{y:.3g}", (x, ya), xytext=(4, -10), textcoords="offset points", fontsize=7)
+        if lo is not None:
+            ax.set_ylim(lo, top)
         ax.set_ylabel("loss")
         ax.set_title("loss (the surviving history after rollbacks)", fontsize=9)
 
         for ax in col[2:]:  # the legend is on the loss panel, so only it labels the event lines
-            _markers(ax, a, by_step=True, seen=set() if ax is col[4] else set(EVENT_STYLE))
+            _markers(ax, a, by_step=True, label=ax is col[4])
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
         col[0].grid(alpha=0.3, axis="y")
         s = a.largest
-        head = f"{a.run.label}\nlargest stall: {s.sentence()}" if s else a.run.label
-        col[0].text(0.0, 1.12, textwrap.fill(head, 95), transform=col[0].transAxes, fontsize=10, va="bottom")
+        head = f"{a.run.label}: the comb\nlargest stall: {s.sentence()}" if s else a.run.label
+        col[0].set_title("\n".join(textwrap.fill(h, 100) for h in head.split("\n")), fontsize=10, loc="left")
         if c == 0:
-            col[0].legend(loc="upper left", fontsize=7, ncol=4, framealpha=0.8)
-            if col[4].get_legend_handles_labels()[0]:
-                col[4].legend(loc="upper right", fontsize=7, ncol=2, framealpha=0.8)
+            col[0].legend(loc="upper left", fontsize=7, ncol=5, framealpha=0.8)
+        if col[4].get_legend_handles_labels()[0]:  # every column: runs can have different events
+            col[4].legend(loc="upper right", fontsize=7, ncol=2, framealpha=0.8)
     if len(mfu_axes) > 1:
-        lo = min(ax.get_ylim()[0] for ax in mfu_axes)
-        hi = max(ax.get_ylim()[1] for ax in mfu_axes)
+        m_lo = min(ax.get_ylim()[0] for ax in mfu_axes)
+        m_hi = max(ax.get_ylim()[1] for ax in mfu_axes)
         for ax in mfu_axes:
-            ax.set_ylim(lo, hi)
+            ax.set_ylim(m_lo, m_hi)
     if title:
         fig.suptitle(title, fontsize=12)
-    fig.tight_layout()
+    fig.get_layout_engine().execute(fig)  # once, then fixed: savefig would run it in a second full draw
+    fig.set_layout_engine(None)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)

@@ -1,0 +1,298 @@
+"""The comb report on synthetic but realistic metrics.jsonl files: planted stalls must be named, with their step
+window; rollbacks, resumes and missing optional keys must not confuse it; bad input is one ``error:`` line."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ultrascale.errors import DataError
+from ultrascale.report import analyze, load_run, write_report
+from ultrascale.report.__main__ import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def synth(
+    run_dir: Path,
+    *,
+    steps: int = 600,
+    interval: int = 5,
+    stall: tuple[int, int] | None = (400, 10**9),
+    stall_s: float = 0.2,
+    speed: float = 1.0,
+    comm: bool = True,
+    throughput: bool = True,
+    ckpt_every: int = 150,
+    ckpt_s: float = 1.5,
+    eval_every: int = 100,
+    rollback_at: int | None = None,
+    resume_at: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a run directory the way the trainer does: a step row every ``interval`` steps, events in between.
+
+    A step is ~0.3 s (fwd 0.08, bwd 0.16, comm 0.02, opt 0.03, data 0.002, rest other) scaled by 1/speed;
+    inside ``stall`` (steps a < s <= b) the data wait grows by ``stall_s``. The first step of each segment
+    carries a 5 s compile. A rollback at ``rollback_at`` goes back to the previous checkpoint and replays.
+    """
+    rng = random.Random(seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    t, s, warm, rolled, resumed, last_ckpt = 0.0, 0, True, False, False, 0
+    while s < steps:
+        s += 1
+        jit = lambda v: v * (1 + 0.1 * (rng.random() - 0.5)) / speed  # noqa: E731
+        parts = {"data_wait_s": jit(0.002), "fwd_s": jit(0.08), "bwd_s": jit(0.16), "opt_s": jit(0.03)}
+        if comm:
+            parts["comm_s"] = jit(0.02)
+        if warm:
+            parts["fwd_s"] += 5.0
+            warm = False
+        if stall and stall[0] < s <= stall[1]:
+            parts["data_wait_s"] += stall_s * (1 + 0.1 * (rng.random() - 0.5))
+        other = jit(0.01)
+        step_s = sum(parts.values()) + other
+        t += step_s
+        if s % interval == 0:
+            loss = 2.0 + 6.0 * math.exp(-s / 150) + 0.05 * rng.random()
+            row = {"step": s, "time_s": round(t, 4), "loss": loss, "lr": 3e-3, "grad_norm": 1.0 + rng.random()}
+            if throughput:
+                row.update(tokens_per_s=4096 / step_s, tflops=0.5 / step_s, mfu=0.1 / step_s, mem_gb=1.5)
+            row.update(step_s=step_s, other_s=other, **parts, epoch=s / 1000, data_wait=parts["data_wait_s"] / step_s)
+            rows.append(row)
+        if s == 123:
+            rows.append({"step": s, "time_s": t, "event": "skip", "reason": "spike", "loss": 40.0, "zscore": 9.1})
+        if s == 200:
+            rows.append(
+                {"step": s, "time_s": t, "event": "lr_cut", "factor": 0.5, "until_step": 300, "reason": "spike"}
+            )
+        if eval_every and s % eval_every == 0:
+            t += 0.8
+            rows.append({"step": s, "time_s": t, "event": "eval", "eval_loss": 2.5 + 6.0 * math.exp(-s / 150),
+                         "eval_ppl": 20.0, "eval_s": 0.8})  # fmt: skip
+        if ckpt_every and s % ckpt_every == 0:
+            t += ckpt_s
+            last_ckpt = s
+            rows.append({"step": s, "time_s": t, "event": "checkpoint", "checkpoint_s": ckpt_s})
+        if rollback_at is not None and s == rollback_at and not rolled:
+            rolled = True
+            rows.append({"step": s, "time_s": t, "event": "rollback", "reason": "nonfinite", "to_step": last_ckpt,
+                         "skip_from": last_ckpt, "skip_to": s + 1})  # fmt: skip
+            s = last_ckpt
+        if resume_at is not None and s == resume_at and not resumed:
+            resumed, t, warm = True, 0.0, True
+            rows.append({"step": s, "time_s": 0.5, "event": "resume", "from_step": s})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def _sum_row(md: str) -> list[float]:
+    """The printed sums of the breakdown's share columns (percent)."""
+    line = next(ln for ln in md.splitlines() if ln.startswith("| **sum**"))
+    return [float(v) for v in re.findall(r"\*\*([\d.]+) %\*\*", line)]
+
+
+def _png_ok(path: Path) -> None:
+    import matplotlib.image as mpimg
+
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    h, w = mpimg.imread(path).shape[:2]
+    assert h > 500 and w > 500
+
+
+def test_names_planted_data_wait_stall_and_where_it_starts(tmp_path):
+    run = synth(tmp_path / "stall", rollback_at=None)
+    md_path, png = write_report([run])
+    md = md_path.read_text()
+    assert md_path == run / "report.md" and png == run / "report.png"
+    assert "**Largest stall: data wait" in md
+    assert "after step 400" in md
+    sums = _sum_row(md)
+    assert len(sums) == 2 and all(abs(v - 100) < 5 for v in sums)
+    _png_ok(png)
+    a = analyze(load_run(run))
+    assert abs(a.breakdown.total - 1) < 0.05
+    win = a.largest.window
+    assert (win.kind, win.first) == ("after", 400)
+    # ~0.2 s on a ~0.5 s step after the change, a few ms before it
+    assert 0.3 < win.share_in < 0.5 and win.share_out < 0.02
+    # step 1's 5 s compile is in no row (only every 5th step is logged): it is billed outside the steps
+    assert 5.0 < next(s.seconds for s in a.stalls if s.key == "outside") < 6.0
+
+
+def test_stall_window_in_the_middle_and_steady_runs(tmp_path):
+    mid = analyze(load_run(synth(tmp_path / "mid", stall=(200, 300), stall_s=0.5, ckpt_every=0)))
+    w = mid.largest.window
+    assert (mid.largest.key, w.kind, w.first, w.last) == ("data_wait_s", "between", 205, 300)
+    assert "from step 205 to step 300" in mid.largest.sentence()
+
+    flat = analyze(load_run(synth(tmp_path / "flat", steps=100, stall=None, ckpt_every=0, eval_every=0, interval=1)))
+    by_key = {s.key: s for s in flat.stalls}
+    assert by_key["opt_s"].window.kind == "throughout"
+    assert "throughout" in by_key["opt_s"].sentence()
+    # step 1 is logged here: the steady breakdown leaves its 5 s compile out, the all-steps one does not
+    assert flat.steady.mean["fwd_s"] < 0.1 < flat.all.mean["fwd_s"]
+    assert abs(flat.all.total - 1) < 0.05 and abs(flat.steady.total - 1) < 0.05
+
+
+def test_checkpoint_time_is_a_stall_between_steps(tmp_path):
+    run = synth(tmp_path / "ckpt", stall=None, ckpt_every=100, ckpt_s=10.0, eval_every=0)
+    a = analyze(load_run(run))
+    assert a.largest.key == "checkpoint"
+    assert "checkpointing took" in a.largest.sentence() and "6 saves, 10.0 s each" in a.largest.sentence()
+    md = write_report([run])[0].read_text()
+    assert "**Largest stall: checkpointing took" in md
+
+
+def test_rollback_replays_steps_curves_keep_the_last_row(tmp_path):
+    run = synth(tmp_path / "rb", rollback_at=290)
+    r = load_run(run)
+    a = analyze(r)
+    logged = [t.step for t in a.comb if t.kind == "step"]
+    assert len(logged) == 600 // 5 + 140 // 5  # steps 155..290 logged twice (file order keeps both)
+    curve = r.curve()
+    assert [c["step"] for c in curve] == sorted({c["step"] for c in curve}) and len(curve) == 120
+    replay = [row for row in r.step_rows if row["step"] == 200]
+    assert curve[[c["step"] for c in curve].index(200)] is replay[-1]
+    assert a.steps_run == 600 + 140  # the replayed steps were run (and billed) twice
+    md = write_report([run])[0].read_text()
+    assert re.search(r"\| 290 \| rollback \| nonfinite \| .*to_step=150", md)
+    assert re.search(r"\| 123 \| skip \| spike \| .*zscore=9\.1", md)
+    assert re.search(r"\| 200 \| lr_cut \| spike \|", md)
+    assert "**Largest stall: data wait" in md and "after step 400" in md
+
+
+def test_resume_restarts_the_clock_and_warms_up_again(tmp_path):
+    run = synth(tmp_path / "res", resume_at=300, stall=None)
+    a = analyze(load_run(run))
+    rows = load_run(run).rows
+    i = next(k for k, r in enumerate(rows) if r.get("event") == "resume")
+    assert math.isclose(a.wall_s, max(r["time_s"] for r in rows[:i]) + max(r["time_s"] for r in rows[i:]))
+    assert a.resumes == 1
+    assert sum(1 for t in a.comb if t.kind == "step" and not t.steady) == 2  # first row of each segment
+    md = write_report([run])[0].read_text()
+    assert "over 2 segments (1 resume)" in md and "| resume |" in md
+
+
+def test_missing_optional_keys_and_files(tmp_path):
+    run = synth(tmp_path / "bare", comm=False, throughput=False, ckpt_every=0, eval_every=0)
+    md_path, png = write_report([run])
+    md = md_path.read_text()
+    assert "| communication |" not in md and "Communication was not measured" in md
+    assert "No throughput columns" not in md  # step time is still there
+    assert "| tokens/s |" not in md
+    assert all(abs(v - 100) < 5 for v in _sum_row(md))
+    _png_ok(png)
+
+
+def test_header_from_config_summary_and_checkpoint_meta(tmp_path):
+    run = synth(tmp_path / "hdr")
+    (run / "config.yaml").write_text(
+        "model: {type: llama, name: tiny}\nzero: {stage: 2, offload_optimizer: cpu, offload_param: none}\n"
+        "precision: {dtype: bf16}\ndata: {micro_batch: 4, global_batch: 16, seq_len: 256}\n"
+        "train: {steps: 600, log_interval: 5}\n"
+    )
+    ck = run / "checkpoints"
+    (ck / "step_00000600").mkdir(parents=True)
+    (ck / "latest").write_text("step_00000600")
+    (ck / "step_00000600" / "ultrascale_meta.json").write_text(
+        json.dumps({"world_size": 2, "topology": {"world": 2, "tp": 1, "pp": 1, "sp": 1, "ep": 1, "dp": 2}})
+    )
+    md = write_report([run])[0].read_text()
+    assert "| model | tiny (llama) |" in md
+    assert "| ZeRO | stage 2 (optimizer offload to cpu) |" in md
+    assert "| world | 2 ranks (dp=2 tp=1 pp=1 sp=1 ep=1) |" in md
+    assert "micro 4 × accum 2 × dp 2 = global 16 samples × seq 256 = 4,096 tokens/step" in md
+    assert "| steps | 600 of 600 (120 logged rows, every 5) |" in md
+    (run / "config.yaml").write_text("model: [unclosed\n")  # an unreadable config only blanks the header
+    assert "| model |" not in write_report([run])[0].read_text()
+
+
+def test_two_runs_side_by_side(tmp_path):
+    a = synth(tmp_path / "a" / "run", stall=(400, 10**9))
+    b = synth(tmp_path / "b" / "run", stall=None, speed=1.5, seed=1)
+    md_path, png = write_report([a, b])
+    assert md_path.parent == tmp_path / "a" / "compare_run_vs_run"
+    md = md_path.read_text()
+    assert re.search(r"\*\*b/run is 1\.\d\d× as fast as a/run\*\*", md)
+    assert "## Side by side" in md and "## a/run" in md and "## b/run" in md
+    line = next(ln for ln in md.splitlines() if ln.startswith("| largest stall |"))
+    assert "data wait" in line and "after step 400" in line
+    assert md.count("| **sum** |") == 2
+    _png_ok(png)
+    out = tmp_path / "cmp"
+    assert write_report([a, b], out)[0] == out / "report.md"
+
+
+def test_cli_writes_report_and_prints_the_stall(tmp_path, capsys):
+    run = synth(tmp_path / "cli")
+    assert main([f"run_dir={run}", f"out={tmp_path / 'o'}"]) == 0
+    out = capsys.readouterr().out
+    assert "largest stall: data wait" in out and "after step 400" in out
+    assert (tmp_path / "o" / "report.md").exists() and (tmp_path / "o" / "report.png").exists()
+    other = synth(tmp_path / "cli2", stall=None)
+    assert main([f"run_dir=[{run},{other}]", f"out={tmp_path / 'c'}"]) == 0
+    assert "## cli2" in (tmp_path / "c" / "report.md").read_text()
+    assert main(["--help"]) == 0 and "run_dir=[A,B]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run_dir=/nonexistent/run"], "run_dir /nonexistent/run does not exist"),
+        ([], "run_dir= is required"),
+        (["run_dirr=x"], "unknown argument 'run_dirr'"),
+        (["runs/x"], "is not key=value"),
+    ],
+)
+def test_cli_errors_are_one_line(capsys, args, needle):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_corrupt_metrics_names_file_and_line(tmp_path, capsys):
+    run = synth(tmp_path / "bad", steps=50)
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:2]) + '{"step": 11, "time_s": 3.0, "loss": \n' + "".join(lines[2:]))
+    assert main([f"run_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path} line 3 is not valid JSON")
+    path.write_text('{"loss": 1.0}\n')
+    with pytest.raises(DataError, match="line 1 is not a metrics row"):
+        load_run(run)
+    (run / "metrics.jsonl").unlink()
+    with pytest.raises(DataError, match=r"metrics\.jsonl not found"):
+        load_run(run)
+    path.write_text(json.dumps({"step": 0, "time_s": 0.1, "event": "resume", "from_step": 0}) + "\n")
+    with pytest.raises(DataError, match="has no step rows"):
+        load_run(run)
+
+
+def test_partial_last_line_is_dropped_with_a_note(tmp_path):
+    run = synth(tmp_path / "live", steps=100)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 105, "time_s": 40.0, "lo')  # a run killed mid-write
+    r = load_run(run)
+    assert r.curve()[-1]["step"] == 100 and "partial last line" in r.notes[0]
+    assert "> dropped a partial last line" in write_report([run])[0].read_text()
+
+
+def test_entry_point_runs_as_a_module(tmp_path):
+    """The real ``python -m`` path: exit 2 and one error line for a missing run dir, 0 and files for a run."""
+    p = subprocess.run([sys.executable, "-m", "ultrascale.report", f"run_dir={tmp_path / 'nope'}"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.startswith("error: run_dir") and "Traceback" not in p.stderr
+    run = synth(tmp_path / "mod", steps=100)
+    p = subprocess.run([sys.executable, "-m", "ultrascale.report", f"run_dir={run}"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert (run / "report.md").exists() and (run / "report.png").read_bytes()[:8] == PNG_MAGIC
