@@ -138,8 +138,11 @@ def test_stall_window_in_the_middle_and_steady_runs(tmp_path):
     by_key = {s.key: s for s in flat.stalls}
     assert by_key["opt_s"].window.kind == "throughout"
     assert "throughout" in by_key["opt_s"].sentence()
-    # step 1 is logged here: the steady breakdown leaves its 5 s compile out, the all-steps one does not
+    # step 1 is logged here: the steady breakdown leaves its 5 s compile out, the all-steps one does not,
+    # and the excess is billed as warm-up rather than as forward compute
     assert flat.steady.mean["fwd_s"] < 0.1 < flat.all.mean["fwd_s"]
+    assert flat.largest.key == "warmup" and 4.9 < flat.largest.seconds < 5.1
+    assert "at step 1 vs 0.3" in flat.largest.sentence()
     assert abs(flat.all.total - 1) < 0.05 and abs(flat.steady.total - 1) < 0.05
 
 
@@ -191,6 +194,25 @@ def test_missing_optional_keys_and_files(tmp_path):
     assert "| tokens/s |" not in md
     assert all(abs(v - 100) < 5 for v in _sum_row(md))
     _png_ok(png)
+
+
+def test_breakdown_off_rows_have_no_compute_and_other_is_no_stall(tmp_path):
+    """train.step_breakdown=false (or a pipeline run): only data wait, comm and step time are in the rows."""
+    run = synth(tmp_path / "off", stall=(400, 10**9), ckpt_every=0, eval_every=0)
+    path = run / "metrics.jsonl"
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()]
+    for r in rows:
+        if "event" not in r:
+            r["other_s"] = r["step_s"] - r["data_wait_s"] - r["comm_s"]
+            for k in ("fwd_s", "bwd_s", "opt_s"):
+                del r[k]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a = analyze(load_run(run))
+    assert a.parts == ("data_wait_s", "comm_s", "other_s") and a.compute_frac is None
+    assert a.largest.key == "data_wait_s" and a.largest.window.first == 400
+    assert "other_s" not in {s.key for s in a.stalls}
+    md = write_report([run])[0].read_text()
+    assert "were not timed in this run" in md and all(abs(v - 100) < 5 for v in _sum_row(md))
 
 
 def test_header_from_config_summary_and_checkpoint_meta(tmp_path):

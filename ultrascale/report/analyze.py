@@ -35,6 +35,7 @@ LABELS = {
     "other_s": "other",
     "checkpoint": "checkpointing",
     "eval": "evaluation",
+    "warmup": "warm-up",
     "outside": "outside steps",
 }
 COMPUTE = ("fwd_s", "bwd_s")
@@ -135,7 +136,7 @@ class Analysis:
     resumes: int
     steps_run: int
     step_time_s: float
-    compute_frac: float
+    compute_frac: float | None
     stalls: list[Stall]
     stats: dict[str, Stat]
     events: Counter
@@ -158,6 +159,11 @@ def pct(x: float) -> str:
     """31 %, 2.4 %, 0.3 %: whole points where the first decimal is noise."""
     x *= 100
     return f"{x:.0f} %" if abs(x) >= 10 else f"{x:.1f} %"
+
+
+def secs_str(x: float) -> str:
+    """4.1 s, 0.12 s: two significant digits below a second, where one decimal would print 0.1 for 0.14."""
+    return f"{x:.1f} s" if x >= 1 else f"{x:.2g} s"
 
 
 def _num(v) -> float | None:
@@ -296,9 +302,9 @@ def _event_stall(key: str, ticks: list[Tick], denom: float, noun: str) -> Stall 
     secs = [t.seconds for t in ticks]
     total, mean = sum(secs), statistics.fmean(secs)
     slow = max(ticks, key=lambda t: t.seconds)
-    detail = f"{len(ticks)} {noun}{'s' if len(ticks) != 1 else ''}, {mean:.1f} s each"
+    detail = f"{len(ticks)} {noun}{'s' if len(ticks) != 1 else ''}, {secs_str(mean)} each"
     if len(ticks) > 1 and slow.seconds > 1.5 * mean:
-        detail += f", slowest {slow.seconds:.1f} s at step {slow.step}"
+        detail += f", slowest {secs_str(slow.seconds)} at step {slow.step}"
     return Stall(key, total, total / denom, detail=detail)
 
 
@@ -306,19 +312,28 @@ def analyze(run: Run) -> Analysis:
     comb, wall, resumes, executed = _comb(run)
     steps = [t for t in comb if t.kind == "step"]
     has_comm = any("comm_s" in t.row for t in steps)
-    parts = tuple(p for p in PARTS if p != "comm_s" or has_comm)
+    # With the breakdown off (train.step_breakdown=false, or a pipeline run) rows carry only the data wait,
+    # communication and step time: "other" then holds forward, backward and optimizer and is no stall.
+    timed = any(k in t.row for t in steps for k in COMPUTE)
+    parts = tuple(p for p in PARTS if (p != "comm_s" or has_comm) and (timed or p not in (*COMPUTE, "opt_s")))
     steady_ticks = [t for t in steps if t.steady]
     all_bd, steady_bd = breakdown(steps, parts), breakdown(steady_ticks, parts)
     ref = steady_bd or all_bd
 
-    # Seconds per part over every executed step: a row stands for the steps since the previous row; a
-    # warm-up row counts its own time once and the steady mean for the rest of the steps it stands for.
+    # Seconds per part over every executed step: a row stands for the steps since the previous row. A
+    # warm-up row counts as a steady step for the steps it stands for, and its excess over the steady mean
+    # (compilation, allocator and cache warm-up) is billed as warm-up, not as compute.
     part_s = dict.fromkeys(parts, 0.0)
+    warm_s, warm = 0.0, [t for t in steps if not t.steady]
     for t in steps:
         for p in parts:
-            rest = ref.mean[p] if not t.steady and ref is not None else t.parts[p]
-            part_s[p] += t.parts[p] + (t.represents - 1) * rest
-    step_time = sum(part_s.values())
+            if t.steady or steady_bd is None:
+                part_s[p] += t.parts[p] * t.represents
+            else:
+                m = steady_bd.mean[p]
+                part_s[p] += min(t.parts[p], m) + (t.represents - 1) * m
+                warm_s += max(0.0, t.parts[p] - m)
+    step_time = sum(part_s.values()) + warm_s
     ckpts = [t for t in comb if t.kind == "checkpoint"]
     evals = [t for t in comb if t.kind == "eval"]
     ckpt_s, eval_s = sum(t.seconds for t in ckpts), sum(t.seconds for t in evals)
@@ -327,7 +342,7 @@ def analyze(run: Run) -> Analysis:
     stalls: list[Stall] = []
     window_ticks = steady_ticks or steps
     for p in parts:
-        if p in COMPUTE or not steps:
+        if p in COMPUTE or (p == "other_s" and not timed) or not steps:
             continue
         win = find_window(window_ticks, p)
         stalls.append(Stall(p, part_s[p], part_s[p] / denom, ref.frac[p], win))
@@ -335,17 +350,22 @@ def analyze(run: Run) -> Analysis:
         st = _event_stall(key, ticks, denom, noun)
         if st is not None:
             stalls.append(st)
-    outside = max(0.0, wall - step_time - ckpt_s - eval_s)
-    if outside > 0:
-        stalls.append(
-            Stall(
-                "outside",
-                outside,
-                outside / denom,
-                detail=f"{outside:.0f} s of start-up, logging and the like; "
-                "the wall time no step, eval or checkpoint accounts for",
-            )
+    if warm_s > 0 and steady_bd is not None:
+        first = ", ".join(f"{secs_str(t.seconds)} at step {t.step}" for t in warm[:3]) + (
+            ", ..." if len(warm) > 3 else ""
         )
+        detail = (
+            f"first logged step after a start or resume: {first} vs {secs_str(steady_bd.step_s)} steady; "
+            f"compilation, allocator and cache warm-up"
+        )
+        stalls.append(Stall("warmup", warm_s, warm_s / denom, detail=detail))
+    outside = max(0.0, wall - step_time - ckpt_s - eval_s)
+    if outside > 0.005 * denom:  # below that it is rounding between time_s and the summed parts
+        detail = (
+            f"{outside:.1f} s that no logged step, eval or checkpoint accounts for: warm-up of steps before "
+            f"the first log, start-up, logging"
+        )
+        stalls.append(Stall("outside", outside, outside / denom, detail=detail))
     stalls.sort(key=lambda s: s.seconds, reverse=True)
 
     stat_rows = [t.row for t in (steady_ticks or steps)] or run.step_rows
@@ -373,7 +393,7 @@ def analyze(run: Run) -> Analysis:
         resumes=resumes,
         steps_run=executed,
         step_time_s=step_time,
-        compute_frac=sum(part_s[p] for p in COMPUTE) / denom,
+        compute_frac=sum(part_s[p] for p in COMPUTE) / denom if timed else None,
         stalls=stalls,
         stats=stats,
         events=Counter(r["event"] for r in run.events),

@@ -97,6 +97,12 @@ def _breakdown(a: Analysis) -> list[str]:
     if "comm_s" not in a.parts:
         lines.append("")
         lines.append("Communication was not measured separately in this run; it is inside the other parts.")
+    if "fwd_s" not in a.parts:
+        lines.append("")
+        lines.append(
+            "Forward, backward and optimizer were not timed in this run (`train.step_breakdown=false`, or a "
+            "pipeline run): they are inside *other*, which is therefore not counted as a stall."
+        )
     lines.append("")
     lines.append(
         "Steady = every logged step but the first after a start or resume (warm-up, compilation). "
@@ -116,10 +122,13 @@ def _stalls(a: Analysis) -> list[str]:
         rows.append([s.label, f"{s.seconds:,.1f}", pct(s.wall_frac), share, where])
     lines = _table(["stall", "seconds (est.)", "of wall time", "of step time (steady)", "where / how"], rows)
     lines.append("")
-    lines.append(
-        f"Forward + backward compute filled {pct(a.compute_frac)} of the wall time; everything above is "
-        "the gap between the teeth. Step parts are scaled from the logged samples to every step run."
-    )
+    if a.compute_frac is not None:
+        lines.append(
+            f"Forward + backward compute filled {pct(a.compute_frac)} of the wall time; everything above is "
+            "the gap between the teeth. Step parts are scaled from the logged samples to every step run."
+        )
+    else:
+        lines.append("Step parts are scaled from the logged samples to every step run.")
     return lines
 
 
@@ -210,7 +219,9 @@ def _compare(analyses: list[Analysis]) -> list[str]:
             [f"{LABELS[p]} share"]
             + [pct(a.breakdown.frac[p]) if a.breakdown and p in a.parts else "–" for a in analyses]
         )
-    rows.append(["compute share of wall"] + [pct(a.compute_frac) for a in analyses])
+    rows.append(
+        ["compute share of wall"] + [pct(a.compute_frac) if a.compute_frac is not None else "–" for a in analyses]
+    )
     rows.append(["largest stall"] + [a.largest.sentence() if a.largest else "–" for a in analyses])
     rows.append(["final train loss"] + [_f(a.final_loss) for a in analyses])
     rows.append(["eval loss"] + [_f(a.evals[-1].get("eval_loss")) if a.evals else "–" for a in analyses])
