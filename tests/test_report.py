@@ -220,6 +220,23 @@ def test_breakdown_off_rows_have_no_compute_and_other_is_no_stall(tmp_path):
     assert "were not timed in this run" in md and all(abs(v - 100) < 5 for v in _sum_row(md))
 
 
+def test_rows_from_before_the_breakdown_still_report(tmp_path):
+    """Legacy rows (no step_s, only the data_wait fraction) give a report without a breakdown, not a crash."""
+    run = tmp_path / "legacy"
+    run.mkdir()
+    rows = [
+        {"step": 5, "time_s": 1.0, "loss": 8.0, "tokens_per_s": 100.0, "data_wait": 0.01},
+        {"step": 10, "time_s": 2.0, "loss": 7.0, "tokens_per_s": 110.0},
+        {"step": 10, "time_s": 2.5, "event": "checkpoint", "checkpoint_s": 0.5},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md_path, png = write_report([run])
+    md = md_path.read_text()
+    assert "No step breakdown in these rows" in md and "(2 logged rows)" in md
+    assert "**Largest stall: checkpointing took 20 % of wall time (1 save, 0.5 s each)" in md
+    _png_ok(png)
+
+
 def test_header_from_config_summary_and_checkpoint_meta(tmp_path):
     run = synth(tmp_path / "hdr")
     (run / "config.yaml").write_text(

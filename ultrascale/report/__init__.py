@@ -15,7 +15,16 @@ from ultrascale.report.load import Run, load_run
 from ultrascale.report.markdown import render
 from ultrascale.report.plot import plot
 
-__all__ = ["Analysis", "Run", "analyze", "default_out_dir", "load_run", "write_report"]
+__all__ = [
+    "Analysis",
+    "Run",
+    "analyze",
+    "default_out_dir",
+    "load_analyses",
+    "load_run",
+    "write_analyses",
+    "write_report",
+]
 
 
 def _label(runs: list[Run]) -> None:
@@ -46,13 +55,20 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> tuple[Pat
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
         raise ValueError("write_report needs at least one run directory")
+    out = Path(out_dir) if out_dir is not None else default_out_dir(run_dirs)
+    return write_analyses(load_analyses(run_dirs), out)
+
+
+def load_analyses(run_dirs: list[Path]) -> list[Analysis]:
     runs = [load_run(d) for d in run_dirs]
     _label(runs)
-    analyses = [analyze(r) for r in runs]
-    out = Path(out_dir) if out_dir is not None else default_out_dir(run_dirs)
+    return [analyze(r) for r in runs]
+
+
+def write_analyses(analyses: list[Analysis], out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     md, png = out / "report.md", out / "report.png"
-    title = "" if len(runs) == 1 else " vs ".join(r.label for r in runs)
+    title = "" if len(analyses) == 1 else " vs ".join(a.run.label for a in analyses)
     plot(analyses, png, title=title)
     atomic_write_text(md, render(analyses, png_name=png.name))
     return md, png

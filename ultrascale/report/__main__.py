@@ -53,19 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE, end="")
         return 0
-    from ultrascale.report import analyze, load_run, write_report
+    from ultrascale.report import default_out_dir, load_analyses, write_analyses
 
     try:
         run_dirs, out = parse_args(argv)
-        md, png = write_report(run_dirs, out)
+        analyses = load_analyses(run_dirs)
+        md, png = write_analyses(analyses, out if out is not None else default_out_dir(run_dirs))
     except UltrascaleError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     print(f"wrote {md}\n      {png}")
-    for d in run_dirs:  # cheap to redo, and the headline is what a person runs this for
-        s = analyze(load_run(d)).largest
-        if s is not None:
-            print(f"{d}: largest stall: {s.sentence()}")
+    for a in analyses:  # the headline is what a person runs this for
+        if a.largest is not None:
+            print(f"{a.run.path}: largest stall: {a.largest.sentence()}")
     return 0
 
 

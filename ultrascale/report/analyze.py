@@ -94,7 +94,8 @@ class Window:
             return f"{s_in} of step time until step {self.last} ({s_out} after)"
         if self.kind == "between":
             return f"{s_in} of step time from step {self.first} to step {self.last} ({s_out} elsewhere)"
-        return f"{s_in} of step time throughout (steps {self.first}–{self.last})"
+        where = f"step {self.first}" if self.first == self.last else f"steps {self.first}–{self.last}"
+        return f"{s_in} of step time throughout ({where})"
 
 
 @dataclass
@@ -360,7 +361,9 @@ def analyze(run: Run) -> Analysis:
         )
         stalls.append(Stall("warmup", warm_s, warm_s / denom, detail=detail))
     outside = max(0.0, wall - step_time - ckpt_s - eval_s)
-    if outside > 0.005 * denom:  # below that it is rounding between time_s and the summed parts
+    if (
+        steps and outside > 0.005 * denom
+    ):  # without step times there is no remainder to speak of; below that it is rounding between time_s and the summed parts
         detail = (
             f"{outside:.1f} s that no logged step, eval or checkpoint accounts for: warm-up of steps before "
             f"the first log, start-up, logging"

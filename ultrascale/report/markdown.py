@@ -6,7 +6,7 @@ loss, and which is faster by how much) and then one section each, so the same re
 
 from __future__ import annotations
 
-from ultrascale.report.analyze import LABELS, MARKED, Analysis, pct
+from ultrascale.report.analyze import LABELS, Analysis, pct
 
 _STATS = (
     ("tokens_per_s", "tokens/s", "{:,.0f}", 1.0),
@@ -67,9 +67,9 @@ def _what_ran(a: Analysis) -> list[list[str]]:
         rows.append(["batch", f"micro {micro}{accum} = global {glob} samples × seq {seq} = {glob * seq:,} tokens/step"])
     planned = run.cfg("train.steps")
     interval = run.cfg("train.log_interval")
-    logged = sum(1 for t in a.comb if t.kind == "step")
+    logged = len(run.step_rows)
     steps = f"{a.final_step}" + (f" of {planned}" if planned else "")
-    steps += f" ({logged} logged rows" + (f", every {interval}" if interval else "") + ")"
+    steps += f" ({logged} logged row{'s' if logged != 1 else ''}" + (f", every {interval}" if interval else "") + ")"
     rows.append(["steps", steps])
     wall = f"{a.wall_s:,.1f} s"
     if a.resumes:
@@ -199,7 +199,7 @@ def run_section(a: Analysis, level: int = 2) -> list[str]:
         ("Stalls, largest first", _stalls(a)),
         ("Throughput, MFU, memory", _stats(a)),
         ("Loss", _loss(a)),
-        (f"Events ({', '.join(MARKED)} listed)", _events(a)),
+        ("Events", _events(a)),
     ):
         lines += [f"{h} {title}", "", *body, ""]
     return lines
