@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.conftest import FAST, check, launch, losses
-from ultrascale.model.loss import install_fused_loss, linear_cross_entropy
+from ultrascale.model.loss import default_chunk_tokens, install_fused_loss, linear_cross_entropy, resolve_impl
 
 
 def _case(n=300, h=64, v=1000, seed=0, dtype=torch.float32):
@@ -21,69 +24,150 @@ def _case(n=300, h=64, v=1000, seed=0, dtype=torch.float32):
     return hidden, weight, labels
 
 
+def _reference(hidden, weight, labels, reduction="mean"):
+    """The plain path in fp32: full logits, F.cross_entropy, autograd."""
+    h = hidden.detach().float().requires_grad_()
+    w = weight.detach().float().requires_grad_()
+    loss = F.cross_entropy(h @ w.t(), labels, reduction=reduction)
+    return (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("chunk", [7, 64, 300, 4096])  # does not divide N, divides it, equals it, exceeds it
+@pytest.mark.parametrize("chunk", [7, 60, 300, 4096])  # does not divide N, divides it, equals it, exceeds it
 def test_loss_and_grads_equal_the_plain_path(reduction, chunk):
     hidden, weight, labels = _case()
-    ref = F.cross_entropy(hidden @ weight.t(), labels, reduction=reduction)
-    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    ref, ref_h, ref_w = _reference(hidden, weight, labels, reduction)
     got = linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk, reduction=reduction)
-    grads = torch.autograd.grad(got, (hidden, weight))
-    scale = 1.0 if reduction == "mean" else float((labels != -100).sum())  # sums are N times larger
-    assert abs(float(got) - float(ref)) <= 1e-5 * scale
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    grad_h, grad_w = torch.autograd.grad(got, (hidden, weight))
+    scale = 1.0 if reduction == "mean" else float((labels != -100).sum())  # a sum is that many times larger
+    assert got.dtype == torch.float32 and abs(got.item() - ref.item()) <= 1e-5 * scale
+    torch.testing.assert_close(grad_h, ref_h, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad_w, ref_w, rtol=0, atol=1e-5)
 
 
-def test_bf16_inputs_accumulate_in_fp32():
-    """bf16 hidden/weight: the chunk's logits are upcast, so the loss matches an fp32 reference to bf16 precision."""
-    hidden, weight, labels = _case(dtype=torch.bfloat16)
-    ref = F.cross_entropy(hidden.float() @ weight.float().t(), labels)
+def test_default_chunk_is_a_byte_budget_and_matches():
+    assert (
+        default_chunk_tokens(49_152) == 170 and default_chunk_tokens(4096) == 2048 and default_chunk_tokens(10**9) == 1
+    )
+    hidden, weight, labels = _case(n=5000, v=2000)  # default chunk 4194: two chunks
+    ref, ref_h, ref_w = _reference(hidden, weight, labels)
     got = linear_cross_entropy(hidden, weight, labels)
-    assert got.dtype == torch.float32 and abs(float(got) - float(ref)) < 2e-2
     got.backward()
+    assert abs(got.item() - ref.item()) <= 1e-5
+    torch.testing.assert_close(hidden.grad, ref_h, rtol=0, atol=1e-5)
+    torch.testing.assert_close(weight.grad, ref_w, rtol=0, atol=1e-5)
+
+
+def test_backward_scales_by_grad_output_and_runs_once():
+    """Loss scaling (fp16) and gradient accumulation multiply the loss: the stored gradients follow."""
+    hidden, weight, labels = _case()
+    _, ref_h, ref_w = _reference(hidden, weight, labels)
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=64)
+    (loss * 3.0).backward(retain_graph=True)
+    torch.testing.assert_close(hidden.grad, 3 * ref_h, rtol=0, atol=3e-5)
+    torch.testing.assert_close(weight.grad, 3 * ref_w, rtol=0, atol=3e-5)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_bf16_inputs_are_computed_in_fp32():
+    """bf16 hidden/weight are upcast, so the loss equals fp32 math on the same (bf16-valued) numbers to 1e-5;
+    the gradients come back in bf16, i.e. to bf16's 8-bit mantissa (relative 2**-8)."""
+    hidden, weight, labels = _case(dtype=torch.bfloat16)
+    ref, ref_h, ref_w = _reference(hidden, weight, labels)
+    got = linear_cross_entropy(hidden, weight, labels, chunk_tokens=64)
+    got.backward()
+    assert got.dtype == torch.float32 and abs(got.item() - ref.item()) <= 1e-5
     assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(hidden.grad.float(), ref_h, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(weight.grad.float(), ref_w, rtol=2**-8, atol=1e-6)
 
 
 def test_all_targets_ignored_is_zero_not_nan():
-    hidden, weight, labels = _case()
-    labels[:] = -100
-    loss = linear_cross_entropy(hidden, weight, labels)
-    loss.backward()
-    assert float(loss) == 0.0 and not hidden.grad.any() and not weight.grad.any()
+    for reduction in ("mean", "sum"):
+        hidden, weight, labels = _case()
+        labels[:] = -100
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=64, reduction=reduction)
+        loss.backward()
+        assert loss.item() == 0.0 and not hidden.grad.any() and not weight.grad.any()
 
 
-def test_no_grad_and_frozen_weight():
+def test_no_grad_frozen_weight_frozen_hidden_and_strided_input():
     hidden, weight, labels = _case()
+    ref, ref_h, ref_w = _reference(hidden, weight, labels)
     with torch.no_grad():
-        assert float(linear_cross_entropy(hidden, weight, labels)) == pytest.approx(
-            float(F.cross_entropy(hidden @ weight.t(), labels)), abs=1e-5
-        )
-    weight.requires_grad_(False)
-    linear_cross_entropy(hidden, weight, labels).backward()
-    assert hidden.grad is not None and weight.grad is None
+        assert abs(float(linear_cross_entropy(hidden, weight, labels, chunk_tokens=64)) - ref.item()) <= 1e-5
+    frozen_w = weight.detach()
+    linear_cross_entropy(hidden, frozen_w, labels, chunk_tokens=64).backward()
+    torch.testing.assert_close(hidden.grad, ref_h, rtol=0, atol=1e-5)
+    frozen_h = hidden.detach()
+    linear_cross_entropy(frozen_h, weight, labels, chunk_tokens=64).backward()
+    torch.testing.assert_close(weight.grad, ref_w, rtol=0, atol=1e-5)
+    # Non-contiguous: every other row of a wider buffer, and a transposed weight.
+    wide = torch.randn(600, 64, requires_grad=True)
+    strided = wide[::2]
+    weight_t = weight.detach().t().contiguous().t().requires_grad_()
+    assert not strided.is_contiguous() and not weight_t.is_contiguous()
+    ref2, ref2_h, ref2_w = _reference(strided, weight_t, labels)
+    got = linear_cross_entropy(strided, weight_t, labels, chunk_tokens=64)
+    got.backward()
+    assert abs(got.item() - ref2.item()) <= 1e-5
+    torch.testing.assert_close(wide.grad[::2], ref2_h, rtol=0, atol=1e-5)
+    torch.testing.assert_close(weight_t.grad, ref2_w, rtol=0, atol=1e-5)
+
+
+def test_bad_arguments_are_refused():
+    hidden, weight, labels = _case()
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(hidden, weight, labels, reduction="none")
+    with pytest.raises(ValueError, match="labels"):
+        linear_cross_entropy(hidden, weight, labels[:-1])
+    with pytest.raises(ValueError, match="impl"):
+        linear_cross_entropy(hidden, weight, labels, impl="triton")
+    with pytest.raises(ValueError, match="CUDA"):  # the Triton kernels are never picked for CPU tensors
+        linear_cross_entropy(hidden, weight, labels, impl="liger")
+    assert resolve_impl("auto", "cpu") == "chunked"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# install_fused_loss on real HF models built from config
+
+
+def _tiny(model_type, tied, vocab=500):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               tie_word_embeddings=tied, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _inputs(vocab=500, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 40), generator=g)
+    labels = ids.clone()
+    labels[:, :5] = -100  # a masked prompt
+    pos = torch.cat([torch.arange(25), torch.arange(15)]).repeat(2, 1)  # two packed documents per row
+    return ids, labels, pos
 
 
 @pytest.mark.parametrize(("model_type", "tied"), [("llama", True), ("llama", False), ("qwen2", False),
                                                   ("starcoder2", True)])  # fmt: skip
 def test_installed_on_hf_models_matches_the_stock_forward(model_type, tied):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(model_type, vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                               use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
-    torch.manual_seed(0)
-    stock = AutoModelForCausalLM.from_config(cfg)
+    stock = _tiny(model_type, tied)
     fused = copy.deepcopy(stock)
     keys = list(fused.state_dict())
-    assert install_fused_loss(fused) is True
+    assert install_fused_loss(fused, chunk_tokens=24) is True
     assert list(fused.state_dict()) == keys and type(fused) is type(stock)
-    ids = torch.randint(0, 500, (2, 40))
-    labels = ids.clone()
-    labels[:, :5] = -100  # a masked prompt
-    pos = torch.arange(40).repeat(2, 1)
-    a, b = stock(input_ids=ids, labels=labels, position_ids=pos), fused(input_ids=ids, labels=labels, position_ids=pos)
-    assert b.logits is None and abs(float(a.loss) - float(b.loss)) < 1e-5
+    assert (fused.get_output_embeddings().weight is fused.get_input_embeddings().weight) is tied
+    ids, labels, pos = _inputs()
+    a = stock(input_ids=ids, labels=labels, position_ids=pos)
+    b = fused(input_ids=ids, labels=labels, position_ids=pos)
+    assert b.logits is None and abs(a.loss.item() - b.loss.item()) < 1e-5
+    # position_ids reach the decoder: without them (0..39 per row) the loss is a different number
+    assert abs(b.loss.item() - fused(input_ids=ids, labels=labels).loss.item()) > 1e-4
+    fused.zero_grad()
     a.loss.backward()
     b.loss.backward()
     for (name, p), q in zip(stock.named_parameters(), fused.parameters()):
@@ -92,23 +176,83 @@ def test_installed_on_hf_models_matches_the_stock_forward(model_type, tied):
         torch.testing.assert_close(fused(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=0, atol=0)
 
 
-def test_moe_and_softcapped_heads_keep_the_plain_path():
+def test_installed_forward_keeps_hf_semantics():
+    """num_items_in_batch, shift_labels, positional input_ids, return_dict=False, generate and deepcopy."""
+    stock = _tiny("llama", False)
+    fused = copy.deepcopy(stock)
+    install_fused_loss(fused, chunk_tokens=16)
+    ids, labels, _ = _inputs()
+    with torch.no_grad():
+        for kw in ({"num_items_in_batch": torch.tensor(50)}, {"shift_labels": labels.roll(-2, dims=1)}):
+            a = stock(input_ids=ids, labels=None if "shift_labels" in kw else labels, **kw)
+            b = fused(input_ids=ids, labels=labels, **kw)
+            if "shift_labels" in kw:  # HF computes no loss without labels; compare against its loss function
+                a_loss = stock.loss_function(a.logits, labels, vocab_size=500, **kw)
+            else:
+                a_loss = a.loss
+            assert abs(a_loss.item() - b.loss.item()) < 1e-5, kw
+        assert abs(fused(ids, labels=labels).loss.item() - stock(ids, labels=labels).loss.item()) < 1e-5
+        loss, logits = fused(input_ids=ids, labels=labels, return_dict=False)[:2]  # tuples: the stock path
+        assert logits.shape == (2, 40, 500) and abs(loss.item() - stock(ids, labels=labels).loss.item()) < 1e-5
+        assert inspect.signature(fused.forward) == inspect.signature(stock.forward)
+        gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(fused.generate(ids[:, :8], **gen), stock.generate(ids[:, :8], **gen))
+    twin = copy.deepcopy(fused)  # the copy's forward runs the copy, not the original
+    assert twin.forward.__self__ is twin
+    with torch.no_grad():
+        twin.model.norm.weight.mul_(2)
+        assert abs(twin(ids, labels=labels).loss.item() - fused(ids, labels=labels).loss.item()) > 1e-4
+    assert install_fused_loss(fused) is True  # re-installing keeps the stock forward underneath
+    assert fused.forward._ultrascale_plain is type(fused).forward
+
+
+def test_models_whose_loss_differs_are_refused():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "mixtral", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1))  # fmt: skip
-    assert install_fused_loss(moe) is False
-    capped = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "gemma2", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8))  # fmt: skip
+    small = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2)  # fmt: skip
+    moe = AutoModelForCausalLM.from_config(AutoConfig.for_model("mixtral", num_local_experts=2, **small))
+    assert install_fused_loss(moe) is False and "forward" not in moe.__dict__  # router aux loss: plain path
+    capped = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", head_dim=8, **small))
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         install_fused_loss(capped)
+    scaled = AutoModelForCausalLM.from_config(AutoConfig.for_model("granite", logits_scaling=4.0, **small))
+    with pytest.raises(ValueError, match="logits_scaling"):
+        install_fused_loss(scaled)
+    unverified = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=4))
+    with pytest.raises(ValueError, match="'gpt2' is not verified"):
+        install_fused_loss(unverified)
+    for model in (capped, scaled, unverified):
+        assert "forward" not in model.__dict__
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed, 2 ranks
 
 
 @pytest.mark.dist
-def test_zero3_two_ranks_fused_equals_plain(tiny_data, tmp_path):
-    """ZeRO-3 partitions the head's weight; registered as external, it is gathered for the fused loss."""
+def test_deepspeed_zero1_zero3_fused_equals_plain(tmp_path):
+    """Real deepspeed.initialize on 2 gloo ranks (tests/dist_scripts/fused_loss_zero.py): the ZeRO-3 head weight
+    is partitioned and gathered for the fused loss through its external-parameter registration."""
+    out = tmp_path / "rows"
+    check(launch([str(out)], script="tests/dist_scripts/fused_loss_zero.py"))
+    rows = [json.loads(line) for r in (0, 1) for line in Path(f"{out}.{r}").read_text().splitlines()]
+    runs = {(r["stage"], r["tied"], r["mode"], r["rank"]): r for r in rows}
+    assert len(runs) == 2 * 10
+    for (stage, tied, mode, rank), row in runs.items():
+        if mode == "plain":
+            continue
+        plain = runs[(stage, tied, "plain", rank)]
+        assert row["losses"] == pytest.approx(plain["losses"], abs=1e-5), (stage, tied, mode, rank)
+        assert row["grad_norms"] == pytest.approx(plain["grad_norms"], abs=1e-5), (stage, tied, mode, rank)
+        assert row["losses"][-1] < row["losses"][0] - 0.1, "the loss must fall"
+        if stage == 3:
+            assert row["head_partitioned"] and row["head_registered"], (stage, tied, mode, rank)
+
+
+@pytest.mark.dist
+def test_trainer_zero3_fused_equals_plain(tiny_data, tmp_path):
+    """Through train.py: train.fused_loss on and off give the same loss curve at ZeRO-3."""
     runs = {}
     for fused in ("true", "false"):
         out = tmp_path / f"fused_{fused}"

@@ -1,72 +1,152 @@
-"""The LM loss without the [tokens, vocab] logits: a chunked linear cross-entropy.
+"""Linear cross-entropy that never holds the ``[tokens, vocab]`` logits at once, and its hook into HF models.
 
-For a small model with a big vocabulary the logits are the largest activation of the step: SmolLM2-135M at
-seq 2,048 and vocab 49,152 holds 2,048 x 49,152 fp32 logits (403 MB) plus their gradient (another 403 MB)
-per sample, more than all its weights. The HF forward materialises them, upcasts them to fp32, and keeps
-them for backward. Here the rows are walked in chunks: each chunk's logits are computed, turned into its
-loss *and* its gradients (softmax minus one-hot, w.r.t. the hidden states and the head's weight) at once,
-and freed, so only ``chunk x vocab`` logits ever exist. Backward then only scales the stored gradients.
-The arithmetic is the same as ``F.cross_entropy(hidden @ weight.T, labels)`` (tests check 1e-5 in fp32).
+At a 49k vocabulary the logits are the largest activation of a small model: 2,048 tokens x 49,152 x 4 bytes
+is 403 MB in fp32, and the plain path keeps that (the log-softmax) alive from the forward to the backward and
+then allocates the same again for its gradient. ``linear_cross_entropy`` walks the tokens in chunks instead:
+each chunk's logits, log-sum-exp, loss and *gradients* are computed in the forward and the chunk's logits are
+dropped, so only the gradients w.r.t. the hidden states (``N x h``) and the head (``V x h``) survive to the
+backward, which merely scales them by ``grad_output``. Peak extra memory is one chunk's logits
+(``chunk x V x 4`` bytes) plus those two gradients, instead of ``2 x N x V x 4``.
 
-On this CPU the chunked pass is also faster than the plain one (the chunk stays in cache; 256 tokens per
-chunk measured best for vocab 4,096 and 49,152). On CUDA a fused kernel is the right tool: ``impl="auto"``
-uses Liger-Kernel's fused linear cross-entropy, or Apple's Cut Cross-Entropy, when one is installed (neither
-is a dependency: both need Triton). Those two paths were not run on this CPU-only machine.
+``install_fused_loss`` makes a stock HF ``*ForCausalLM`` compute its training loss this way without changing
+its class, parameters or behaviour without labels (generation and logit-wanting eval are untouched).
+
+GPU: with ``impl="auto"`` on a CUDA tensor the Triton kernels of ``liger-kernel`` or ``cut-cross-entropy`` are
+used when importable (they are not in requirements.txt: both need Triton and CUDA). Those paths are written to
+the libraries' documented APIs but are **not exercised on the CPU-only machine this module was developed and
+tested on**; the chunked path is, and is what ``auto`` always picks on CPU.
 """
 
 from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_TOKENS = 256
-"""Rows per chunk: measured fastest on this CPU for vocab 4,096 and 49,152 (chunk x vocab x 4 bytes live)."""
 
-IMPLS = ("auto", "chunked", "liger", "cce")
+# Default chunk: a byte budget for one chunk's fp32 logits (the softmax/gradient reuses that buffer in place).
+# Measured on this 2-core CPU at V=49,152, h=576, N=2,048 (bench/bench_loss.py --sweep): speed is flat from
+# 128 to 1,024 tokens per chunk and the smallest chunks only add per-chunk overhead, while memory grows
+# linearly with the chunk. 32 MiB gives 170 tokens at a 49k vocab and 2,048 at a 4k vocab; on GPU the same
+# budget keeps the chunk's GEMMs large enough ([170, h] x [h, 49k] is ~4 GFLOP) to stay efficient.
+CHUNK_BUDGET_BYTES = 32 * 2**20
+
+_IMPLS = ("auto", "chunked", "liger", "cce")
+
+# Model types whose ``*ForCausalLM.forward`` in transformers 5.22 is exactly
+# ``loss_function(lm_head(model(...).last_hidden_state), labels)``: no logit scaling, soft-capping, bias or
+# extra loss term. Others are refused rather than silently given a different loss.
+VERIFIED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "starcoder2", "smollm3", "phi3", "olmo2"})
+
+# Config attributes that change logits between the head and the loss in some HF architectures.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
 
 
-class _ChunkedLinearCE(torch.autograd.Function):
+def default_chunk_tokens(vocab_size: int, budget_bytes: int = CHUNK_BUDGET_BYTES) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits fit ``budget_bytes`` (see CHUNK_BUDGET_BYTES)."""
+    return max(1, budget_bytes // (4 * vocab_size))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Loss and both gradients in one pass over the token chunks; backward only rescales.
+
+    The gradients are produced in the forward (not recomputed in the backward) because the forward has the
+    chunk's logits in hand: recomputing them would cost a second ``N x h x V`` matmul. They are held on
+    ``ctx`` and consumed once; a second backward through the same graph is refused.
+    """
+
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int, reduction: str, with_grads: bool):
+    def forward(ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad):
         n = hidden.shape[0]
-        valid = labels != ignore_index
-        n_valid = int(valid.sum())
-        scale = 1.0 / n_valid if (reduction == "mean" and n_valid) else 1.0
-        need_h = with_grads and ctx.needs_input_grad[0]
-        need_w = with_grads and ctx.needs_input_grad[1]
-        grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        w32 = weight.float()  # no copy for fp32; bf16/fp16 heads are upcast once: fp32 math throughout
+        valid_all = labels != ignore_index
+        n_valid = valid_all.sum()
+        # 'mean' divides by the number of targets; with none the loss is 0 and the gradients are zero (not NaN).
+        scale = 1.0 / n_valid.clamp(min=1).float() if reduction == "mean" else torch.ones((), device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        targets = labels.clamp(min=0)
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            vm = valid[s:e]
-            if n_valid == 0:
-                break
-            hc = hidden[s:e]
-            logits = (hc @ weight.t()).float()  # fp32 from here on, whatever the input dtype
+        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden_grad else None
+        grad_weight = torch.zeros_like(w32) if need_weight_grad else None
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            h = hidden[start:end].float()
+            valid = valid_all[start:end]
+            target = torch.where(valid, labels[start:end], 0)
+            logits = h @ w32.T  # [c, V] fp32: the only vocab-sized buffer, reused below for the gradient
             lse = torch.logsumexp(logits, dim=-1)
-            tgt = logits.gather(1, targets[s:e, None]).squeeze(1)
-            total += ((lse - tgt) * vm).sum()
-            if need_h or need_w:
-                p = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                p[torch.arange(e - s, device=p.device), targets[s:e]] -= 1.0
-                p.mul_(vm[:, None].to(p.dtype) * scale)
-                if need_h:
-                    grad_h[s:e] = (p.to(hidden.dtype) @ weight).to(hidden.dtype)
-                if need_w:
-                    grad_w.addmm_(p.t(), hc.float())
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            total += ((lse - picked) * valid).sum()
+            if grad_hidden is None and grad_weight is None:
+                continue
+            # d(loss)/d(logits) = softmax - one_hot, times the reduction's scale; ignored rows are zero.
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits[torch.arange(end - start, device=logits.device), target] -= 1.0
+            grad_logits.mul_((valid.float() * scale)[:, None])
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ w32
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T, h)
+        ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total * scale
 
     @staticmethod
-    def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-        gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None
+    def backward(ctx, grad_output):
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy: backward ran twice; its gradients are consumed by the first")
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        # In place: the buffers are ours and used once. grad_output is 1 unless the loss is scaled (fp16, GA).
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight.mul_(grad_output.to(grad_weight.dtype))
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _liger(hidden, weight, labels, ignore_index: int, reduction: str) -> torch.Tensor:
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    out = liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction)
+    return out[0] if isinstance(out, tuple) else out  # some releases also return the z-loss
+
+
+def _cce(hidden, weight, labels, ignore_index: int, reduction: str) -> torch.Tensor:
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    return cce(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction)
+
+
+_GPU_PACKAGES = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_impl(impl: str, device: torch.device | str) -> str:
+    """What ``impl`` means on ``device``: ``auto`` is liger, then cce, on CUDA when installed; chunked otherwise."""
+    device = torch.device(device)
+    if impl not in _IMPLS:
+        raise ValueError(f"linear_cross_entropy: impl={impl!r} is not one of {', '.join(_IMPLS)}")
+    if impl == "auto":
+        if device.type == "cuda":
+            for name, (module, _) in _GPU_PACKAGES.items():
+                if _importable(module):
+                    return name
+        return "chunked"
+    if impl in _GPU_PACKAGES:
+        module, package = _GPU_PACKAGES[impl]
+        if device.type != "cuda":
+            raise ValueError(f"linear_cross_entropy: impl={impl!r} needs CUDA tensors, got {device.type}; "
+                             "use impl='chunked' or 'auto'")  # fmt: skip
+        if not _importable(module):
+            raise ValueError(f"linear_cross_entropy: impl={impl!r} needs `pip install {package}` (CUDA + Triton)")
+    return impl
 
 
 def linear_cross_entropy(
@@ -79,95 +159,171 @@ def linear_cross_entropy(
     reduction: str = "mean",
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T`` against ``labels`` (already shifted), without full logits.
+    """``F.cross_entropy(hidden @ weight.T, labels)`` in fp32 without ever holding the full logits.
 
-    hidden [N, h], weight [V, h], labels [N] with ``ignore_index`` for rows that have no target. ``mean``
-    divides by the number of targets (HF's default), ``sum`` does not (sequence-parallel shards need it).
+    hidden ``[N, h]`` (any float dtype, any strides), weight ``[V, h]``, labels ``[N]``: each row's own
+    target, already shifted (``ignore_index`` = no target). ``reduction="mean"`` divides by the number of
+    targets, like HF's default without ``num_items_in_batch``; ``"sum"`` is for callers that normalise
+    across shards themselves. Unlike ``F.cross_entropy``, a batch with no targets gives 0 (and zero
+    gradients), not NaN. ``chunk_tokens`` defaults to ``default_chunk_tokens(V)``.
+
+    ``impl``: ``chunked`` (this module, any device), ``liger`` / ``cce`` (Triton kernels, CUDA only, not in
+    requirements and not exercised on CPU) or ``auto`` (liger, then cce, on CUDA; chunked otherwise).
     """
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction={reduction!r}: use 'mean' or 'sum'")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: use one of {IMPLS}")
-    gpu = _gpu_impl(impl, hidden)
-    if gpu is not None:
-        return gpu(hidden, weight, labels, ignore_index, reduction)
-    chunk = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
-    with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _ChunkedLinearCE.apply(hidden, weight, labels, chunk, ignore_index, reduction, with_grads)
+        raise ValueError(f"linear_cross_entropy: reduction={reduction!r}; use 'mean' or 'sum'")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} "
+                         "must be [N, h] and [V, h]")  # fmt: skip
+    labels = labels.reshape(-1)
+    if labels.shape[0] != hidden.shape[0]:
+        raise ValueError(f"linear_cross_entropy: {labels.shape[0]} labels for {hidden.shape[0]} rows of hidden")
+    which = resolve_impl(impl, hidden.device)
+    if which == "liger":
+        return _liger(hidden, weight, labels, ignore_index, reduction)
+    if which == "cce":
+        return _cce(hidden, weight, labels, ignore_index, reduction)
+    chunk = int(chunk_tokens) if chunk_tokens else default_chunk_tokens(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_tokens={chunk_tokens} must be >= 1")
+    grad_on = torch.is_grad_enabled()
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden,
+        weight,
+        labels.to(hidden.device),
+        chunk,
+        ignore_index,
+        reduction,
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+    )
 
 
-def _gpu_impl(impl: str, hidden: torch.Tensor):
-    """A fused CUDA kernel from an installed library, or None (CPU, or nothing installed)."""
-    if impl == "chunked" or not hidden.is_cuda:
-        if impl in ("liger", "cce") and not hidden.is_cuda:
-            raise ValueError(f"impl={impl!r} needs CUDA tensors; on CPU use impl='chunked' (or 'auto')")
-        return None
-    if impl in ("auto", "liger"):
-        try:
-            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-        except ImportError:
-            if impl == "liger":
-                raise ValueError("impl='liger' needs `pip install liger-kernel` (CUDA + Triton)") from None
-        else:
+# --------------------------------------------------------------------------------------------------------------
+# HF integration
 
-            def liger(h, w, y, ignore, red):
-                out = liger_fused_linear_cross_entropy(h, w, y, ignore_index=ignore, reduction=red)
-                return out[0] if isinstance(out, tuple) else out  # some releases also return the z-loss
 
-            return liger
-    if impl in ("auto", "cce"):
-        try:
-            from cut_cross_entropy import linear_cross_entropy as cce
-        except ImportError:
-            if impl == "cce":
-                raise ValueError("impl='cce' needs `pip install cut-cross-entropy` (CUDA + Triton)") from None
-        else:
-            return lambda h, w, y, ignore, red: cce(h, w, y, ignore_index=ignore, reduction=red)
-    return None
+def _check_fusable(model) -> None:
+    """Raise ValueError unless ``model``'s loss is exactly cross-entropy of ``lm_head(last_hidden_state)``."""
+    config = model.config
+    for key in _LOGIT_TRANSFORMS:
+        value = getattr(config, key, None)
+        if value is not None and value != 1:
+            raise ValueError(f"{config.model_type} sets {key}={value}, which changes the logits the loss sees")
+    if config.model_type not in VERIFIED_MODEL_TYPES:
+        raise ValueError(f"model_type {config.model_type!r} is not verified to compute cross-entropy of its plain "
+                         f"lm_head output (verified: {', '.join(sorted(VERIFIED_MODEL_TYPES))})")  # fmt: skip
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise ValueError(f"{config.model_type}'s output head is {type(head).__name__}"
+                         f"{' with a bias' if isinstance(head, torch.nn.Linear) else ''}, not a bias-free Linear")  # fmt: skip
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if getattr(model, "_loss_function", ForCausalLMLoss) is not ForCausalLMLoss:
+        raise ValueError(
+            f"{config.model_type} has a custom loss_function; the fused loss only replaces ForCausalLMLoss"
+        )
+    if not hasattr(model, model.base_model_prefix):
+        raise ValueError(f"{type(model).__name__} has no base decoder at .{model.base_model_prefix}")
+
+
+def _fused_forward(self, plain: Callable, sig: inspect.Signature, chunk_tokens: int | None, impl: str, args, kwargs):
+    """HF ``*ForCausalLM.forward`` with the loss computed by ``linear_cross_entropy`` and no logits returned."""
+    bound = sig.bind(self, *args, **kwargs)
+    a = dict(bound.arguments)
+    a.pop("self", None)
+    for name, p in sig.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            a.update(a.pop(name, {}))
+    labels = a.pop("labels", None)
+    return_dict = a.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    if labels is None or not return_dict or a.get("logits_to_keep") not in (None, 0):
+        # No loss wanted (generation, logit eval), a tuple output, or a sliced head: the stock forward.
+        return plain(self, *args, **kwargs)
+    a.pop("logits_to_keep", None)
+    shift_labels = a.pop("shift_labels", None)
+    num_items_in_batch = a.pop("num_items_in_batch", None)
+    ignore_index = a.pop("ignore_index", IGNORE_INDEX)
+    outputs = getattr(self, self.base_model_prefix)(**a)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:  # exactly HF's ForCausalLMLoss: pad with ignore_index, then drop the first
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    head = self.get_output_embeddings().weight
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    if num_items_in_batch is None:
+        loss = linear_cross_entropy(flat, head, targets, chunk_tokens=chunk_tokens, ignore_index=ignore_index,
+                                    impl=impl)  # fmt: skip
+    else:  # HF's fixed_cross_entropy: sum over this micro-batch divided by the caller's token count
+        loss = linear_cross_entropy(flat, head, targets, chunk_tokens=chunk_tokens, ignore_index=ignore_index,
+                                    reduction="sum", impl=impl)  # fmt: skip
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=getattr(outputs, "past_key_values", None),
+        hidden_states=getattr(outputs, "hidden_states", None),
+        attentions=getattr(outputs, "attentions", None),
+    )
 
 
 def install_fused_loss(model, chunk_tokens: int | None = None, impl: str = "auto") -> bool:
-    """Make an HF ``*ForCausalLM`` compute its training loss with :func:`linear_cross_entropy`.
+    """Make ``model(..., labels=...)`` compute its loss with ``linear_cross_entropy``; True if installed.
 
-    Only the instance's ``forward`` changes (DeepSpeed's engine calls ``module(**kwargs)``): the class, the
-    state-dict keys and every call without ``labels`` (generation, evaluation that wants logits) stay as
-    they were. Returns False for MoE models (their forward adds the router loss; keep the plain path).
-    Raises ValueError for heads that are not a plain linear map (soft-capped or scaled logits, a bias).
-    Under ZeRO-3 the head's weight is registered as an external parameter of the model, because the
-    head module's own forward (where DeepSpeed would gather it) no longer runs.
+    Only the instance's ``forward`` is replaced (DeepSpeed's engine and ``nn.Module.__call__`` call
+    ``self.forward``), so the class, the parameters and ``state_dict`` keys are unchanged, and ``deepcopy``
+    gives a copy that is patched the same way. With labels the output has ``loss`` and ``logits=None``;
+    without labels (generation, eval that wants logits), with ``return_dict=False`` or with
+    ``logits_to_keep`` the stock forward runs. Labels are shifted exactly as HF's ``ForCausalLMLoss`` does
+    (``shift_labels`` and ``num_items_in_batch`` are honoured the same way).
+
+    Returns False, leaving the model untouched, for MoE models: their HF forward adds the router's
+    auxiliary loss to the LM loss, which this path would drop. Raises ValueError for models whose loss is
+    not cross-entropy of a plain bias-free head (logit soft-capping or scaling, unverified architectures):
+    a clear refusal beats a silently different loss.
+
+    ZeRO-3: the head weight is partitioned and gathered only when the ``lm_head`` module runs, which this
+    path bypasses; it is registered as an external parameter of ``model`` so DeepSpeed gathers it for the
+    top module's forward and backward. Install on the model built under ``HfDeepSpeedConfig``/``zero.Init``
+    (as ultrascale/train/engine.py does) or on ``engine.module`` after ``deepspeed.initialize``; both are
+    tested on 2 ranks. (Installed on a whole model that ``deepspeed.initialize`` then partitions, it also
+    works: DeepSpeed 0.19.8's parameter getter gathers and registers a parameter read outside its module.)
     """
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from ultrascale.model.moe import is_moe
 
-    config = model.config
-    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+    if is_moe(model):
         return False
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
-        value = getattr(config, attr, None)
-        if value not in (None, 1, 1.0, False):
-            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}={value}); the fused loss would not")
-    head = model.get_output_embeddings()
-    if head is None or getattr(head, "bias", None) is not None:
-        raise ValueError(f"{type(model).__name__} has no bias-free linear LM head")
-    decoder = model.get_decoder()
-    original = model.forward
+    _check_fusable(model)
+    if impl not in _IMPLS:  # the device is only known at the first step; the name can be checked now
+        raise ValueError(f"install_fused_loss: impl={impl!r} is not one of {', '.join(_IMPLS)}")
+    if chunk_tokens is not None and int(chunk_tokens) < 1:
+        raise ValueError(f"install_fused_loss: chunk_tokens={chunk_tokens} must be >= 1 (or None for the default)")
+    current = model.__dict__.get("forward")
+    if current is None:
+        plain = type(model).forward
+    elif isinstance(current, types.MethodType) and current.__self__ is model:
+        plain = getattr(current.__func__, "_ultrascale_plain", current.__func__)  # re-install: keep the original
+    else:
+        raise ValueError(f"model.forward was already replaced by {current!r}; install the fused loss first")
+    sig = inspect.signature(plain)
 
-    def forward(input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
-        if labels is None:
-            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        kwargs.pop("logits_to_keep", None)
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        hidden = out.last_hidden_state
-        targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # exactly HF's ForCausalLMLoss shift
-        loss = linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), head.weight, targets.reshape(-1), chunk_tokens=chunk_tokens, impl=impl
-        )
-        return CausalLMOutputWithPast(
-            loss=loss, logits=None, hidden_states=out.hidden_states, attentions=out.attentions
-        )
+    def forward(self, *args, **kwargs):
+        return _fused_forward(self, plain, sig, chunk_tokens, impl, args, kwargs)
 
-    model.forward = forward
-    if hasattr(head.weight, "ds_id"):
-        from deepspeed.runtime.zero import register_external_parameter
+    forward.__signature__ = sig  # generate() reads the forward's parameters (logits_to_keep, position_ids)
+    forward.__doc__ = plain.__doc__
+    forward._ultrascale_plain = plain
+    weight = model.get_output_embeddings().weight
+    if hasattr(weight, "ds_id"):
+        import deepspeed
 
-        register_external_parameter(model, head.weight)
+        deepspeed.zero.register_external_parameter(model, weight)
+    # A method bound to this instance (not a closure over it), so deepcopy rebinds it to the copy.
+    model.forward = types.MethodType(forward, model)
     return True
