@@ -131,7 +131,10 @@ def test_names_planted_data_wait_stall_and_where_it_starts(tmp_path):
     # ~0.2 s on a ~0.5 s step after the change, a few ms before it
     assert 0.3 < win.share_in < 0.5 and win.share_out < 0.02
     # step 1's 5 s compile is in no row (only every 5th step is logged): it is billed outside the steps
-    assert 5.0 < next(s.seconds for s in a.stalls if s.key == "outside") < 6.0
+    outside = next(s for s in a.stalls if s.key == "outside")
+    assert 5.0 < outside.seconds < 6.0 and "before the first logged step" in outside.sentence()
+    start = next(t for t in a.comb if t.kind == "start")  # drawn as its own bar at the head of the comb
+    assert start.pos == 0 and 4.8 < start.seconds < 5.2
 
 
 def test_stall_window_in_the_middle_and_steady_runs(tmp_path):

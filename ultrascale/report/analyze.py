@@ -36,7 +36,7 @@ LABELS = {
     "checkpoint": "checkpointing",
     "eval": "evaluation",
     "warmup": "warm-up",
-    "outside": "outside steps",
+    "outside": "outside logged steps",
 }
 COMPUTE = ("fwd_s", "bwd_s")
 # Events drawn as markers and listed one by one (checkpoints and evals are counted and timed instead).
@@ -49,7 +49,8 @@ MIN_GAIN, MIN_SHIFT = 0.5, 0.05
 
 @dataclass
 class Tick:
-    """One slot of the comb, in file order: a logged step, a checkpoint or an eval (events take no slot)."""
+    """One slot of the comb, in file order: a logged step, a checkpoint, an eval, or the time before the first
+    logged step of a start or resume (``start``). Other events take no slot (``pos`` between two slots)."""
 
     pos: float
     step: int
@@ -201,6 +202,9 @@ def _comb(run: Run) -> tuple[list[Tick], float, int, int]:
             gap = r["step"] - cur
             executed += max(gap, 0)
             if sp is not None:
+                if warm:  # a slot for the time before it (start-up, unlogged warm-up), sized in analyze()
+                    comb.append(Tick(pos, r["step"], "start"))
+                    pos += 1
                 comb.append(Tick(pos, r["step"], "step", sp[0], sp[1], steady=not warm, represents=max(gap, 1), row=r))
                 pos += 1
             cur, warm = r["step"], False
@@ -360,13 +364,20 @@ def analyze(run: Run) -> Analysis:
             f"compilation, allocator and cache warm-up"
         )
         stalls.append(Stall("warmup", warm_s, warm_s / denom, detail=detail))
+    # The time before each segment's first logged step: its time_s, less that step and the unlogged steps
+    # before it at the steady pace (step 1's compilation usually lives here). The comb draws it as a bar.
+    starts = {t.pos + 1: t for t in comb if t.kind == "start"}
+    for t in warm:
+        if t.pos in starts:
+            t_pre = (_num(t.row["time_s"]) or 0.0) - t.seconds - (t.represents - 1) * ref.step_s
+            starts[t.pos].seconds = max(0.0, t_pre)
     outside = max(0.0, wall - step_time - ckpt_s - eval_s)
-    if (
-        steps and outside > 0.005 * denom
-    ):  # without step times there is no remainder to speak of; below that it is rounding between time_s and the summed parts
+    # without step times there is no remainder to speak of; below 0.5 % it is rounding
+    if steps and outside > 0.005 * denom:
+        pre = min(sum(t.seconds for t in starts.values()), outside)
         detail = (
-            f"{outside:.1f} s that no logged step, eval or checkpoint accounts for: warm-up of steps before "
-            f"the first log, start-up, logging"
+            f"{pre:.1f} s before the first logged step: start-up, compilation, warm-up of the unlogged first "
+            f"steps; {outside - pre:.1f} s between logged steps: logging, unlogged steps slower than logged ones"
         )
         stalls.append(Stall("outside", outside, outside / denom, detail=detail))
     stalls.sort(key=lambda s: s.seconds, reverse=True)

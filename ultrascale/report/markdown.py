@@ -169,7 +169,9 @@ def _loss(a: Analysis) -> list[str]:
 def _events(a: Analysis) -> list[str]:
     if not a.events:
         return ["No events."]
-    lines = [", ".join(f"{n} {ev}" for ev, n in sorted(a.events.items()))]
+    plural = {"checkpoint": "checkpoints", "eval": "evals", "skip": "skips", "lr_cut": "lr cuts",
+              "rollback": "rollbacks", "stop": "stops", "resume": "resumes"}  # fmt: skip
+    lines = [", ".join(f"{n} {plural.get(ev, ev) if n != 1 else ev}" for ev, n in sorted(a.events.items()))]
     if a.marked:
         rows = []
         for r in a.marked[:_MAX_EVENT_ROWS]:

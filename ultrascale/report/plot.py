@@ -27,6 +27,7 @@ COLORS = {
     "other_s": "#8c8c8c",
     "checkpoint": "#2ca02c",
     "eval": "#17becf",
+    "start": "#c7c7c7",
 }
 # Stack order: compute at the bottom so the teeth line up, stalls on top where the eye finds them.
 STACK = ("fwd_s", "bwd_s", "comm_s", "opt_s", "data_wait_s", "other_s")
@@ -90,7 +91,7 @@ def _markers(ax, a: Analysis, by_step: bool, label: bool) -> None:
     """Vertical lines for events: at their comb slot (file order) or at their step (curve panels)."""
     kinds: dict[str, list[float]] = {}
     for t in a.comb:
-        if t.kind == "step" or (not by_step and t.kind in ("checkpoint", "eval")):
+        if t.kind in ("step", "start") or (not by_step and t.kind in ("checkpoint", "eval")):
             continue
         kinds.setdefault(t.kind, []).append(t.step if by_step else t.pos)
     for kind, xs in kinds.items():
@@ -101,15 +102,17 @@ def _markers(ax, a: Analysis, by_step: bool, label: bool) -> None:
 
 def _comb_panel(ax, a: Analysis, cap: float) -> None:
     _stack(ax, a, lambda t, p: min(t.parts[p], cap))
-    for kind in ("checkpoint", "eval"):
-        ticks = [t for t in a.comb if t.kind == kind]
+    for kind in ("checkpoint", "eval", "start"):
+        ticks = [t for t in a.comb if t.kind == kind and t.seconds > 0]
         heights = [min(t.seconds, cap) for t in ticks]
-        _bars(ax, [t.pos for t in ticks], [0.0] * len(ticks), heights, facecolors=COLORS[kind], label=LABELS[kind])
-    clipped = [t for t in a.comb if t.seconds > cap and t.kind in ("step", "checkpoint", "eval")]
+        label = LABELS[kind] if kind != "start" else "before first log"
+        _bars(ax, [t.pos for t in ticks], [0.0] * len(ticks), heights, facecolors=COLORS[kind], label=label)
+    clipped = [t for t in a.comb if t.seconds > cap and t.kind in ("step", "checkpoint", "eval", "start")]
     for t in clipped[:40]:
-        ax.annotate(f"{t.seconds:.1f} s", (t.pos, cap), ha="center", va="bottom", fontsize=7, rotation=90)
+        ax.annotate(f"{t.seconds:.1f} s", (t.pos, cap), xytext=(0, 2), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=7, rotation=90)  # fmt: skip
     _markers(ax, a, by_step=False, label=True)
-    ax.set_ylim(0, cap * 1.2)
+    ax.set_ylim(0, cap * 1.3)
     ax.set_ylabel("seconds")
     ax.set_xlabel("logged steps in file order; checkpoints and evals as their own bars (taller ones clipped, labelled)")
     _xticks(ax, [t for t in a.comb if t.kind == "step"])
@@ -219,7 +222,8 @@ def plot(analyses: list[Analysis], out_path: Path, title: str = "") -> Path:
         head = f"{a.run.label}: the comb\nlargest stall: {s.sentence()}" if s else a.run.label
         col[0].set_title("\n".join(textwrap.fill(h, 100) for h in head.split("\n")), fontsize=10, loc="left")
         if c == 0:
-            col[0].legend(loc="upper left", fontsize=7, ncol=5, framealpha=0.8)
+            # below the panel, where it hides no bar (constrained layout makes room for it)
+            col[0].legend(loc="upper left", bbox_to_anchor=(0.0, -0.13), fontsize=7, ncol=7, frameon=False)
         if col[4].get_legend_handles_labels()[0]:  # every column: runs can have different events
             col[4].legend(loc="upper right", fontsize=7, ncol=2, framealpha=0.8)
     if len(mfu_axes) > 1:
