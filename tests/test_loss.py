@@ -83,6 +83,20 @@ def test_bf16_inputs_are_computed_in_fp32():
     torch.testing.assert_close(weight.grad.float(), ref_w, rtol=2**-8, atol=1e-6)
 
 
+def test_fp16_loss_scale_is_applied_before_the_cast():
+    """fp16 with a small head: the unscaled per-token gradients (~1e-7) would be fp16 subnormals; scaled by a
+    loss scale of 2**16 first, as the plain path's autograd does, they keep fp16's relative precision."""
+    hidden, weight, labels = _case(dtype=torch.float16)
+    with torch.no_grad():
+        weight.mul_(1e-3)
+    _, ref_h, ref_w = _reference(hidden, weight, labels)
+    assert ref_h.abs().max() < 1e-5  # tiny next to fp16's smallest normal (6.1e-5)
+    (linear_cross_entropy(hidden, weight, labels, chunk_tokens=64) * 2.0**16).backward()
+    assert hidden.grad.dtype == torch.float16
+    torch.testing.assert_close(hidden.grad.float(), ref_h * 2.0**16, rtol=2**-10, atol=1e-3)
+    torch.testing.assert_close(weight.grad.float(), ref_w * 2.0**16, rtol=2**-10, atol=1e-3)
+
+
 def test_all_targets_ignored_is_zero_not_nan():
     for reduction in ("mean", "sum"):
         hidden, weight, labels = _case()

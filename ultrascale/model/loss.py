@@ -1,12 +1,13 @@
 """Linear cross-entropy that never holds the ``[tokens, vocab]`` logits at once, and its hook into HF models.
 
 At a 49k vocabulary the logits are the largest activation of a small model: 2,048 tokens x 49,152 x 4 bytes
-is 403 MB in fp32, and the plain path keeps that (the log-softmax) alive from the forward to the backward and
-then allocates the same again for its gradient. ``linear_cross_entropy`` walks the tokens in chunks instead:
-each chunk's logits, log-sum-exp, loss and *gradients* are computed in the forward and the chunk's logits are
-dropped, so only the gradients w.r.t. the hidden states (``N x h``) and the head (``V x h``) survive to the
-backward, which merely scales them by ``grad_output``. Peak extra memory is one chunk's logits
-(``chunk x V x 4`` bytes) plus those two gradients, instead of ``2 x N x V x 4``.
+is 384 MiB in fp32. HF's plain path (``ForCausalLMLoss``) upcasts them to fp32, keeps their log-softmax from
+the forward to the backward and then allocates their gradient: about three such buffers at its peak.
+``linear_cross_entropy`` walks the tokens in chunks instead: each chunk's logits, log-sum-exp, loss and
+*gradients* are computed in the forward and the chunk's logits are dropped, so only the gradients w.r.t. the
+hidden states (``N x h``) and the head (``V x h``), in fp32, survive to the backward, which merely scales them
+by ``grad_output``. Peak extra memory is one chunk's logits (``chunk x V x 4`` bytes) plus those gradients.
+The cost: the head's gradient (``V x h x 4`` bytes) is held from the forward to the backward.
 
 ``install_fused_loss`` makes a stock HF ``*ForCausalLM`` compute its training loss this way without changing
 its class, parameters or behaviour without labels (generation and logit-wanting eval are untouched).
@@ -68,7 +69,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # 'mean' divides by the number of targets; with none the loss is 0 and the gradients are zero (not NaN).
         scale = 1.0 / n_valid.clamp(min=1).float() if reduction == "mean" else torch.ones((), device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden_grad else None
+        # fp32 until the backward has applied grad_output: an fp16 loss scale must be applied before the cast
+        # to fp16, or the small per-token gradients of a mean over many tokens underflow.
+        grad_hidden = hidden.new_empty(hidden.shape, dtype=torch.float32) if need_hidden_grad else None
         grad_weight = torch.zeros_like(w32) if need_weight_grad else None
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
@@ -89,21 +92,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[start:end] = grad_logits @ w32
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.T, h)
-        ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
         return total * scale
 
     @staticmethod
     def backward(ctx, grad_output):
         if ctx.grads is None:
             raise RuntimeError("linear_cross_entropy: backward ran twice; its gradients are consumed by the first")
-        grad_hidden, grad_weight = ctx.grads
+        grads = ctx.grads
         ctx.grads = None
-        # In place: the buffers are ours and used once. grad_output is 1 unless the loss is scaled (fp16, GA).
-        if grad_hidden is not None:
-            grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
-        if grad_weight is not None:
-            grad_weight.mul_(grad_output.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        # In place (the buffers are ours, used once), in fp32, then cast: grad_output is the fp16 loss scale
+        # or a gradient-accumulation factor, or 1.
+        out = [None if g is None else g.mul_(grad_output.float()).to(dt) for g, dt in zip(grads, ctx.dtypes)]
+        return out[0], out[1], None, None, None, None, None, None
 
 
 def _liger(hidden, weight, labels, ignore_index: int, reduction: str) -> torch.Tensor:
