@@ -366,10 +366,14 @@ def analyze(run: Run) -> Analysis:
         stalls.append(Stall("warmup", warm_s, warm_s / denom, detail=detail))
     # The time before each segment's first logged step: its time_s, less that step and the unlogged steps
     # before it at the steady pace (step 1's compilation usually lives here). The comb draws it as a bar.
+    # The pace is the local one (the median of the next few logged steps), not the run's mean, which a
+    # later stall would inflate.
     starts = {t.pos + 1: t for t in comb if t.kind == "start"}
-    for t in warm:
-        if t.pos in starts:
-            t_pre = (_num(t.row["time_s"]) or 0.0) - t.seconds - (t.represents - 1) * ref.step_s
+    for k, t in enumerate(steps):
+        if not t.steady and t.pos in starts:
+            after = [u.seconds for u in steps[k + 1 : k + 4] if u.steady]
+            pace = statistics.median(after) if after else ref.step_s
+            t_pre = (_num(t.row["time_s"]) or 0.0) - t.seconds - (t.represents - 1) * pace
             starts[t.pos].seconds = max(0.0, t_pre)
     outside = max(0.0, wall - step_time - ckpt_s - eval_s)
     # without step times there is no remainder to speak of; below 0.5 % it is rounding
