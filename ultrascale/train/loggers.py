@@ -3,7 +3,8 @@
 metrics.jsonl is the source of truth (plots, the comb report, sweeps and tests read it); the others are
 views. Its rows are either step rows (loss, lr, throughput and the step-time breakdown) or event rows
 with an ``event`` key (eval, checkpoint, skip, lr_cut, rollback, stop, resume); every row has ``step`` and
-``time_s`` (seconds since this process started the run). On wandb and TensorBoard the same numbers are
+``time_s``: seconds since this process opened the logger, once the engine is built and just before the first
+step (so model build and JIT compilation of ops are not in it; a resumed process starts again from 0). On wandb and TensorBoard the same numbers are
 grouped by what they answer: ``train/`` (is it learning), ``eval/`` (does it generalise), ``perf/`` (is the
 hardware busy) and ``stability/`` (is the run healthy).
 """

@@ -424,7 +424,8 @@ class Trainer:
         t_loop = time.perf_counter() - t_first if t_first else 0.0
         if bar:
             bar.close()
-        summary = {"steps": steps, "resumed_from": self.start_step}
+        summary = {"steps": steps, "resumed_from": self.start_step, "world_size": self.topo.world,
+                   "topology": self.topo.as_dict()}  # fmt: skip
         agree_, digests = replicas_agree(self.engine.module, int(self.cfg.zero.stage), self.engine.data_parallel_group)
         summary.update(replicas_agree=agree_, param_digests=digests)
         if not agree_:
