@@ -78,16 +78,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[start:end].float()
             valid = valid_all[start:end]
             target = torch.where(valid, labels[start:end], 0)
-            logits = h @ w32.T  # [c, V] fp32: the only vocab-sized buffer, reused below for the gradient
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            total += ((lse - picked) * valid).sum()
+            # One [c, V] fp32 buffer for the whole chunk: logits, then exp(logits - max), then the gradient.
+            # (torch.logsumexp would allocate two more of its size.)
+            logits = h @ w32.T
+            row_max = logits.amax(dim=1, keepdim=True)
+            picked = logits.gather(1, target[:, None])
+            exps = logits.sub_(row_max).exp_()
+            sums = exps.sum(dim=1, keepdim=True)
+            lse = row_max + sums.log()
+            total += ((lse - picked).squeeze(1) * valid).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
             # d(loss)/d(logits) = softmax - one_hot, times the reduction's scale; ignored rows are zero.
-            grad_logits = logits.sub_(lse[:, None]).exp_()
-            grad_logits[torch.arange(end - start, device=logits.device), target] -= 1.0
-            grad_logits.mul_((valid.float() * scale)[:, None])
+            row_scale = valid.float()[:, None] * scale
+            grad_logits = exps.mul_(row_scale / sums)
+            grad_logits[torch.arange(end - start, device=logits.device), target] -= row_scale.squeeze(1)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ w32
             if grad_weight is not None:
