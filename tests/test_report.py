@@ -341,3 +341,29 @@ def test_entry_point_runs_as_a_module(tmp_path):
     p = subprocess.run([sys.executable, "-m", "ultrascale.report", f"run_dir={run}"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert (run / "report.md").exists() and (run / "report.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.dist
+def test_real_cpu_smoke_run_report(tiny_data, tmp_path):
+    """End to end: a real 2-rank cpu_smoke run (with a checkpoint and evals), then ``python -m ultrascale.report``."""
+    from tests.conftest import FAST, check, launch
+
+    run = tmp_path / "cpu_smoke"
+    check(launch(["recipe=cpu_smoke", *FAST, f"data.path={tiny_data}", f"output_dir={run}", "train.steps=12",
+                  "train.log_interval=1", "train.eval_interval=6", "train.checkpoint_interval=6"]))  # fmt: skip
+    (run / "report.md").unlink()  # the trainer wrote one at the end; the CLI must write it again
+    out = subprocess.run([sys.executable, "-m", "ultrascale.report", f"run_dir={run}"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    md = (run / "report.md").read_text()
+    assert re.search(r"\*\*Largest stall: .+\.\*\*", md), md[:2000]
+    assert (run / "report.png").read_bytes()[:8] == PNG_MAGIC
+    a = analyze(load_run(run))
+    assert a.largest is not None
+    for bd in (a.all, a.steady):
+        assert abs(bd.total - 1.0) < 0.05  # the breakdown fractions sum to 1 within 5 %
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if "event" not in r]
+    parts = ("data_wait_s", "fwd_s", "bwd_s", "comm_s", "opt_s", "other_s")
+    total = sum(r["step_s"] for r in steps)
+    assert abs(sum(r[p] for r in steps for p in parts) / total - 1.0) < 0.05  # fractions sum to 1 within 5 %
