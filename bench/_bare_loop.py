@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,7 @@ def main() -> None:
         out = {
             "tokens_per_s": tokens / (stamps[-1] - stamps[0]),
             "steps_timed": steps - 1,
+            "step_intervals_s": [round(b - a, 5) for a, b in pairwise(stamps)],
             "loss": float(per_step[-1]),
             "losses": [round(float(x), 5) for x in per_step],
         }

@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +175,7 @@ def main() -> None:
                 {
                     "tokens_per_s": tokens / (stamps[-1] - stamps[0]),
                     "steps_timed": len(stamps) - 1,
+                    "step_intervals_s": [round(b - a, 5) for a, b in pairwise(stamps)],
                     "loss": float(per_step[-1]),
                     "losses": [round(float(x), 5) for x in per_step],
                     "settings": {

@@ -24,6 +24,11 @@ Method, and how it keeps noise down on a shared 2-core machine:
 * Per round the paired ratios ``ultrascale/bare`` and ``ultrascale/trainer``: a slow stretch of the machine
   that spans a round hits all three sides, and dividing within the round cancels it. The reported ratios
   are the medians of the paired ratios (robust to one disturbed round), with min-max and IQR as the spread.
+* A robust companion, reported next to (never instead of) the wall-clock ratios: each run's rate from its
+  median step interval (end of step k-1 to end of step k, between-step work included), paired the same
+  way. A burst from another process that covers a few steps of one run moves the window rate but not the
+  median step; when the two disagree, the machine was disturbed. (train.py's intervals come from the
+  ``time_s`` stamps of metrics.jsonl; if that key is missing the companion is left out.)
 * ``--settle`` seconds of pause before each run, and optionally (``--max-load``) a wait of up to
   ``--max-wait`` seconds for the 1-minute load average to fall below a level; the load average before each
   run is recorded in the JSON so a disturbed run can be seen.
@@ -48,6 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,8 +119,14 @@ def _run(side: str, a, tmp: Path, name: str, common: list[str], ref: Path, data:
         torchrun(a.nproc, ["train.py", *common, f"output_dir={run}"])
         summary = json.loads((run / "summary.json").read_text())
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        losses = [round(r["loss"], 5) for r in rows if "event" not in r and "loss" in r]
-        got = {"tokens_per_s": summary["wall_tokens_per_s"], "loss": summary.get("final_loss"), "losses": losses}
+        steps = [r for r in rows if "event" not in r and "loss" in r]
+        stamps = [r["time_s"] for r in steps if "time_s" in r]  # logged after each step (log_interval=1)
+        got = {
+            "tokens_per_s": summary["wall_tokens_per_s"],
+            "loss": summary.get("final_loss"),
+            "losses": [round(r["loss"], 5) for r in steps],
+            "step_intervals_s": [round(b - c, 5) for c, b in pairwise(stamps)] if len(stamps) == a.steps else [],
+        }
     elif side == "bare":
         got = _json_line(torchrun(a.nproc, ["bench/_bare_loop.py", str(ref), str(data), str(a.steps)]).stdout)
     else:
@@ -122,13 +134,21 @@ def _run(side: str, a, tmp: Path, name: str, common: list[str], ref: Path, data:
         got = _json_line(
             torchrun(a.nproc, ["bench/_trainer_loop.py", str(ref), str(data), str(a.steps), str(out)]).stdout
         )
+    iv = got.get("step_intervals_s") or []
+    # The robust companion: one typical step (median interval) instead of the whole window, so a burst
+    # from another process during a few steps does not move it. Secondary; the wall window is the rate.
+    got["median_step_tokens_per_s"] = a.tokens_per_step / statistics.median(iv) if iv else None
     got["load1_before"] = load
     got["run_s"] = round(time.perf_counter() - t0, 1)
     return got
 
 
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def _spread(xs: list[float]) -> dict:
-    q1, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0], xs[0])
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "q1": q1, "q3": q3, "iqr": q3 - q1}
 
 
@@ -196,15 +216,52 @@ def _table(res: dict) -> str:
         loss = statistics.median(r["loss"][side] for r in rounds)
         lines.append(f"| {names[side]:<40} | {statistics.median(xs):>12,.0f} | {min(xs):>8,.0f} | {max(xs):>8,.0f} "
                      f"| {loss:>10.4f} |")  # fmt: skip
-    lines += ["", f"| {'paired ratio':<20} | {'median':>7} | {'min':>7} | {'max':>7} | {'IQR':>7} | {'target':>7} | verdict |",
-              f"|{'-' * 22}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|"]  # fmt: skip
+    lines += ["", f"| {'paired ratio':<30} | {'median':>7} | {'min':>7} | {'max':>7} | {'IQR':>7} | {'target':>7} | verdict |",
+              f"|{'-' * 32}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|{'-' * 9}|"]  # fmt: skip
     for key, label, target in (("ratio_vs_bare", "ultrascale/bare", TARGET_VS_BARE),
                                ("ratio_vs_trainer", "ultrascale/trainer", TARGET_VS_TRAINER)):  # fmt: skip
         s = res["spread"][key]
         verdict = "met" if s["median"] >= target else "NOT met"
-        lines.append(f"| {label:<20} | {s['median']:>7.3f} | {s['min']:>7.3f} | {s['max']:>7.3f} | {s['iqr']:>7.3f} "
+        lines.append(f"| {label:<30} | {s['median']:>7.3f} | {s['min']:>7.3f} | {s['max']:>7.3f} | {s['iqr']:>7.3f} "
                      f"| {'>= ' + str(target):>7} | {verdict:<7} |")  # fmt: skip
+        m = res["median_step_spread"][key]
+        if m:
+            lines.append(f"| {label + ' (med. step)':<30} | {m['median']:>7.3f} | {m['min']:>7.3f} | {m['max']:>7.3f} "
+                         f"| {m['iqr']:>7.3f} | {'':>7} | {'':<7} |")  # fmt: skip
+    lines.append("\n(med. step: the same ratio from each run's median step interval, the robust companion; the "
+                 "verdict is on the wall-clock window)")  # fmt: skip
     return "\n".join(lines)
+
+
+def _summary(rounds: list[dict], settings: dict, complete: bool) -> dict:
+    spread = {k: _spread([r[k] for r in rounds]) for k in ("ratio_vs_bare", "ratio_vs_trainer")}
+    robust = {}
+    for k in ("ratio_vs_bare", "ratio_vs_trainer"):
+        xs = [r["median_step"][k] for r in rounds if r["median_step"][k] is not None]
+        robust[k] = _spread(xs) if xs else None
+    return {
+        "ratio_vs_bare": spread["ratio_vs_bare"]["median"],
+        "ratio_vs_trainer": spread["ratio_vs_trainer"]["median"],
+        "targets": {"ratio_vs_bare": TARGET_VS_BARE, "ratio_vs_trainer": TARGET_VS_TRAINER},
+        "met": {
+            "ratio_vs_bare": spread["ratio_vs_bare"]["median"] >= TARGET_VS_BARE,
+            "ratio_vs_trainer": spread["ratio_vs_trainer"]["median"] >= TARGET_VS_TRAINER,
+        },
+        "spread": spread,
+        "median_step_spread": robust,
+        "tokens_per_s_median": {s: statistics.median(r[s] for r in rounds) for s in SIDES},
+        "complete": complete,
+        "rounds": rounds,
+        "settings": settings,
+    }
+
+
+def _write(path: str | None, res: dict) -> None:
+    if path:
+        from ultrascale.atomic import atomic_write_text
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(path), json.dumps(res, indent=2) + "\n")
 
 
 def main() -> None:
@@ -225,6 +282,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the temporary run directories (default: removed)")
     ap.add_argument("--json", dest="json_path", help="write results as JSON here")
     a = ap.parse_args()
+    a.tokens_per_step = a.micro * a.nproc * 2 * a.seq_len
     if a.rounds < 1 or a.steps < 2:
         sys.exit(f"error: --rounds={a.rounds} --steps={a.steps}: need at least 1 round and 2 steps (step 1 is untimed)")
 
@@ -260,37 +318,34 @@ def main() -> None:
             "losses": {s: got[s]["losses"] for s in SIDES},
             "load1_before": {s: got[s]["load1_before"] for s in SIDES},
             "run_s": {s: got[s]["run_s"] for s in SIDES},
+            "median_step": {
+                **{s: got[s]["median_step_tokens_per_s"] for s in SIDES},
+                **{
+                    f"ratio_vs_{s}": got["ultrascale"]["median_step_tokens_per_s"] / got[s]["median_step_tokens_per_s"]
+                    if got["ultrascale"]["median_step_tokens_per_s"] and got[s]["median_step_tokens_per_s"]
+                    else None
+                    for s in ("bare", "trainer")
+                },
+            },
+            "step_intervals_s": {s: got[s].get("step_intervals_s") for s in SIDES},
         }
         rounds.append(row)
+        settings = _settings(a, ref, data_desc, trainer_settings, common)
+        _write(a.json_path, _summary(rounds, settings, complete=r + 1 == a.rounds))  # a cut-off run keeps its rounds
         bar.write(
             f"round {r + 1}/{a.rounds} ({' > '.join(order)}): ultrascale {row['ultrascale']:,.0f} | bare "
             f"{row['bare']:,.0f} | trainer {row['trainer']:,.0f} tok/s  ->  ultrascale/bare "
             f"{row['ratio_vs_bare']:.3f}, ultrascale/trainer {row['ratio_vs_trainer']:.3f}  "
+            f"[med. step {_fmt(row['median_step']['ratio_vs_bare'])}, {_fmt(row['median_step']['ratio_vs_trainer'])}]  "
             f"(load {'/'.join(str(row['load1_before'][s]) for s in order)})"
         )
     bar.close()
-    spread = {k: _spread([r[k] for r in rounds]) for k in ("ratio_vs_bare", "ratio_vs_trainer")}
-    res = {
-        "ratio_vs_bare": spread["ratio_vs_bare"]["median"],
-        "ratio_vs_trainer": spread["ratio_vs_trainer"]["median"],
-        "targets": {"ratio_vs_bare": TARGET_VS_BARE, "ratio_vs_trainer": TARGET_VS_TRAINER},
-        "met": {
-            "ratio_vs_bare": spread["ratio_vs_bare"]["median"] >= TARGET_VS_BARE,
-            "ratio_vs_trainer": spread["ratio_vs_trainer"]["median"] >= TARGET_VS_TRAINER,
-        },
-        "spread": spread,
-        "tokens_per_s_median": {s: statistics.median(r[s] for r in rounds) for s in SIDES},
-        "rounds": rounds,
-        "settings": _settings(a, ref, data_desc, trainer_settings, common),
-    }
+    res = _summary(rounds, settings, complete=True)
     print(_table(res))
     st = res["settings"]
     print(f"\n{a.rounds} rounds x 3 sides, {a.steps} steps (2..{a.steps} timed), ZeRO {st['zero_stage']}, {a.nproc} CPU "
           f"ranks, {st['model']} ({st['model_params'] / 1e6:.1f}M params), seq {a.seq_len}, global batch "
           f"{st['global_batch']}, {st['precision']}; Trainer optim {trainer_settings.get('optim')}; data: {data_desc}")  # fmt: skip
-    if a.json_path:
-        Path(a.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_path).write_text(json.dumps(res, indent=2) + "\n")
     if a.keep:
         print(f"run directories kept in {tmp}")
     else:
