@@ -1,0 +1,179 @@
+"""Typed schema for ``python -m ultrascale.ssd`` (primary config ``conf/ssd.yaml``), registered in the ConfigStore.
+
+Struct mode makes ``sample.temprature=0.8`` fail at compose time with the key's name instead of silently
+sampling at the default. Presets live in ``conf/ssd/`` (``ssd=tiny``, ``ssd=smollm2_135m``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+DENY_NAMES = [
+    # Files, processes, the network, clocks, randomness and the interpreter: a problem must be a pure function
+    # of its arguments, so its tests are deterministic and a pass says something about the code, not the
+    # machine. In-memory io (StringIO/BytesIO) is allowed: doctests of parsers use it, and `open` is denied.
+    "open", "input", "exec", "eval", "compile", "__import__", "breakpoint", "exit", "quit", "globals", "locals",
+    "os", "sys", "subprocess", "socket", "shutil", "tempfile", "pathlib", "glob", "threading",
+    "multiprocessing", "asyncio", "signal", "time", "datetime", "random", "secrets", "uuid", "urllib", "http",
+    "ssl", "select", "selectors", "ctypes", "gc", "importlib", "webbrowser", "tkinter", "sqlite3", "logging",
+    "warnings", "atexit", "inspect", "weakref", "builtins", "locale",
+]  # fmt: skip
+
+
+@dataclass
+class ProblemsConfig:
+    source: str = "corpus"
+    """``corpus``: mine functions with doctests (or nearby asserts) from source files; ``jsonl``: read ``jsonl``."""
+    input: str = "stdlib"
+    """Corpus to mine (``source=corpus``), as data prep reads it: ``stdlib`` (this Python's own library) or a
+    directory of source files. Files and repositories come from ``data_prep.sources``, so they are the ones
+    data prep would see."""
+    train_repos_from: str | None = None
+    """A prepared dataset directory (its ``repos.json``): mine only repositories of its *train* split, so the
+    validation repositories stay held out. Null mines every repository of ``input``."""
+    jsonl: str | None = None
+    """``source=jsonl``: one problem per line, ``{"task_id", "prompt", "tests", "entry_point"}`` plus optional
+    ``reference`` (verified like mined ones) and ``extra_candidates`` (completions from elsewhere, e.g. human
+    solutions, executed and filtered exactly like model samples and marked ``source: provided``)."""
+    max_problems: int | None = 128
+    """Keep at most this many problems (a seeded sample of those passing every filter); null keeps all."""
+    seed: int = 0
+    """Seeds the ``max_problems`` sample."""
+    include_helpers: bool = True
+    """Put the module-level functions, classes and constants a function uses (transitively) into its prompt,
+    so it is self-contained and the model can see them. Off: such functions are dropped."""
+    max_prompt_lines: int = 80
+    """Longest prompt (imports + helpers + signature + docstring) kept; longer ones are dropped (CPU budget)."""
+    max_reference_lines: int = 40
+    """Longest reference body kept: a completion the model could plausibly write in ``max_new_tokens``."""
+    asserts: bool = True
+    """Also turn module-level ``assert f(...) == ...`` statements (and those in ``_test``/``test_*`` functions or
+    ``if __name__ == "__main__"`` blocks) that call the function into its tests."""
+    deny_names: list[str] = field(default_factory=lambda: list(DENY_NAMES))
+    """Names (builtins or modules) a problem may not use anywhere in its code: no I/O, clocks or randomness."""
+    decontam_ngram: int = 10
+    """HumanEval decontamination: word n-gram size (data prep's ``decontam.ngram``)."""
+    decontam_min_overlap: float = 0.5
+    """Share of a HumanEval item's n-grams found in a problem (prompt + reference) that drops it."""
+    timeout_s: float = 5.0
+    """Sandbox wall-clock limit when checking a reference against its own tests: problems must be fast."""
+    workers: int = 2
+    """Reference checks run at once (each in its own sandbox)."""
+
+
+@dataclass
+class SampleConfig:
+    n: int = 4
+    """Completions sampled per problem from the current model."""
+    temperature: float = 0.8
+    """Sampling temperature (> 0: n identical greedy samples teach nothing)."""
+    top_p: float = 0.95
+    """Nucleus sampling cutoff."""
+    max_new_tokens: int = 192
+    """Generation budget per completion; the stop sequences (next top-level statement) usually end it sooner."""
+    batch_size: int = 8
+    """Prompts per ``generate`` call; each expands to ``n`` rows."""
+    seed: int = 1234
+    """Seeds sampling (each batch gets seed + its index), so a round's samples are reproducible."""
+    threads: int | None = None
+    """``torch.set_num_threads`` for generation in this process; null keeps torch's default (OMP_NUM_THREADS)."""
+    dedupe: bool = True
+    """Keep one of several passing samples with the same AST (comments, spacing and docstrings ignored)."""
+    max_kept_per_problem: int = 4
+    """Cap on kept samples per problem, so easy problems do not dominate the finetuning set."""
+    timeout_s: float = 5.0
+    """Sandbox wall-clock limit per sample program."""
+    memory_mb: int = 1024
+    """Sandbox address-space limit per sample program."""
+    workers: int = 2
+    """Sample programs run at once (each in its own sandbox)."""
+
+
+@dataclass
+class SFTConfig:
+    seq_len: int = 512
+    """Packed row length of the finetuning set; a sample (prompt + completion + EOS) longer than this is dropped."""
+    validation_fraction: float = 0.1
+    """Share of problems whose kept samples form the validation split (at least one problem when two or more
+    have kept samples; otherwise validation repeats train and the manifest says so)."""
+    eos_token: str | None = None
+    """Token appended after each completion and used as the document separator; null = the tokenizer's
+    ``eos_token``, which is what the exported generation config stops at."""
+    seed: int = 0
+    """Seeds the row order and the validation pick."""
+
+
+@dataclass
+class FinetuneConfig:
+    launcher: str = "torchrun"
+    """How ``train.py`` is started: ``torchrun`` or ``deepspeed`` (``train.py ... launcher=X`` spawns it)."""
+    nproc: int = 2
+    """Ranks on this node (``launcher.nproc_per_node``)."""
+    train_overrides: list[str] = field(default_factory=list)
+    """Extra ``train.py`` overrides, applied before the ones SSD sets (e.g. ``[recipe=smollm2_135m_cpt]`` for
+    its ZeRO stage, precision and logger). SSD always sets the model, data, steps, lr and output directory."""
+    lr: float = 2.0e-5
+    """Peak learning rate: small, so a few hundred kept samples nudge the model rather than overwrite it."""
+    epochs: float = 2.0
+    """Passes over the packed training rows; steps = ceil(epochs x rows / global_batch), clamped below."""
+    min_steps: int = 1
+    """Fewest optimizer steps, however small the kept set."""
+    max_steps: int = 200
+    """Most optimizer steps, however large the kept set."""
+    micro_batch: int = 2
+    """Rows per rank per forward/backward."""
+    global_batch: int = 8
+    """Rows per optimizer step (micro_batch x nproc x gradient accumulation)."""
+    warmup_steps: int = 2
+    """Linear warmup steps (capped at steps - 1)."""
+    checkpoint_interval: int = 0
+    """Checkpoint every N steps so a killed finetune resumes mid-way (0 = only at the end; each checkpoint of
+    a 135M model with Adam state is ~1.6 GB and ~7 s on CPU)."""
+    export_dtype: str = "fp32"
+    """dtype of the exported HF model: fp32, bf16 or fp16."""
+
+
+@dataclass
+class SSDEvalConfig:
+    enabled: bool = True
+    """Evaluate each round's exported model on HumanEval."""
+    baseline: bool = True
+    """Also evaluate the starting model once (``<output_dir>/baseline/``): the 'before' of the first round."""
+    limit: int | None = None
+    """First N HumanEval problems (null = all 164)."""
+    max_new_tokens: int = 256
+    """Generation budget per HumanEval completion."""
+    batch_size: int = 8
+    """Prompts per ``generate`` call."""
+    passk_samples: int = 0
+    """Sampled completions per problem for pass@k (0 = greedy pass@1 only; pass@k needs >= max(passk_k))."""
+    passk_k: list[int] = field(default_factory=lambda: [1, 5])
+    """k values reported from the sampled completions."""
+    temperature: float = 0.8
+    """Sampling temperature for pass@k."""
+    workers: int = 2
+    """Test programs run at once."""
+
+
+@dataclass
+class SSDConfig:
+    start_model: str = "models/smollm2-135m"
+    """Starting HF model directory (an import such as ``models/smollm2-135m``, or a CPT export); it must hold
+    its tokenizer. Round r + 1 starts from round r's export."""
+    output_dir: str = "runs/ssd"
+    """Where rounds, manifests and models go. Rerunning with the same directory continues where it stopped."""
+    rounds: int = 1
+    """Sample -> execute -> filter -> finetune -> export -> eval cycles."""
+    dtype: str = "fp32"
+    """Precision for sampling (fp32 is exact and not slower on CPUs without AMX)."""
+    problems: ProblemsConfig = field(default_factory=ProblemsConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    eval: SSDEvalConfig = field(default_factory=SSDEvalConfig)
+
+
+def register_ssd_configs() -> None:
+    ConfigStore.instance().store(name="ssd_schema", node=SSDConfig)

@@ -1,0 +1,52 @@
+"""HumanEval for a round's model, through ``eval.py``'s own code path (``ultrascale.eval.run``).
+
+Scoring SSD's models exactly as ``python eval.py model_dir=DIR tasks=[humaneval]`` scores any model keeps
+the before/after numbers comparable with every other eval in the project: same prompts, stop sequences,
+sandbox and estimator. Greedy pass@1 always; pass@k from sampled completions when ``eval.passk_samples > 0``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ultrascale.errors import ConfigError
+
+
+def check(cfg: DictConfig) -> None:
+    """Fail at start-up, not after an hour of sampling and finetuning."""
+    if cfg.passk_samples and max(cfg.passk_k) > cfg.passk_samples:
+        raise ConfigError(
+            f"eval.passk_k={list(cfg.passk_k)} needs eval.passk_samples >= {max(cfg.passk_k)}: raise passk_samples"
+        )
+    if cfg.passk_samples and cfg.temperature <= 0:
+        raise ConfigError(f"eval.temperature={cfg.temperature}: pass@k needs sampling (e.g. 0.8)")
+
+
+def humaneval(model_dir: Path, out_dir: Path, cfg: DictConfig) -> dict:
+    """``{"greedy": {pass@1, problems, ...}, "sampled": {...} | None, "wall_s"}``; files land in ``out_dir``."""
+    from ultrascale.config.compose import compose
+    from ultrascale.eval.config import register_eval_configs
+    from ultrascale.eval.run import run
+
+    register_eval_configs()
+    common = [f"model_dir={model_dir}", "tasks=[humaneval]", "wandb=false"]
+    common += [f"humaneval.limit={'null' if cfg.limit is None else cfg.limit}"]
+    common += [f"humaneval.max_new_tokens={cfg.max_new_tokens}", f"humaneval.batch_size={cfg.batch_size}"]
+    common += [f"humaneval.workers={cfg.workers}"]
+    t0 = time.perf_counter()
+    greedy = run(compose([*common, f"output_dir={out_dir / 'greedy'}"], "eval"))["tasks"]["humaneval"]
+    result: dict = {"greedy": greedy, "sampled": None}
+    if cfg.passk_samples:
+        ks = ",".join(str(k) for k in cfg.passk_k)
+        sampled = [
+            f"humaneval.n_samples={cfg.passk_samples}",
+            f"humaneval.temperature={cfg.temperature}",
+            f"humaneval.k=[{ks}]",
+            f"output_dir={out_dir / 'sampled'}",
+        ]
+        result["sampled"] = run(compose([*common, *sampled], "eval"))["tasks"]["humaneval"]
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    return result

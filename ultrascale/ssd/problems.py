@@ -1,0 +1,205 @@
+"""The problem source: mined from a corpus (or read from JSONL), filtered, decontaminated, checked in the sandbox.
+
+Problems must not be the evaluation set, must be solvable and must have sane tests. So, in order:
+
+1. static filters while mining (:mod:`ultrascale.ssd.mine`): self-contained, pure, short enough;
+2. duplicates (the same function copied between files) are dropped;
+3. HumanEval decontamination with data prep's own n-gram matcher (:mod:`data_prep.decontam`);
+4. in the sandbox, the reference must pass its own tests *and* a ``return None`` body must fail them:
+   a problem whose tests accept anything would keep every sample, right or wrong.
+
+Every drop is counted per reason; :func:`build` returns the problems and that report. With
+``train_repos_from`` only the repositories data prep put in the *train* split are mined, so problems never
+come from held-out code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ultrascale.config.compose import resolve_path
+from ultrascale.errors import ConfigError, DataError
+from ultrascale.eval.sandbox import Limits
+from ultrascale.ssd.execute import last_error, verdicts
+from ultrascale.ssd.mine import MineOptions, mine_file
+
+log = logging.getLogger("ultrascale")
+
+REQUIRED = ("task_id", "prompt", "tests", "entry_point")
+VERIFY_CHUNK = 32
+"""References are checked in chunks, in seeded order, until ``max_problems`` pass: a large corpus is not
+executed in full just to keep 128 problems."""
+
+
+def corpus_documents(cfg: DictConfig, counts: Counter) -> list[dict]:
+    """Source files of ``problems.input`` as data prep reads them (same files, same repository names)."""
+    from data_prep.config import register_configs as register_data_prep
+    from data_prep.sources import iter_documents
+    from ultrascale.config.compose import compose
+
+    register_data_prep()
+    source = cfg.input if cfg.input == "stdlib" else resolve_path(cfg.input)
+    dp = compose([f"input={source}"], "data_prep")
+    docs = list(iter_documents(dp, counts=Counter()))
+    counts["files"] = len(docs)
+    if cfg.train_repos_from:
+        path = resolve_path(cfg.train_repos_from) / "repos.json"
+        if not path.exists():
+            raise ConfigError(
+                f"problems.train_repos_from={cfg.train_repos_from}: {path} not found; point it at a prepared "
+                "dataset (python -m data_prep output_dir=...) or set it to null to mine every repository"
+            )
+        split = json.loads(path.read_text())
+        kept = [d for d in docs if split.get(d["repo"]) == "train"]
+        counts["files_held_out_repo"] = sum(split.get(d["repo"]) == "validation" for d in docs)
+        counts["files_not_in_prepared_data"] = sum(d["repo"] not in split for d in docs)
+        if docs and not kept:
+            raise ConfigError(
+                f"problems.train_repos_from={cfg.train_repos_from}: no repository of problems.input={cfg.input} "
+                f"is in its train split; was it prepared from the same input?"
+            )
+        docs = kept
+    return docs
+
+
+def mine(cfg: DictConfig, counts: Counter) -> list[dict]:
+    opts = MineOptions(
+        include_helpers=cfg.include_helpers,
+        max_prompt_lines=cfg.max_prompt_lines,
+        max_reference_lines=cfg.max_reference_lines,
+        asserts=cfg.asserts,
+        deny=frozenset(cfg.deny_names),
+    )
+    out = []
+    for doc in corpus_documents(cfg, counts):
+        out += mine_file(doc["text"], doc["path"], opts, counts)
+    return out
+
+
+def load_jsonl(path: str | Path, counts: Counter) -> list[dict]:
+    """Problems from a JSONL file; a malformed line is a DataError naming file:line."""
+    p = resolve_path(path)
+    if not p.exists():
+        raise ConfigError(f"problems.jsonl={path}: {p} does not exist")
+    out, ids = [], set()
+    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p}:{lineno}: not JSON ({e}): one problem object per line") from None
+        missing = [k for k in REQUIRED if not isinstance(row.get(k), str) or not row[k]]
+        if missing:
+            raise DataError(f"{p}:{lineno}: missing or non-string {missing}; each line needs {list(REQUIRED)}")
+        if "def check(" not in row["tests"]:
+            raise DataError(f"{p}:{lineno}: tests must define check(candidate) (HumanEval style)")
+        extra = row.get("extra_candidates", [])
+        if not isinstance(extra, list) or not all(isinstance(c, str) for c in extra):
+            raise DataError(f"{p}:{lineno}: extra_candidates must be a list of completion strings")
+        if row["task_id"] in ids:
+            raise DataError(f"{p}:{lineno}: duplicate task_id {row['task_id']!r}")
+        ids.add(row["task_id"])
+        counts["seen"] += 1
+        out.append(row)
+    return out
+
+
+def _dedupe(problems: list[dict], counts: Counter) -> list[dict]:
+    seen, out = set(), []
+    for p in problems:
+        key = hashlib.sha1((p["prompt"].split("\ndef ")[-1] + p.get("reference", "")).encode()).hexdigest()
+        if key in seen:
+            counts["duplicate"] += 1
+            continue
+        seen.add(key)
+        out.append(p)
+    return out
+
+
+def _decontaminate(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict]:
+    from data_prep.decontam import Decontaminator
+
+    det = Decontaminator(["humaneval"], None, cfg.decontam_ngram, cfg.decontam_min_overlap)
+    out = []
+    for p in problems:
+        hit = det.match(p["prompt"] + p.get("reference", ""))
+        if hit:
+            counts["humaneval_contaminated"] += 1
+            log.info(f"problems: drop {p['task_id']} (matches {hit[0]}, overlap {hit[1]})")
+            continue
+        out.append(p)
+    return out
+
+
+def _stub(reference: str) -> str:
+    """A wrong body at the reference's indentation: the tests must reject it."""
+    first = next((ln for ln in reference.splitlines() if ln.strip()), "    pass")
+    return first[: len(first) - len(first.lstrip(" \t"))] + "return None\n"
+
+
+def _verify(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict]:
+    """Sandbox-check references in seeded order until ``max_problems`` pass (JSONL without reference: kept)."""
+    order = list(problems)
+    random.Random(cfg.seed).shuffle(order)
+    cap = cfg.max_problems if cfg.max_problems is not None else len(order)
+    limits = Limits(timeout_s=cfg.timeout_s)
+    kept: list[dict] = []
+    i = 0
+    while i < len(order) and len(kept) < cap:
+        chunk = order[i : i + VERIFY_CHUNK]
+        i += len(chunk)
+        checkable = [p for p in chunk if p.get("reference")]
+        pairs = [(p, c) for p in checkable for c in (p["reference"], _stub(p["reference"]))]
+        outcomes = iter(verdicts(pairs, limits, workers=cfg.workers))
+        results = {p["task_id"]: (next(outcomes), next(outcomes)) for p in checkable}
+        for p in chunk:
+            if len(kept) >= cap:
+                counts["over_max_problems"] += 1
+                continue
+            if p["task_id"] not in results:
+                counts["unverified_no_reference"] += 1
+                kept.append(p)
+                continue
+            ref, stub = results[p["task_id"]]
+            if not ref.passed:
+                counts["reference_failed"] += 1
+                log.debug(f"problems: {p['task_id']} reference fails its tests: {last_error(ref)}")
+            elif stub.passed:
+                counts["tests_accept_stub"] += 1
+            else:
+                kept.append(p)
+    counts["over_max_problems"] += len(order) - i
+    return sorted(kept, key=lambda p: p["task_id"])
+
+
+def build(cfg: DictConfig) -> tuple[list[dict], dict]:
+    """(problems, report): ``report`` counts every problem dropped, per reason, in filter order."""
+    counts: Counter = Counter()
+    if cfg.source == "corpus":
+        problems = mine(cfg, counts)
+    elif cfg.source == "jsonl":
+        if not cfg.jsonl:
+            raise ConfigError("problems.source=jsonl needs problems.jsonl=PATH (one problem per line)")
+        problems = load_jsonl(cfg.jsonl, counts)
+    else:
+        raise ConfigError(f"problems.source={cfg.source} is not one of corpus, jsonl")
+    counts["mined"] = len(problems)
+    problems = _dedupe(problems, counts)
+    problems = _decontaminate(problems, cfg, counts)
+    problems = _verify(problems, cfg, counts)
+    counts["kept"] = len(problems)
+    if not problems:
+        raise DataError(
+            f"no problem survived the filters ({dict(counts)}): mine a larger problems.input, relax "
+            "problems.max_prompt_lines/deny_names, or give problems.source=jsonl problems.jsonl=PATH"
+        )
+    report = {"source": cfg.source, "input": cfg.jsonl if cfg.source == "jsonl" else cfg.input, **dict(counts)}
+    return problems, report

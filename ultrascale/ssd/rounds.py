@@ -1,0 +1,315 @@
+"""Rounds of self-distillation, each a chain of stages that a rerun skips once done.
+
+::
+
+    <output_dir>/ssd_manifest.json        config, baseline eval, finished stages per round (the summary)
+                baseline/eval.json         HumanEval of the starting model (the 'before')
+                round_XX/manifest.json     per stage: done, wall time, its settings, its numbers
+                         problems.jsonl    the round's problems (round 0 mines them; later rounds reuse them)
+                         samples.jsonl     every completion with its verdict and why it was (not) kept
+                         kept.jsonl        the finetuning examples
+                         sft_data/         packed, loss-masked shards + the model's tokenizer
+                         train_run/        the train.py run (checkpoints, metrics, logs; auto-resumes)
+                         model/            the exported HF model: round r + 1 starts from it
+                         eval/, eval.json  HumanEval of model/
+
+Each stage writes its output atomically (a temporary name, then a rename) and is marked done in the round
+manifest last, so a killed run leaves either a finished stage or one that reruns from scratch; a killed
+finetune resumes from its newest checkpoint through train.py's own auto-resume. A stage remembers the
+settings it ran with: rerunning a finished stage's directory with different settings is an error (the
+outputs would mix two configurations), except for the evaluation, which is simply redone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ultrascale.atomic import atomic_write_text
+from ultrascale.config.compose import resolve_path
+from ultrascale.errors import ConfigError
+
+log = logging.getLogger("ultrascale")
+
+STAGES = ("problems", "sample", "sft_data", "finetune", "export", "eval")
+REDO_ON_CHANGE = {"eval"}
+"""Stages nothing else depends on: changed settings rerun them instead of refusing."""
+TOP = "ssd_manifest.json"
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_model_dir(path: Path, key: str) -> None:
+    if not (path / "config.json").exists():
+        raise ConfigError(f"{key}={path} has no config.json: point it at a local HF model directory")
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"{key}={path} has no tokenizer: SSD samples and finetunes with the model's own tokenizer")
+
+
+class Round:
+    """One round's directory and manifest."""
+
+    def __init__(self, run: SSDRun, index: int, input_model: Path):
+        self.run, self.index, self.input_model = run, index, input_model
+        self.dir = run.out / f"round_{index:02d}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.manifest_path = self.dir / "manifest.json"
+        self.manifest = _read_json(self.manifest_path) or {
+            "round": index,
+            "input_model": str(input_model),
+            "stages": {},
+        }
+
+    def settings(self, stage: str) -> dict:
+        """What a stage's output depends on; a finished stage with other settings cannot be reused."""
+        c = self.run.cfg
+        per_stage = {
+            "problems": {"problems": c.problems},
+            "sample": {"sample": c.sample, "dtype": c.dtype, "input_model": str(self.input_model)},
+            "sft_data": {"sft": c.sft},
+            "finetune": {"finetune": c.finetune},
+            "export": {"export_dtype": c.finetune.export_dtype},
+            "eval": {"eval": c.eval},
+        }[stage]
+        return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(per_stage), resolve=True)))
+
+    def done(self, stage: str) -> bool:
+        entry = self.manifest["stages"].get(stage)
+        if not entry or not entry.get("done"):
+            return False
+        now = self.settings(stage)
+        if entry.get("settings") == now:
+            return True
+        changed = sorted(_diff(entry.get("settings", {}), now))
+        if stage in REDO_ON_CHANGE:
+            log.info(f"ssd: round {self.index} {stage} ran with other settings ({', '.join(changed)}): redoing it")
+            return False
+        raise ConfigError(
+            f"{self.dir} finished stage {stage!r} with different settings ({', '.join(changed)}): rerun with the "
+            f"original settings, use a new output_dir, or delete {self.dir} to redo the round"
+        )
+
+    def mark(self, stage: str, stats: dict, wall_s: float) -> None:
+        """Record a finished stage: round manifest first, then the top-level summary."""
+        self.manifest["stages"][stage] = {
+            "done": True,
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "wall_s": round(wall_s, 1),
+            "settings": self.settings(stage),
+            **stats,
+        }
+        _write_json(self.manifest_path, self.manifest)
+        self.run.record_round(self)
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
+    return out
+
+
+class SSDRun:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.out = resolve_path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.top_path = self.out / TOP
+        self.top = _read_json(self.top_path) or {"rounds": {}, "baseline": None}
+        self.top["config"] = OmegaConf.to_container(cfg, resolve=True)
+
+    def record_round(self, rnd: Round) -> None:
+        stages = rnd.manifest["stages"]
+        entry = {
+            "dir": str(rnd.dir),
+            "input_model": str(rnd.input_model),
+            "done": [s for s in STAGES if stages.get(s, {}).get("done")],
+        }
+        for s in STAGES:
+            if s in stages:
+                entry[s] = {k: v for k, v in stages[s].items() if k not in ("settings", "done", "finished_at")}
+        self.top["rounds"][f"{rnd.index:02d}"] = entry
+        _write_json(self.top_path, self.top)
+
+    def stage(self, rnd: Round, name: str, fn: Callable[[], dict]) -> None:
+        if rnd.done(name):
+            log.info(f"ssd: round {rnd.index} {name}: done, skipping")
+            return
+        log.info(f"ssd: round {rnd.index} {name}: running")
+        t0 = time.perf_counter()
+        stats = fn()
+        rnd.mark(name, stats, time.perf_counter() - t0)
+        log.info(f"ssd: round {rnd.index} {name}: done in {time.perf_counter() - t0:.1f}s {_short(stats)}")
+
+    # ---- the stages --------------------------------------------------------------------------------------
+    def _problems(self, rnd: Round) -> dict:
+        from ultrascale.ssd.problems import build
+
+        if rnd.index > 0:  # later rounds revisit the same problems with a better model (STaR / ReST style)
+            first = self.out / "round_00" / "problems.jsonl"
+            shutil.copyfile(first, rnd.path("problems.jsonl.tmp"))
+            rnd.path("problems.jsonl.tmp").replace(rnd.path("problems.jsonl"))
+            return {"count": len(read_jsonl(first)), "from": str(first)}
+        problems, report = build(self.cfg.problems)
+        _write_jsonl(rnd.path("problems.jsonl"), problems)
+        return {"count": len(problems), "report": report}
+
+    def _sample(self, rnd: Round) -> dict:
+        from ultrascale.ssd.sample import generate_all, kept_records, select
+
+        problems = read_jsonl(rnd.path("problems.jsonl"))
+        completions, timing = generate_all(rnd.input_model, problems, self.cfg.sample, self.cfg.dtype)
+        rows, stats = select(problems, completions, self.cfg.sample)
+        _write_jsonl(rnd.path("samples.jsonl"), rows)
+        _write_jsonl(rnd.path("kept.jsonl"), kept_records(problems, rows))
+        return {**stats, **timing}
+
+    def _sft(self, rnd: Round) -> dict:
+        from ultrascale.ssd.sft import build
+
+        return build(read_jsonl(rnd.path("kept.jsonl")), rnd.input_model, rnd.path("sft_data"), self.cfg.sft)
+
+    def _finetune(self, rnd: Round) -> dict:
+        from ultrascale.ssd.finetune import finished, run_train, steps_for, train_overrides
+
+        rows = rnd.manifest["stages"]["sft_data"]["train_rows"]
+        steps = steps_for(rows, self.cfg.finetune)
+        run_dir = rnd.path("train_run")
+        args = train_overrides(
+            self.cfg.finetune, rnd.input_model, rnd.path("sft_data"), run_dir, steps, self.cfg.sft.seq_len
+        )
+        if finished(run_dir, steps):
+            log.info(f"ssd: {run_dir} already holds step {steps}: not relaunching")
+        else:
+            run_train(args, rnd.path("finetune.log"))
+        summary = _read_json(run_dir / "summary.json")
+        keep = ("final_loss", "eval_loss", "tokens_per_s", "resumed_from")
+        numbers = {k: summary[k] for k in keep if isinstance(summary.get(k), int | float) and math.isfinite(summary[k])}
+        return {"steps": steps, "rows": rows, "command": "python train.py " + " ".join(args), **numbers}
+
+    def _export(self, rnd: Round) -> dict:
+        from ultrascale.ssd.finetune import export_model
+
+        return export_model(rnd.path("train_run"), rnd.path("model"), self.cfg.finetune.export_dtype)
+
+    def _eval(self, rnd: Round) -> dict:
+        from ultrascale.ssd.evaluate import humaneval
+
+        result = humaneval(rnd.path("model"), rnd.path("eval"), self.cfg.eval)
+        _write_json(rnd.path("eval.json"), result)
+        return _scores(result)
+
+    def baseline(self, model: Path) -> None:
+        """HumanEval of the starting model, once (redone only if the eval settings change)."""
+        from ultrascale.ssd.evaluate import humaneval
+
+        settings = json.loads(json.dumps(OmegaConf.to_container(self.cfg.eval, resolve=True)))
+        prev = self.top.get("baseline")
+        if prev and prev.get("settings") == settings and prev.get("model") == str(model):
+            log.info("ssd: baseline eval: done, skipping")
+            return
+        log.info(f"ssd: baseline eval of {model}: running")
+        result = humaneval(model, self.out / "baseline" / "eval", self.cfg.eval)
+        _write_json(self.out / "baseline" / "eval.json", result)
+        self.top["baseline"] = {"model": str(model), "settings": settings, **_scores(result)}
+        _write_json(self.top_path, self.top)
+
+    def run(self) -> dict:
+        from ultrascale.eval.sandbox import check_available
+        from ultrascale.ssd.evaluate import check
+
+        cfg = self.cfg
+        if cfg.rounds < 1:
+            raise ConfigError(f"rounds={cfg.rounds}: run at least one round")
+        check(cfg.eval)
+        model = resolve_path(cfg.start_model)
+        check_model_dir(model, "start_model")
+        check_available()  # every stage but finetune runs model-written code: refuse before any work
+        if cfg.eval.enabled and cfg.eval.baseline:
+            self.baseline(model)
+        for r in range(cfg.rounds):
+            rnd = Round(self, r, model)
+            steps = {
+                "problems": lambda rnd=rnd: self._problems(rnd),
+                "sample": lambda rnd=rnd: self._sample(rnd),
+                "sft_data": lambda rnd=rnd: self._sft(rnd),
+                "finetune": lambda rnd=rnd: self._finetune(rnd),
+                "export": lambda rnd=rnd: self._export(rnd),
+                "eval": lambda rnd=rnd: self._eval(rnd),
+            }
+            for name in STAGES:
+                if name == "eval" and not cfg.eval.enabled:
+                    continue
+                self.stage(rnd, name, steps[name])
+            model = rnd.path("model")
+        print(summary_table(self.top), flush=True)
+        return self.top
+
+
+def _scores(result: dict) -> dict:
+    g, s = result["greedy"], result.get("sampled")
+    out = {"pass@1_greedy": g["pass@1"], "humaneval_problems": g["problems"], "eval_wall_s": result["wall_s"]}
+    if s:
+        out.update({f"{k}_sampled": v for k, v in s.items() if k.startswith("pass@")})
+        out["sampled_n"] = s["n_samples"]
+    return out
+
+
+def _short(stats: dict) -> str:
+    keys = ("count", "candidates", "kept", "model_pass_rate", "samples", "train_rows", "steps", "final_loss")
+    shown = {k: stats[k] for k in keys if k in stats}
+    shown.update({k: v for k, v in stats.items() if k.startswith("pass@")})
+    return json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in shown.items()})
+
+
+def summary_table(top: dict) -> str:
+    """Before/after at a glance: what the closing note of a run reports."""
+    lines = [
+        f"{'':<10} {'problems':>8} {'samples':>8} {'passed':>7} {'kept':>5} {'steps':>5} {'pass@1':>7} {'wall_s':>8}"
+    ]
+    b = top.get("baseline")
+    if b:
+        lines.append(
+            f"{'baseline':<10} {'':>8} {'':>8} {'':>7} {'':>5} {'':>5} {b['pass@1_greedy']:>7.4f} {b['eval_wall_s']:>8}"
+        )
+    for r, e in sorted(top["rounds"].items()):
+        s, ft, ev = e.get("sample", {}), e.get("finetune", {}), e.get("eval", {})
+        wall = sum(e.get(k, {}).get("wall_s", 0) for k in STAGES)
+        p1 = f"{ev['pass@1_greedy']:.4f}" if "pass@1_greedy" in ev else "-"
+        lines.append(
+            f"{'round ' + r:<10} {e.get('problems', {}).get('count', '-'):>8} {s.get('candidates', '-'):>8} "
+            f"{(s.get('model_passed', 0) + s.get('provided_passed', 0)) if s else '-':>7} {s.get('kept', '-'):>5} "
+            f"{ft.get('steps', '-'):>5} {p1:>7} {round(wall, 1):>8}"
+        )
+    he = (top.get("baseline") or {}).get("humaneval_problems")
+    if he:
+        lines.append(f"pass@1: greedy HumanEval on {he} problems")
+    return "\n".join(lines)

@@ -1,0 +1,149 @@
+"""Sample completions from the current model, execute each in the sandbox, keep the ones that pass.
+
+Generation is HumanEval's (:func:`ultrascale.eval.humaneval.generate`: batched HF ``generate``, temperature,
+top-p, the same stop sequences), so the completions SSD learns from are cut exactly like the ones it is
+scored on. Provided candidates (``extra_candidates`` of a JSONL problem, e.g. human solutions) are executed
+and filtered by the same code and recorded with ``source: provided``: they are never presented as the
+model's own samples.
+
+Every completion lands in ``samples.jsonl`` with its verdict and, when not kept, the reason (``failed``,
+``timeout``, ``duplicate``, ``cap``); the kept ones also in ``kept.jsonl``.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import time
+from collections import Counter
+
+from omegaconf import DictConfig
+
+from ultrascale.eval.sandbox import Limits
+from ultrascale.ssd.execute import last_error, verdicts
+
+log = logging.getLogger("ultrascale")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def normalized(problem: dict, completion: str) -> str:
+    """A key under which two completions are the same program: the function's AST without its docstring.
+
+    Comments, blank lines, spacing and quoting differences vanish; anything that changes the code does not.
+    Unparsable text (never a passing sample, in practice) falls back to its whitespace-collapsed form.
+    """
+    try:
+        tree = ast.parse(problem["prompt"] + completion)
+    except SyntaxError:
+        return " ".join(completion.split())
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == problem["entry_point"]]
+    if not fns:
+        return " ".join(completion.split())
+    body = fns[-1].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return "\n".join(ast.dump(s) for s in body)
+
+
+def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = "fp32") -> tuple[list[list[str]], dict]:
+    """``cfg.n`` completions per problem (in problem order) and timing stats."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ultrascale.eval.humaneval import generate
+
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, DTYPES[dtype]))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    # Similar lengths share a batch: left padding then wastes little compute on pad tokens.
+    order = sorted(range(len(problems)), key=lambda i: len(problems[i]["prompt"]))
+    out: list[list[str]] = [[] for _ in problems]
+    t0 = time.perf_counter()
+    batches = range(0, len(order), cfg.batch_size)
+    for b, start in enumerate(tqdm(batches, desc="sample", unit="batch", mininterval=5.0)):
+        idx = order[start : start + cfg.batch_size]
+        comps = generate(
+            model,
+            tokenizer,
+            [problems[i]["prompt"] for i in idx],
+            n_samples=cfg.n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            batch_size=len(idx),
+            seed=cfg.seed + b,
+        )
+        for i, cs in zip(idx, comps):
+            out[i] = cs
+    return out, {"generate_s": round(time.perf_counter() - t0, 2)}
+
+
+def select(problems: list[dict], completions: list[list[str]], cfg: DictConfig) -> tuple[list[dict], dict]:
+    """Execute every candidate (model samples, then provided ones) and decide which to keep.
+
+    Returns one row per candidate, in problem order, and the counts.
+    """
+    rows: list[dict] = []
+    pairs: list[tuple[dict, str]] = []
+    for p, comps in zip(problems, completions):
+        cands = [("model", c) for c in comps] + [("provided", c) for c in p.get("extra_candidates", [])]
+        for i, (source, c) in enumerate(cands):
+            rows.append({"task_id": p["task_id"], "index": i, "source": source, "completion": c})
+            pairs.append((p, c))
+    t0 = time.perf_counter()
+    outcomes = verdicts(pairs, Limits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb), workers=cfg.workers)
+    exec_s = time.perf_counter() - t0
+    kept_keys: dict[str, set[str]] = {}
+    kept_n: Counter = Counter()
+    counts: Counter = Counter()
+    for row, (p, c), o in zip(rows, pairs, outcomes):
+        row.update(status=o.status, passed=o.passed, seconds=round(o.seconds, 3))
+        counts[f"{row['source']}_samples"] += 1
+        if not o.passed:
+            row.update(kept=False, reason=o.status, error=last_error(o))
+            continue
+        counts[f"{row['source']}_passed"] += 1
+        keys = kept_keys.setdefault(p["task_id"], set())
+        key = normalized(p, c)
+        if cfg.dedupe and key in keys:
+            row.update(kept=False, reason="duplicate")
+        elif kept_n[p["task_id"]] >= cfg.max_kept_per_problem:
+            row.update(kept=False, reason="cap")
+        else:
+            keys.add(key)
+            kept_n[p["task_id"]] += 1
+            row.update(kept=True, reason="kept")
+            counts[f"{row['source']}_kept"] += 1
+    stats = {
+        "problems": len(problems),
+        "candidates": len(rows),
+        "model_samples": counts["model_samples"],
+        "model_passed": counts["model_passed"],
+        "model_kept": counts["model_kept"],
+        "provided_samples": counts["provided_samples"],
+        "provided_passed": counts["provided_passed"],
+        "provided_kept": counts["provided_kept"],
+        "kept": counts["model_kept"] + counts["provided_kept"],
+        "problems_with_kept": len(kept_n),
+        "model_pass_rate": counts["model_passed"] / max(counts["model_samples"], 1),
+        "reasons": dict(Counter(r["reason"] for r in rows)),
+        "execute_s": round(exec_s, 2),
+    }
+    return rows, stats
+
+
+def kept_records(problems: list[dict], rows: list[dict]) -> list[dict]:
+    """The finetuning examples: prompt + completion of every kept row."""
+    by_id = {p["task_id"]: p for p in problems}
+    return [
+        {
+            "task_id": r["task_id"],
+            "source": r["source"],
+            "prompt": by_id[r["task_id"]]["prompt"],
+            "completion": r["completion"],
+        }
+        for r in rows
+        if r["kept"]
+    ]

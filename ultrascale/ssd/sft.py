@@ -1,0 +1,128 @@
+"""The finetuning set: kept samples as prompt + completion + EOS, packed into shards, prompt tokens masked.
+
+Tokenized with the *model's* tokenizer, the way generation saw them: the prompt is encoded alone (with the
+tokenizer's special-token handling, as ``generate`` encodes it) and the completion is appended token by token,
+so the model learns to continue exactly the token sequence it will be given. The loss mask is True on the
+completion and on the EOS after it (the model learns where to stop), False on the prompt and on the EOS
+padding at the end of a packed row. Rows hold several samples; the loader's document masking restarts
+position ids after every EOS and keeps attention inside one sample.
+
+Validation holds the kept samples of whole problems (``validation_fraction`` of them), so its loss is on
+problems the finetune never saw. The output is a standard prepared dataset (``manifest.json`` +
+``tokenizer/``), so ``train.py data.path=...`` trains on it and ``ultrascale.export`` finds its tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ultrascale.data.shards import write_samples
+from ultrascale.errors import DataError
+
+
+def eos_id(tokenizer, eos_token: str | None = None) -> int:
+    """The id appended after each completion (and used as the document separator)."""
+    token = eos_token or tokenizer.eos_token
+    tid = tokenizer.convert_tokens_to_ids(token) if token else None
+    if tid is None or (token and tid == tokenizer.unk_token_id and token != tokenizer.unk_token):
+        raise DataError(f"sft.eos_token={token!r} is not a token of this tokenizer: set sft.eos_token to one that is")
+    return int(tid)
+
+
+def encode(tokenizer, prompt: str, completion: str, eos: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, loss mask) of one sample: prompt (masked out) + completion + EOS (targets)."""
+    p = tokenizer(prompt)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    ids = np.asarray([*p, *c, eos], dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[len(p) :] = True
+    return ids, mask
+
+
+def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy packing in order into [rows, seq_len]; the tail of each row is ``pad`` with mask False."""
+    rows, masks = [], []
+    ids_row, mask_row = np.full(seq_len, pad, np.int64), np.zeros(seq_len, bool)
+    used = 0
+    for ids, mask in samples:
+        if len(ids) > seq_len:
+            raise ValueError(f"sample of {len(ids)} tokens does not fit seq_len={seq_len}")
+        if used + len(ids) > seq_len:
+            rows.append(ids_row)
+            masks.append(mask_row)
+            ids_row, mask_row, used = np.full(seq_len, pad, np.int64), np.zeros(seq_len, bool), 0
+        ids_row[used : used + len(ids)] = ids
+        mask_row[used : used + len(ids)] = mask
+        used += len(ids)
+    if used:
+        rows.append(ids_row)
+        masks.append(mask_row)
+    return np.stack(rows) if rows else np.zeros((0, seq_len), np.int64), (
+        np.stack(masks) if masks else np.zeros((0, seq_len), bool)
+    )
+
+
+def build(records: list[dict], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg) -> dict:
+    """Write the packed SFT dataset for ``records`` (``{task_id, prompt, completion}``) to ``out_dir``.
+
+    Written into a temporary sibling and renamed, so ``out_dir`` exists only when complete. Returns stats.
+    """
+    from transformers import AutoTokenizer
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    eos = eos_id(tokenizer, cfg.eos_token)
+    encoded, too_long = [], 0
+    for r in records:
+        ids, mask = encode(tokenizer, r["prompt"], r["completion"], eos)
+        if len(ids) > cfg.seq_len:
+            too_long += 1
+            continue
+        encoded.append((r["task_id"], ids, mask))
+    if not encoded:
+        raise DataError(
+            f"no kept sample to finetune on ({len(records)} kept, {too_long} longer than sft.seq_len={cfg.seq_len}): "
+            "sample more (sample.n), raise sft.seq_len, or start from a stronger model"
+        )
+    rng = random.Random(cfg.seed)
+    tasks = sorted({t for t, _, _ in encoded})
+    n_val = (
+        max(1, round(cfg.validation_fraction * len(tasks))) if len(tasks) >= 2 and cfg.validation_fraction > 0 else 0
+    )
+    val_tasks = set(rng.sample(tasks, n_val))
+    rng.shuffle(encoded)
+    train = pack([(i, m) for t, i, m in encoded if t not in val_tasks], cfg.seq_len, eos)
+    val = pack([(i, m) for t, i, m in encoded if t in val_tasks], cfg.seq_len, eos) if val_tasks else train
+    tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    stats = {
+        "samples": len(encoded),
+        "too_long": too_long,
+        "train_problems": len(tasks) - n_val,
+        "validation_problems": n_val,
+        "train_rows": int(train[0].shape[0]),
+        "validation_rows": int(val[0].shape[0]),
+        "target_tokens": int(train[1].sum()),
+        "prompt_tokens": int(sum(int((~m).sum()) for t, _, m in encoded if t not in val_tasks)),
+        "eos_token_id": eos,
+        "validation": "held-out problems" if val_tasks else "a copy of train (fewer than 2 problems kept)",
+    }
+    write_samples(
+        tmp,
+        {"train": [train[0]], "validation": [val[0]]},
+        seq_len=cfg.seq_len,
+        vocab_size=len(tokenizer),
+        eos_token_id=eos,
+        tokenizer="tokenizer",
+        extra={"sft": stats},
+        loss_masks={"train": [train[1]], "validation": [val[1]]},
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return stats
