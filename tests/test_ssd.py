@@ -1,0 +1,313 @@
+"""Self-distillation (ultrascale/ssd): mining, sandbox filtering, the loss-masked SFT set, and a whole round.
+
+Real parts throughout: problems are mined from a fixture module and checked in the kernel sandbox, the
+tokenizer is a BPE trained here on stdlib sources, the finetune is ``train.py`` on 2 gloo ranks started by
+the SSD entry point, and the eval is eval.py's HumanEval path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import ROOT, TEST_ENV
+from ultrascale.config.compose import compose
+from ultrascale.errors import ConfigError, DataError
+from ultrascale.eval.sandbox import SandboxUnavailable, check_available
+from ultrascale.ssd.config import DENY_NAMES, register_ssd_configs
+
+FIXTURES = ROOT / "tests" / "fixtures" / "ssd"
+PROBLEMS = FIXTURES / "problems.jsonl"
+MINING = FIXTURES / "corpus" / "mining_sample.py"
+
+
+def _sandbox_reason() -> str:
+    try:
+        check_available()
+        return ""
+    except SandboxUnavailable as e:
+        return str(e)
+
+
+needs_sandbox = pytest.mark.skipif(bool(_sandbox_reason()), reason=_sandbox_reason() or "ok")
+
+
+def ssd_cfg(*overrides: str):
+    register_ssd_configs()
+    return compose(list(overrides), "ssd")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """Data prep's own BPE trainer on a few stdlib files, saved as an HF tokenizer directory."""
+    from data_prep.tokenizer import save_hf, train_bpe
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]
+    tok = train_bpe((f.read_text(errors="replace") for f in files), vocab_size=1024)
+    out = tmp_path_factory.mktemp("ssd_tok") / "tokenizer"
+    save_hf(tok, out, model_max_length=1024)
+    return out
+
+
+# ---- problems -------------------------------------------------------------------------------------------
+@needs_sandbox
+def test_mining_keeps_solvable_problems_and_counts_every_drop():
+    from ultrascale.ssd.problems import build
+
+    problems, report = build(ssd_cfg(f"problems.input={MINING.parent}").problems)
+    by_name = {p["entry_point"]: p for p in problems}
+    assert sorted(by_name) == ["clamp", "scaled_sqrt", "triple"]
+    # one drop per filter the fixture plants, each under its own reason
+    for reason in ("unresolved_name", "denied_name", "relative_import", "humaneval_contaminated"):
+        assert report[reason] == 1, (reason, report)
+    assert report["tests_accept_stub"] == 1  # quiet(): its examples print nothing, so `return None` passes
+    assert report["reference_failed"] == 1  # wrong_example(): the documented output is wrong
+    assert report["kept"] == 3
+    # the helper a function needs is in its prompt, so the problem is self-contained
+    prompt = by_name["scaled_sqrt"]["prompt"]
+    assert "import math" in prompt and "_SCALE = 10" in prompt and "def _scaled(x):" in prompt
+    assert prompt.rstrip().endswith('"""') and "return" not in prompt.split("def scaled_sqrt")[1]
+    assert by_name["scaled_sqrt"]["reference"] == "    return _scaled(math.sqrt(x))\n"
+    # a function tested only by module-level asserts gets them as its check()
+    assert "assert triple(2) == 6" in by_name["triple"]["tests"]
+
+
+def test_mining_without_helpers_drops_what_needs_them():
+    from ultrascale.ssd.mine import MineOptions, mine_file
+
+    counts: Counter = Counter()
+    opts = MineOptions(include_helpers=False, deny=frozenset(DENY_NAMES))
+    names = [p["entry_point"] for p in mine_file(MINING.read_text(), "m.py", opts, counts)]
+    assert "scaled_sqrt" not in names and "clamp" in names
+    assert counts["needs_module_helpers"] == 1
+
+
+def test_humaneval_problem_is_decontaminated():
+    from data_prep.decontam import Decontaminator
+    from ultrascale.ssd.mine import MineOptions, mine_file
+
+    mined = mine_file(MINING.read_text(), "m.py", MineOptions(deny=frozenset(DENY_NAMES)), Counter())
+    p = next(p for p in mined if p["entry_point"] == "has_close_elements")
+    det = Decontaminator(["humaneval"], None, 10, 0.5)
+    assert det.match(p["prompt"] + p["reference"])[0] == "HumanEval/0"
+    clamp = next(p for p in mined if p["entry_point"] == "clamp")
+    assert det.match(clamp["prompt"] + clamp["reference"]) is None
+
+
+def test_jsonl_problems_are_validated(tmp_path):
+    from ultrascale.ssd.problems import load_jsonl
+
+    rows = load_jsonl(PROBLEMS, Counter())
+    assert [r["task_id"] for r in rows][:2] == ["planted/add", "planted/is_even"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(PROBLEMS.read_text().splitlines()[0] + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not JSON"):
+        load_jsonl(bad, Counter())
+    bad.write_text(json.dumps({"task_id": "x", "prompt": "def f():\n", "tests": "assert True", "entry_point": "f"}))
+    with pytest.raises(DataError, match=r"bad.jsonl:1: tests must define check\(candidate\)"):
+        load_jsonl(bad, Counter())
+
+
+def test_config_typo_fails_at_compose():
+    with pytest.raises(ConfigError, match=r"sample\.temprature"):
+        ssd_cfg("sample.temprature=0.5")
+    assert ssd_cfg("ssd=smollm2_135m").problems.train_repos_from == "data/stdlib_smollm2"
+
+
+# ---- sampling and filtering -------------------------------------------------------------------------------
+def test_normalized_ignores_comments_spacing_and_docstrings():
+    from ultrascale.ssd.sample import normalized
+
+    p = {"prompt": 'def add(a, b):\n    """Sum."""\n', "entry_point": "add"}
+    a = normalized(p, "    return a + b\n")
+    assert a == normalized(p, "    # add them\n    return a+b  # done\n")
+    assert a != normalized(p, "    return b + a\n")
+
+
+@needs_sandbox
+def test_select_keeps_passing_dedupes_caps_and_marks_provided():
+    from ultrascale.ssd.problems import load_jsonl
+    from ultrascale.ssd.sample import kept_records, select
+
+    add, is_even = load_jsonl(PROBLEMS, Counter())[:2]
+    completions = [
+        ["    return a + b\n", "    # same program\n    return a+b\n", "    return a - b\n", "    return b + a\n"],
+        ["    return n % 2 == 0\n"],
+    ]
+    cfg = ssd_cfg("sample.max_kept_per_problem=1").sample
+    rows, stats = select([add, is_even], completions, cfg)
+    reasons = [(r["task_id"], r["source"], r["reason"]) for r in rows]
+    assert reasons == [
+        ("planted/add", "model", "kept"),
+        ("planted/add", "model", "duplicate"),
+        ("planted/add", "model", "failed"),
+        ("planted/add", "model", "cap"),
+        ("planted/add", "provided", "duplicate"),  # the provided solution is the same program as sample 0
+        ("planted/is_even", "model", "kept"),
+        ("planted/is_even", "provided", "failed"),  # the planted wrong solution is rejected by the tests
+    ]
+    assert rows[2]["error"].startswith("AssertionError")
+    assert stats["kept"] == 2 and stats["model_kept"] == 2 and stats["provided_passed"] == 1
+    kept = kept_records([add, is_even], rows)
+    assert [k["completion"] for k in kept] == ["    return a + b\n", "    return n % 2 == 0\n"]
+    assert kept[0]["prompt"] == add["prompt"]
+
+
+# ---- the finetuning set -----------------------------------------------------------------------------------
+def test_sft_sample_masks_the_prompt_and_appends_eos(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from ultrascale.ssd.sft import encode, eos_id
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    eos = eos_id(tok)
+    prompt, completion = 'def add(a, b):\n    """Sum."""\n', "    return a + b\n"
+    ids, mask = encode(tok, prompt, completion, eos)
+    n_prompt = len(tok(prompt)["input_ids"])
+    assert not mask[:n_prompt].any() and mask[n_prompt:].all()
+    assert ids[-1] == eos and mask[-1]  # the model learns to stop
+    assert tok.decode(ids[:-1]) == prompt + completion
+    assert tok.decode(ids[n_prompt:-1]) == completion
+    with pytest.raises(DataError, match=r"sft\.eos_token"):
+        eos_id(tok, "<no such token>")
+
+
+def test_sft_build_packs_masked_rows_the_loader_turns_into_labels(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from ultrascale.data.loader import IGNORE, make_batch
+    from ultrascale.data.shards import load_manifest, open_split
+    from ultrascale.ssd.sft import build
+
+    prompts = {f"t{i}": f'def f{i}(x):\n    """Return x plus {i}."""\n' for i in range(4)}
+    records = [{"task_id": t, "prompt": p, "completion": f"    return x + {t[1:]}\n"} for t, p in prompts.items()]
+    records.append({"task_id": "t0", "prompt": prompts["t0"], "completion": "    y = x\n    return y + 0\n"})
+    cfg = ssd_cfg("sft.seq_len=64", "sft.validation_fraction=0.25").sft
+    stats = build(records, tokenizer_dir, tmp_path / "sft", cfg)
+    assert stats["samples"] == 5 and stats["validation_problems"] == 1 and stats["train_problems"] == 3
+    manifest = load_manifest(tmp_path / "sft")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "sft" / manifest["tokenizer"]))
+    eos = manifest["eos_token_id"]
+    targets = []
+    for split in ("train", "validation"):
+        reader = open_split(tmp_path / "sft", split)
+        assert reader.has_loss_mask
+        idx = np.arange(len(reader))
+        ids, mask = reader.get(idx), reader.get_loss_mask(idx)
+        batch = make_batch(ids, mask, eos, document_masking=True)
+        for row, m, labels in zip(ids, mask, batch.labels.numpy()):
+            assert ((labels != IGNORE) == m).all()  # every target is a completion or its EOS; prompts are -100
+            text = tok.decode(row[m])  # completions (each followed by its EOS), in row order
+            targets += [(split, t) for t in text.split(tok.eos_token) if t]
+            pad = np.flatnonzero(m)[-1] + 1
+            assert (row[pad:] == eos).all() and not m[pad:].any()  # the row's tail is EOS padding, no loss
+    train = {t for s, t in targets if s == "train"}
+    val = {t for s, t in targets if s == "validation"}
+    assert len(targets) == 5 and not train & val
+    assert "    y = x\n    return y + 0\n" in (train | val)
+
+
+def test_finetune_steps_and_command_line():
+    from ultrascale.ssd.finetune import steps_for, train_overrides
+
+    cfg = ssd_cfg("finetune.epochs=2", "finetune.global_batch=8", "finetune.max_steps=5").finetune
+    assert [steps_for(r, cfg) for r in (1, 8, 12, 100)] == [1, 2, 3, 5]
+    args = train_overrides(cfg, Path("/m"), Path("/d"), Path("/r"), 3, 128)
+    assert "~model" in args and "model.pretrained_path=/m" in args and "data.prepare_if_missing=false" in args
+    assert args[-2:] == ["launcher=torchrun", "launcher.nproc_per_node=2"]
+
+
+# ---- one whole round on 2 ranks ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_start_model(tokenizer_dir, tmp_path_factory) -> Path:
+    """conf/model/tiny (random init, vocab 4096) saved as an HF directory with the BPE tokenizer beside it."""
+    from ultrascale.model.build import build_model
+
+    out = tmp_path_factory.mktemp("ssd_start") / "model"
+    build_model(compose([], "train").model, seed=0).save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def _ssd(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, **TEST_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ultrascale.ssd", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    return proc
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.dist
+@needs_sandbox
+def test_tiny_round_end_to_end_then_resume(tiny_start_model, tmp_path):
+    from ultrascale.data.shards import open_split
+    from ultrascale.ssd.rounds import STAGES
+
+    out = tmp_path / "ssd"
+    args = ["ssd=tiny", f"start_model={tiny_start_model}", f"problems.jsonl={PROBLEMS}", f"output_dir={out}"]
+    proc = _ssd(args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rnd = out / "round_00"
+
+    samples = _rows(rnd / "samples.jsonl")
+    model_rows = [r for r in samples if r["source"] == "model"]
+    assert len(model_rows) == 4 * 2  # n=2 completions for each of the 4 problems, every one executed
+    assert all(r["status"] in ("passed", "failed", "timeout") for r in samples)
+    planted = {(r["task_id"], r["source"]): r for r in samples}
+    good, bad = planted[("planted/add", "provided")], planted[("planted/is_even", "provided")]
+    assert good["passed"] and good["kept"]  # the planted correct solution is kept...
+    assert not bad["passed"] and not bad["kept"] and bad["reason"] == "failed"  # ...the planted wrong one is not
+    kept = _rows(rnd / "kept.jsonl")
+    assert any(k["task_id"] == "planted/add" and k["source"] == "provided" for k in kept)
+    assert len(kept) == sum(r["kept"] for r in samples)
+
+    assert open_split(rnd / "sft_data", "train").has_loss_mask
+    summary = json.loads((rnd / "train_run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["replicas_agree"]  # 2 ranks, finetuned from the start model
+    run_cfg = OmegaConf.load(rnd / "train_run" / "config.yaml")
+    assert run_cfg.model.pretrained_path == str(tiny_start_model) and run_cfg.data.path == str(rnd / "sft_data")
+    assert (rnd / "model" / "config.json").exists() and (rnd / "model" / "tokenizer.json").exists()
+    for ev in (rnd / "eval.json", out / "baseline" / "eval.json"):
+        greedy = json.loads(ev.read_text())["greedy"]
+        assert greedy["problems"] == 2 and 0.0 <= greedy["pass@1"] <= 1.0
+    top = json.loads((out / "ssd_manifest.json").read_text())
+    assert top["rounds"]["00"]["done"] == list(STAGES)
+    assert top["rounds"]["00"]["sample"]["kept"] == len(kept)
+
+    # A rerun finds every stage done and does nothing: no sampling, no launcher, the same files.
+    before = (rnd / "samples.jsonl").stat().st_mtime_ns
+    again = _ssd(args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    log = again.stdout + again.stderr
+    assert "baseline eval: done, skipping" in log
+    assert all(f"round 0 {s}: done, skipping" in log for s in STAGES)
+    assert "launching:" not in log and (rnd / "samples.jsonl").stat().st_mtime_ns == before
+
+    # Killed after the export: the rerun redoes only what was not marked done.
+    manifest = json.loads((rnd / "manifest.json").read_text())
+    del manifest["stages"]["eval"]
+    (rnd / "manifest.json").write_text(json.dumps(manifest))
+    third = _ssd(args)
+    assert third.returncode == 0, third.stderr[-2000:]
+    log = third.stdout + third.stderr
+    assert "round 0 export: done, skipping" in log and "round 0 eval: running" in log
+    assert json.loads((out / "ssd_manifest.json").read_text())["rounds"]["00"]["done"] == list(STAGES)
+
+    # Settings that would mix two configurations in one directory are refused with the key that changed.
+    changed = _ssd([*args, "sample.n=3"])
+    assert changed.returncode == 2 and "sample.n: 2 -> 3" in changed.stderr
