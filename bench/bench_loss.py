@@ -1,18 +1,33 @@
-"""Peak memory and time of the LM loss: HF's plain path (full fp32 logits) vs the chunked linear cross-entropy.
+"""Peak memory and time of the LM loss's forward+backward: HF's plain path vs the chunked linear cross-entropy.
 
-Two shapes, each variant in a fresh subprocess so peaks do not mix:
+Shapes (batch x seq tokens, vocab, hidden):
 
-* ``head``: only the LM head + loss, forward and backward, on hidden states [seq, hidden] (what differs
-  between the two paths, without the rest of the model's activations around it);
-* ``model``: a whole SmolLM2-135M-shaped Llama (30 layers, hidden 576, vocab 49,152; random init from its
-  config, nothing downloaded) doing forward + backward on one sequence.
+* ``smollm2``: 1 x 2,048 tokens, vocab 49,152, hidden 576 (SmolLM2-135M, the issue's case);
+* ``tiny``: 4 x 256 tokens, vocab 4,096, hidden 128 (conf/model/tiny.yaml at the cpu_smoke batch).
 
-Memory is the growth of the process's peak resident set (``ru_maxrss``) across the measured call, over the
-resident set just before it: on CPU every tensor lives in host memory, so this is what the allocator really
-needed. The theoretical logits footprint (seq x vocab x 4 bytes, once for the logits and once for their
-gradient) is printed beside it. The baseline (plain path) runs in the same invocation.
+Each shape is measured two ways:
 
-    python bench/bench_loss.py [--seq 2048] [--vocab 49152] [--hidden 576] [--shapes head,model] [--json PATH]
+* ``head``: only the LM head and the loss, forward and backward, on fixed hidden states: what differs
+  between the paths. ``plain`` is what HF's ForCausalLMLoss does (``F.cross_entropy((h @ W.T).float(), y)``),
+  ``chunked`` is ``ultrascale.model.loss.linear_cross_entropy`` at its default chunk, and ``torch`` is
+  PyTorch 2.13's own chunked ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(...))`` at the
+  same chunk, for reference (it returns the loss in the input dtype: in bf16, 11.0 for 10.92);
+* ``model``: the whole model (Llama built from config, random init, nothing downloaded) doing
+  ``model(input_ids, labels=...).loss.backward()``, stock vs ``install_fused_loss``.
+
+Memory: every variant runs in a fresh process. Just before its first forward+backward the kernel's
+resident-set high-water mark is reset (``echo 5 > /proc/self/clear_refs``), and the number reported is
+``VmHWM`` after the call minus ``VmRSS`` before it: the host memory that call really needed at its peak (on
+CPU every tensor lives there), without the imports, inputs or weights, and without counting a warm allocator
+(hence the first call). Where clear_refs is not writable, ``ru_maxrss`` growth is used and flagged. The
+theoretical logits footprint is printed beside it: N x V x 4 bytes of fp32 logits, the same again for their
+log-softmax and for their gradient, vs one chunk's logits plus the gradients the chunked path holds.
+
+Time: the best of ``--repeats`` further calls in the same process (the machine is shared and noisy; best-of
+is the least noisy estimate). ``--sweep`` adds the chunked head at several chunk sizes (how the default was
+chosen). The baseline (plain) is always measured in the same invocation.
+
+    python bench/bench_loss.py [--shapes smollm2,tiny] [--dtypes fp32,bf16] [--repeats 3] [--sweep] [--json PATH]
 """
 
 from __future__ import annotations
@@ -25,111 +40,203 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._harness import BENCH_ENV  # noqa: E402
+
+SHAPES = {  # batch, seq, vocab, hidden, layers, heads, kv heads, intermediate
+    "smollm2": dict(batch=1, seq=2048, vocab=49152, hidden=576, layers=30, heads=9, kv=3, inter=1536),
+    "tiny": dict(batch=4, seq=256, vocab=4096, hidden=128, layers=4, heads=4, kv=2, inter=352),
+}
+SWEEP = (64, 128, 170, 256, 512, 1024)
 
 
-def _child(shape: str, impl: str, seq: int, vocab: int, hidden: int, dtype: str) -> None:
-    """Runs in a subprocess: builds the inputs, measures one forward+backward, prints one JSON line."""
+def _proc_status() -> dict[str, float]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) / 1024  # kB -> MiB
+    return out
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def child(kind: str, shape: str, impl: str, dtype: str, chunk: int, repeats: int) -> dict:
+    """One variant in this (fresh) process: the first call's peak memory, then the best time of ``repeats``."""
     import resource
     import time
 
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(ROOT))
-    from ultrascale.model.loss import install_fused_loss, linear_cross_entropy
+    from ultrascale.model.loss import default_chunk_tokens, install_fused_loss, linear_cross_entropy
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    s = SHAPES[shape]
+    n, dt = s["batch"] * s["seq"], {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    chunk = chunk or default_chunk_tokens(s["vocab"])
     torch.manual_seed(0)
-    if shape == "head":
-        h = torch.randn(seq, hidden, dtype=dt, requires_grad=True)
-        w = (torch.randn(vocab, hidden) * 0.02).to(dt).requires_grad_()
-        y = torch.randint(0, vocab, (seq,))
+    if kind == "head":
+        hidden = torch.randn(n, s["hidden"], dtype=dt, requires_grad=True)
+        weight = (torch.randn(s["vocab"], s["hidden"]) * 0.02).to(dt).requires_grad_()
+        labels = torch.randint(0, s["vocab"], (n,))
+        params = (hidden, weight)
+        if impl == "torch":
+            options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk, chunking_method=None)
 
-        def step():
-            if impl == "plain":  # what HF's ForCausalLMLoss does: logits, upcast, cross-entropy
-                loss = F.cross_entropy((h @ w.t()).float(), y)
-            else:
-                loss = linear_cross_entropy(h, w, y)
-            loss.backward()
-            return loss
+        def loss_fn():
+            if impl == "plain":  # HF's ForCausalLMLoss: logits in the model's dtype, upcast, cross-entropy
+                return F.cross_entropy((hidden @ weight.t()).float(), labels)
+            if impl == "torch":
+                return F.linear_cross_entropy(hidden, weight, labels, ignore_index=-100, options=options)
+            return linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk)
 
     else:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=1536,
-                                   num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                   tie_word_embeddings=True, use_cache=False, max_position_embeddings=8192,
+        cfg = AutoConfig.for_model("llama", vocab_size=s["vocab"], hidden_size=s["hidden"],
+                                   intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+                                   num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
+                                   tie_word_embeddings=True, use_cache=False, max_position_embeddings=s["seq"],
                                    bos_token_id=0, eos_token_id=0)  # fmt: skip
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dt)
         if impl == "chunked":
-            install_fused_loss(model)
-        ids = torch.randint(0, vocab, (1, seq))
+            install_fused_loss(model, chunk_tokens=chunk)
+        ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]))
+        params = tuple(model.parameters())
 
-        def step():
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            return loss
+        def loss_fn():
+            return model(input_ids=ids, labels=ids).loss
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    import psutil
+    def step() -> float:
+        for p in params:
+            p.grad = None
+        loss = loss_fn()
+        loss.backward()
+        return loss.item()
 
-    rss_before = psutil.Process().memory_info().rss / 1024
+    exact = _reset_peak()
+    rss_before, maxrss_before = _proc_status()["VmRSS"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
     loss = step()
-    secs = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    grew = max(peak, before) - rss_before
-    print(json.dumps({"shape": shape, "impl": impl, "dtype": dtype, "loss": float(loss), "seconds": secs,
-                      "peak_growth_mb": grew / 1024}))  # fmt: skip
+    first_s = time.perf_counter() - t0
+    if exact:
+        peak = _proc_status()["VmHWM"] - rss_before
+    else:  # the process's lifetime peak: only growth beyond the pre-call peak is visible
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - max(maxrss_before, rss_before)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"kind": kind, "shape": shape, "impl": impl, "dtype": dtype, "chunk": chunk if impl != "plain" else None,
+            "tokens": n, "loss": loss, "peak_mb": peak, "peak_method": "VmHWM" if exact else "ru_maxrss",
+            "first_s": first_s, "best_s": min(times) if times else first_s}  # fmt: skip
+
+
+def theory_mb(shape: str, dtype: str, chunk: int) -> dict[str, float]:
+    """What each path must hold for the head+loss, from the shapes alone (MiB)."""
+    s = SHAPES[shape]
+    n, v, h = s["batch"] * s["seq"], s["vocab"], s["hidden"]
+    mib, low = 2**20, dtype != "fp32"
+    logits = n * v * 4 / mib  # the fp32 logits (HF upcasts), and as much again for log-softmax and gradient
+    plain = 3 * logits + (n * v * 2 / mib if low else 0)  # + the bf16 logits before the upcast
+    chunked = chunk * v * 4 / mib + v * h * 4 / mib + n * h * 4 / mib + (v * h * 4 / mib if low else 0)
+    return {"logits_fp32_mb": logits, "plain_mb": plain, "chunked_mb": chunked}
+
+
+def run_child(args: list[str]) -> dict:
+    env = {**os.environ, **BENCH_ENV}
+    proc = subprocess.run([sys.executable, __file__, "--child", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    if proc.returncode:
+        sys.exit(f"error: bench_loss child {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--hidden", type=int, default=576)
-    ap.add_argument("--shapes", default="head,model")
-    ap.add_argument("--dtypes", default="fp32,bf16", help="bf16 runs only for the head shape")
-    ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--shapes", default="smollm2,tiny", help="comma list of: " + ", ".join(SHAPES))
+    ap.add_argument("--kinds", default="head,model", help="head (LM head + loss only) and/or model (whole model)")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="bf16 is measured for the head only")
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls after the memory call (best is reported)")
+    ap.add_argument("--sweep", action="store_true", help=f"also the chunked head at chunks {SWEEP} (smollm2, fp32)")
+    ap.add_argument("--json", type=Path, help="write settings, every run and the summary here")
     ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        shape, impl, seq, vocab, hidden, dtype = a.child
-        _child(shape, impl, int(seq), int(vocab), int(hidden), dtype)
+        kind, shape, impl, dtype, chunk, repeats = a.child
+        print(json.dumps(child(kind, shape, impl, dtype, int(chunk), int(repeats))))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT)}
-    rows = []
+
+    from tqdm import tqdm
+
+    from ultrascale.model.loss import default_chunk_tokens
+
+    plan = []
     for shape in a.shapes.split(","):
-        for dtype in a.dtypes.split(",") if shape == "head" else ["fp32"]:
-            for impl in ("plain", "chunked"):
-                cmd = [sys.executable, __file__, "--child", shape, impl, str(a.seq), str(a.vocab), str(a.hidden), dtype]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-                if proc.returncode:
-                    sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                print(f"{shape:<6} {dtype:<5} {impl:<8} {rows[-1]['peak_growth_mb']:>9.0f} MB  "
-                      f"{rows[-1]['seconds']:>7.2f} s  loss {rows[-1]['loss']:.4f}", flush=True)  # fmt: skip
-    logits_mb = a.seq * a.vocab * 4 / 2**20
-    print(f"\nseq {a.seq} x vocab {a.vocab}: fp32 logits {logits_mb:.0f} MB + their gradient {logits_mb:.0f} MB "
-          f"(what the plain path materialises; the chunked path holds 256 x {a.vocab} at a time)\n")  # fmt: skip
-    print(f"| {'shape':<6} | {'dtype':<5} | {'plain MB':>9} | {'chunked MB':>10} | {'saved':>6} | {'plain s':>7} | "
-          f"{'chunked s':>9} | {'speedup':>7} |")  # fmt: skip
+        for kind in a.kinds.split(","):
+            for dtype in a.dtypes.split(",") if kind == "head" else ["fp32"]:
+                impls = ("plain", "chunked", "torch") if kind == "head" else ("plain", "chunked")
+                plan += [(kind, shape, impl, dtype, 0) for impl in impls]
+    if a.sweep:
+        plan += [("head", "smollm2", "chunked", "fp32", c) for c in SWEEP]
+    rows = []
+    for kind, shape, impl, dtype, chunk in tqdm(plan, desc="bench_loss", unit="run"):
+        repeats = a.repeats if kind == "head" else 1  # a whole-model step at seq 2048 takes tens of seconds here
+        rows.append(run_child([kind, shape, impl, dtype, str(chunk), str(repeats)]))
+        r = rows[-1]
+        tqdm.write(f"{kind:<5} {shape:<7} {dtype:<4} {impl:<7} chunk {r['chunk'] or '-':>4}  "
+                   f"peak {r['peak_mb']:>7.0f} MiB  best {r['best_s']:>6.2f} s  loss {r['loss']:.5f}")  # fmt: skip
+        sys.stdout.flush()
+
     summary = []
-    for i in range(0, len(rows), 2):
-        p, c = rows[i], rows[i + 1]
-        saved = 1 - c["peak_growth_mb"] / p["peak_growth_mb"]
-        summary.append({"shape": p["shape"], "dtype": p["dtype"], "plain_mb": p["peak_growth_mb"],
-                        "chunked_mb": c["peak_growth_mb"], "saved_fraction": saved, "plain_s": p["seconds"],
-                        "chunked_s": c["seconds"], "speedup": p["seconds"] / c["seconds"],
-                        "loss_diff": abs(p["loss"] - c["loss"])})  # fmt: skip
-        s = summary[-1]
-        print(f"| {s['shape']:<6} | {s['dtype']:<5} | {s['plain_mb']:>9.0f} | {s['chunked_mb']:>10.0f} | "
-              f"{100 * saved:>5.0f}% | {s['plain_s']:>7.2f} | {s['chunked_s']:>9.2f} | {s['speedup']:>7.2f} |")  # fmt: skip
-    if a.json_path:
-        Path(a.json_path).parent.mkdir(parents=True, exist_ok=True)
-        settings = {"seq": a.seq, "vocab": a.vocab, "hidden": a.hidden, "logits_mb": logits_mb}
-        Path(a.json_path).write_text(json.dumps({"settings": settings, "results": summary, "runs": rows}, indent=2))
+    for kind, shape, dtype in dict.fromkeys((r["kind"], r["shape"], r["dtype"]) for r in rows):
+        group = [r for r in rows if (r["kind"], r["shape"], r["dtype"]) == (kind, shape, dtype)]
+        base = next((r for r in group if r["impl"] == "plain"), None)
+        for r in group:
+            summary.append({**r, "mem_vs_plain": r["peak_mb"] / base["peak_mb"] if base else None,
+                            "speedup_vs_plain": base["best_s"] / r["best_s"] if base else None,
+                            "loss_diff_vs_plain": abs(r["loss"] - base["loss"]) if base else None})  # fmt: skip
+
+    print("\nPeak = host memory the first forward+backward needed above what was resident before it (MiB).")
+    print("Time = best of the timed calls (s). Same invocation, same inputs, one fresh process per row.\n")
+    head = f"| {'kind':<5} | {'shape':<7} | {'dtype':<5} | {'impl':<7} | {'chunk':>5} | {'peak MiB':>8} | "
+    head += f"{'x plain':>7} | {'time s':>6} | {'speedup':>7} | {'loss diff':>9} |"
+    print(head)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    for r in summary:
+        print(f"| {r['kind']:<5} | {r['shape']:<7} | {r['dtype']:<5} | {r['impl']:<7} | {r['chunk'] or '-':>5} | "
+              f"{r['peak_mb']:>8.0f} | {r['mem_vs_plain'] or 0:>7.2f} | {r['best_s']:>6.2f} | "
+              f"{r['speedup_vs_plain'] or 0:>7.2f} | {r['loss_diff_vs_plain'] or 0:>9.1e} |")  # fmt: skip
+
+    print("\nFrom the shapes alone (head + loss, MiB):")
+    theory = {}
+    for shape in a.shapes.split(","):
+        for dtype in a.dtypes.split(","):
+            t = theory_mb(shape, dtype, default_chunk_tokens(SHAPES[shape]["vocab"]))
+            theory[f"{shape}/{dtype}"] = t
+            s = SHAPES[shape]
+            print(f"  {shape} {dtype}: N x V = {s['batch'] * s['seq']} x {s['vocab']}: fp32 logits "
+                  f"{t['logits_fp32_mb']:.0f}; plain holds ~{t['plain_mb']:.0f} (logits, log-softmax, gradient"
+                  f"{', bf16 logits' if dtype != 'fp32' else ''}), chunked ~{t['chunked_mb']:.0f} (one chunk of "
+                  f"{default_chunk_tokens(s['vocab'])} x V, the head's fp32 gradient, the hidden gradient"
+                  f"{', the fp32 copy of the head' if dtype != 'fp32' else ''})")  # fmt: skip
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {"shapes": {k: SHAPES[k] for k in a.shapes.split(",")}, "repeats": a.repeats,
+                    "omp_num_threads": BENCH_ENV["OMP_NUM_THREADS"], "theory_mb": theory}  # fmt: skip
+        a.json.write_text(json.dumps({"settings": settings, "results": summary}, indent=2) + "\n")
+        print(f"\nwrote {a.json}")
 
 
 if __name__ == "__main__":

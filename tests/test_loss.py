@@ -191,7 +191,8 @@ def test_installed_on_hf_models_matches_the_stock_forward(model_type, tied):
 
 
 def test_installed_forward_keeps_hf_semantics():
-    """num_items_in_batch, shift_labels, positional input_ids, return_dict=False, generate and deepcopy."""
+    """num_items_in_batch, shift_labels, positional input_ids, return_dict=False, generate, deepcopy and
+    gradient checkpointing behave as in the stock model."""
     stock = _tiny("llama", False)
     fused = copy.deepcopy(stock)
     install_fused_loss(fused, chunk_tokens=16)
@@ -218,6 +219,34 @@ def test_installed_forward_keeps_hf_semantics():
         assert abs(twin(ids, labels=labels).loss.item() - fused(ids, labels=labels).loss.item()) > 1e-4
     assert install_fused_loss(fused) is True  # re-installing keeps the stock forward underneath
     assert fused.forward._ultrascale_plain is type(fused).forward
+    for model in (stock, fused):  # activation checkpointing (train.activation_checkpointing) recomputes the decoder
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    a, b = stock(ids, labels=labels).loss, fused(ids, labels=labels).loss
+    a.backward()
+    b.backward()
+    assert abs(a.item() - b.item()) < 1e-5
+    for (name, p), q in zip(stock.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_installed_forward():
+    """train.compile + train.fused_loss: dynamo traces the chunk loop and the autograd.Function (minutes on CPU)."""
+    stock = _tiny("llama", True)
+    fused = copy.deepcopy(stock)
+    install_fused_loss(fused, chunk_tokens=24)
+    ids, labels, pos = _inputs()
+    compiled = torch.compile(fused)
+    for _ in range(2):  # the second call runs the cached graph
+        fused.zero_grad()
+        loss = compiled(input_ids=ids, labels=labels, position_ids=pos).loss
+        loss.backward()
+    ref = stock(input_ids=ids, labels=labels, position_ids=pos).loss
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    for (name, p), q in zip(stock.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-5, msg=name)
 
 
 def test_models_whose_loss_differs_are_refused():

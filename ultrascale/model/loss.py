@@ -29,11 +29,13 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-# Default chunk: a byte budget for one chunk's fp32 logits (the softmax/gradient reuses that buffer in place).
-# Measured on this 2-core CPU at V=49,152, h=576, N=2,048 (bench/bench_loss.py --sweep): speed is flat from
-# 128 to 1,024 tokens per chunk and the smallest chunks only add per-chunk overhead, while memory grows
-# linearly with the chunk. 32 MiB gives 170 tokens at a 49k vocab and 2,048 at a 4k vocab; on GPU the same
-# budget keeps the chunk's GEMMs large enough ([170, h] x [h, 49k] is ~4 GFLOP) to stay efficient.
+# Default chunk: a byte budget for one chunk's fp32 logits (the only vocab-sized buffer; reused in place).
+# 32 MiB gives 170 tokens at a 49k vocab (SmolLM2/StarCoder) and 2,048 at the tiny model's 4k. Measured with
+# `bench/bench_loss.py --sweep` (2,048 x 49,152, h=576, fp32, one thread): peak memory is flat up to ~256
+# tokens (~190-240 MiB, dominated by the head's 108 MiB fp32 gradient) and then grows with the chunk
+# (324 MiB at 512, 514 at 1,024), while time showed no consistent trend from 64 to 1,024 on this shared
+# 2-core box (3.5-6.3 s, run-to-run noise of that size). On GPU (liger/cce take over there) the same
+# budget would still leave each chunk's GEMM ([170, h] x [h, 49k], ~10 GFLOP) large enough to be efficient.
 CHUNK_BUDGET_BYTES = 32 * 2**20
 
 _IMPLS = ("auto", "chunked", "liger", "cce")
