@@ -83,7 +83,7 @@ def child(kind: str, shape: str, impl: str, dtype: str, chunk: int, repeats: int
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     s = SHAPES[shape]
     n, dt = s["batch"] * s["seq"], {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    chunk = chunk or default_chunk_tokens(s["vocab"])
+    chunk = chunk or default_chunk_tokens(s["vocab"], cpu=True)
     torch.manual_seed(0)
     if kind == "head":
         hidden = torch.randn(n, s["hidden"], dtype=dt, requires_grad=True)
@@ -223,13 +223,13 @@ def main() -> None:
     theory = {}
     for shape in a.shapes.split(","):
         for dtype in a.dtypes.split(","):
-            t = theory_mb(shape, dtype, default_chunk_tokens(SHAPES[shape]["vocab"]))
+            t = theory_mb(shape, dtype, default_chunk_tokens(SHAPES[shape]["vocab"], cpu=True))
             theory[f"{shape}/{dtype}"] = t
             s = SHAPES[shape]
             print(f"  {shape} {dtype}: N x V = {s['batch'] * s['seq']} x {s['vocab']}: fp32 logits "
                   f"{t['logits_fp32_mb']:.0f}; plain holds ~{t['plain_mb']:.0f} (logits, log-softmax, gradient"
                   f"{', bf16 logits' if dtype != 'fp32' else ''}), chunked ~{t['chunked_mb']:.0f} (one chunk of "
-                  f"{default_chunk_tokens(s['vocab'])} x V, the head's fp32 gradient, the hidden gradient"
+                  f"{default_chunk_tokens(s['vocab'], cpu=True)} x V, the head's fp32 gradient, the hidden gradient"
                   f"{', the fp32 copy of the head' if dtype != 'fp32' else ''})")  # fmt: skip
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -47,9 +47,13 @@ def test_loss_and_grads_equal_the_plain_path(reduction, chunk):
 
 def test_default_chunk_is_a_byte_budget_and_matches():
     assert (
-        default_chunk_tokens(49_152) == 170 and default_chunk_tokens(4096) == 2048 and default_chunk_tokens(10**9) == 1
+        default_chunk_tokens(49_152) == 170
+        and default_chunk_tokens(4096) == 2048
+        and default_chunk_tokens(10**9) == 1
+        and default_chunk_tokens(4096, cpu=True) == 128
+        and default_chunk_tokens(10**9, cpu=True) == 1
     )
-    hidden, weight, labels = _case(n=5000, v=2000)  # default chunk 4194: two chunks
+    hidden, weight, labels = _case(n=5000, v=2000)  # CPU default chunk 128: 40 chunks, the last one short
     ref, ref_h, ref_w = _reference(hidden, weight, labels)
     got = linear_cross_entropy(hidden, weight, labels)
     got.backward()
