@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train_overhead import _torchrun  # noqa: E402  (the one torchrun-on-CPU helper of the benches)
+from _harness import torchrun  # noqa: E402  (the one torchrun-on-CPU helper of the benches)
 
 MICRO = 2
 WARMUP = 3  # steps excluded from the median: JIT, allocator and first-touch costs
@@ -33,7 +33,7 @@ WARMUP = 3  # steps excluded from the median: JIT, allocator and first-touch cos
 
 def _step_time(tmp: Path, name: str, common: list[str], extra: list[str]) -> float:
     run = tmp / name
-    _torchrun(2, ["train.py", *common, f"output_dir={run}", *extra])
+    torchrun(2, ["train.py", *common, f"output_dir={run}", *extra])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_s"] for r in rows if "step_s" in r and "event" not in r and r["step"] > WARMUP]
     return statistics.median(times)
