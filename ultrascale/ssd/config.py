@@ -75,6 +75,9 @@ class SampleConfig:
     """Generation budget per completion; the stop sequences (next top-level statement) usually end it sooner."""
     batch_size: int = 8
     """Prompts per ``generate`` call; each expands to ``n`` rows."""
+    extra_stops: list[str] = field(default_factory=lambda: ["```"])
+    """Stop sequences added to HumanEval's for sampling: a code fence means the model has left the function
+    (chat-tuned models close the 'code block' and explain it), so decoding further only costs time."""
     seed: int = 1234
     """Seeds sampling (each batch gets seed + its index), so a round's samples are reproducible."""
     threads: int | None = None
@@ -166,6 +169,9 @@ class SSDConfig:
     """Where rounds, manifests and models go. Rerunning with the same directory continues where it stopped."""
     rounds: int = 1
     """Sample -> execute -> filter -> finetune -> export -> eval cycles."""
+    stop_after: str | None = None
+    """Stop the run after this stage of the last round (``problems``, ``sample``, ``sft_data``, ``finetune``,
+    ``export``): e.g. ``sample`` to look at pass rates before paying for a finetune. A rerun without it goes on."""
     dtype: str = "fp32"
     """Precision for sampling (fp32 is exact and not slower on CPUs without AMX)."""
     problems: ProblemsConfig = field(default_factory=ProblemsConfig)

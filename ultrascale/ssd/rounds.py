@@ -3,7 +3,7 @@
 ::
 
     <output_dir>/ssd_manifest.json        config, baseline eval, finished stages per round (the summary)
-                baseline/eval.json         HumanEval of the starting model (the 'before')
+                baseline/eval.json         HumanEval of the starting model (the 'before'; run before round 0's eval)
                 round_XX/manifest.json     per stage: done, wall time, its settings, its numbers
                          problems.jsonl    the round's problems (round 0 mines them; later rounds reuse them)
                          samples.jsonl     every completion with its verdict and why it was (not) kept
@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ultrascale.atomic import atomic_write_text
 from ultrascale.config.compose import resolve_path
-from ultrascale.errors import ConfigError
+from ultrascale.errors import ConfigError, DataError
 
 log = logging.getLogger("ultrascale")
 
@@ -195,7 +195,16 @@ class SSDRun:
     def _sft(self, rnd: Round) -> dict:
         from ultrascale.ssd.sft import build
 
-        return build(read_jsonl(rnd.path("kept.jsonl")), rnd.input_model, rnd.path("sft_data"), self.cfg.sft)
+        kept = read_jsonl(rnd.path("kept.jsonl"))
+        if not kept:
+            s = rnd.manifest["stages"]["sample"]
+            raise DataError(
+                f"round {rnd.index}: none of the {s['candidates']} samples passed its tests "
+                f"({rnd.path('samples.jsonl')} has each one's error): nothing to finetune on. Sample more "
+                "(sample.n, sample.temperature), add solutions (extra_candidates in a problems.jsonl), or start "
+                "from a stronger model (start_model=<a CPT export>)"
+            )
+        return build(kept, rnd.input_model, rnd.path("sft_data"), self.cfg.sft)
 
     def _finetune(self, rnd: Round) -> dict:
         from ultrascale.ssd.finetune import finished, run_train, steps_for, train_overrides
@@ -249,12 +258,13 @@ class SSDRun:
         cfg = self.cfg
         if cfg.rounds < 1:
             raise ConfigError(f"rounds={cfg.rounds}: run at least one round")
+        if cfg.stop_after is not None and cfg.stop_after not in STAGES:
+            raise ConfigError(f"stop_after={cfg.stop_after} is not one of {list(STAGES)}")
         check(cfg.eval)
         model = resolve_path(cfg.start_model)
         check_model_dir(model, "start_model")
         check_available()  # every stage but finetune runs model-written code: refuse before any work
-        if cfg.eval.enabled and cfg.eval.baseline:
-            self.baseline(model)
+        start = model
         for r in range(cfg.rounds):
             rnd = Round(self, r, model)
             steps = {
@@ -268,7 +278,13 @@ class SSDRun:
             for name in STAGES:
                 if name == "eval" and not cfg.eval.enabled:
                     continue
+                if name == "eval" and r == 0 and cfg.eval.baseline:
+                    self.baseline(start)  # the 'before', scored just before the first 'after'
                 self.stage(rnd, name, steps[name])
+                if name == cfg.stop_after and r == cfg.rounds - 1:
+                    log.info(f"ssd: stopping after {name} (stop_after={name}); rerun without it to go on")
+                    print(summary_table(self.top), flush=True)
+                    return self.top
             model = rnd.path("model")
         print(summary_table(self.top), flush=True)
         return self.top

@@ -51,7 +51,7 @@ def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = 
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ultrascale.eval.humaneval import generate
+    from ultrascale.eval.humaneval import STOP_SEQUENCES, generate
 
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
@@ -74,6 +74,7 @@ def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = 
             max_new_tokens=cfg.max_new_tokens,
             batch_size=len(idx),
             seed=cfg.seed + b,
+            stops=(*STOP_SEQUENCES, *cfg.extra_stops),
         )
         for i, cs in zip(idx, comps):
             out[i] = cs
