@@ -1,7 +1,7 @@
 """Self-distillation rounds: sample n completions per problem, run them in the sandbox, finetune on the passes.
 
     python -m ultrascale.ssd ssd=smollm2_135m                                    # one round from SmolLM2-135M
-    python -m ultrascale.ssd ssd=smollm2_135m start_model=exports/smollm2_cpt output_dir=runs/ssd_cpt rounds=2
+    python -m ultrascale.ssd ssd=smollm2_135m start_model=runs/smollm2_135m_cpt/hf output_dir=runs/ssd_cpt rounds=2
     python -m ultrascale.ssd ssd=tiny start_model=DIR problems.jsonl=problems.jsonl output_dir=runs/ssd_tiny
     python -m ultrascale.ssd --help                                              # every key with its doc
 
