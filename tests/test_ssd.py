@@ -134,6 +134,19 @@ def test_normalized_ignores_comments_spacing_and_docstrings():
     assert a != normalized(p, "    return b + a\n")
 
 
+def test_heal_and_unheal_the_prompt_boundary():
+    from ultrascale.ssd.sample import heal, unheal
+
+    prompt = 'def f():\n    """Doc."""\n'
+    healed, k = heal(prompt)
+    assert healed + "\n" == prompt and k == 1
+    generated = (
+        "\n    return 1\n"  # after the healed prompt the model writes the newline itself (merged with the indent)
+    )
+    assert healed + generated == prompt + unheal(generated, k)
+    assert unheal("", k) == ""  # stopped at once (a new top-level statement): still an empty body
+
+
 @needs_sandbox
 def test_select_keeps_passing_dedupes_caps_and_marks_provided():
     from ultrascale.ssd.problems import load_jsonl

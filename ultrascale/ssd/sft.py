@@ -1,8 +1,9 @@
 """The finetuning set: kept samples as prompt + completion + EOS, packed into shards, prompt tokens masked.
 
-Tokenized with the *model's* tokenizer, the way generation saw them: the prompt is encoded alone (with the
-tokenizer's special-token handling, as ``generate`` encodes it) and the completion is appended token by token,
-so the model learns to continue exactly the token sequence it will be given. The loss mask is True on the
+Tokenized with the *model's* tokenizer the way HumanEval presents a problem: the prompt is encoded alone (with
+the tokenizer's special-token handling, as ``generate`` encodes it, ending in its bare newline token) and the
+completion's tokens follow, so the model learns to continue exactly the token sequence it will be scored on
+(even when sampling healed the prompt boundary, see ``sample.heal_newline``). The loss mask is True on the
 completion and on the EOS after it (the model learns where to stop), False on the prompt and on the EOS
 padding at the end of a packed row. Rows hold several samples; the loader's document masking restarts
 position ids after every EOS and keeps attention inside one sample.
