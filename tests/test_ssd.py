@@ -240,6 +240,24 @@ def test_finetune_steps_and_command_line():
     assert args[-2:] == ["launcher=torchrun", "launcher.nproc_per_node=2"]
 
 
+def test_a_rerun_stage_removes_the_later_stages_built_on_it(tmp_path):
+    from ultrascale.ssd.rounds import OUTPUTS, STAGES, Round, SSDRun
+
+    rnd = Round(SSDRun(ssd_cfg(f"output_dir={tmp_path}")), 0, tmp_path / "model_in")
+    for stage in STAGES:
+        rnd.manifest["stages"][stage] = {"done": True}
+        for o in OUTPUTS[stage]:
+            if "." in o:
+                rnd.path(o).write_text("x")
+            else:
+                (rnd.path(o) / "x").mkdir(parents=True)
+    rnd.invalidate_after("sft_data")
+    assert list(rnd.manifest["stages"]) == ["problems", "sample", "sft_data"]
+    assert rnd.path("kept.jsonl").exists() and rnd.path("sft_data").exists()
+    assert not rnd.path("train_run").exists() and not rnd.path("model").exists() and not rnd.path("eval.json").exists()
+    assert json.loads(rnd.manifest_path.read_text())["stages"].keys() == {"problems", "sample", "sft_data"}
+
+
 # ---- one whole round on 2 ranks ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_start_model(tokenizer_dir, tmp_path_factory) -> Path:

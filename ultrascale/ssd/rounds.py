@@ -39,6 +39,16 @@ from ultrascale.errors import ConfigError, DataError
 log = logging.getLogger("ultrascale")
 
 STAGES = ("problems", "sample", "sft_data", "finetune", "export", "eval")
+OUTPUTS = {
+    "problems": ["problems.jsonl"],
+    "sample": ["samples.jsonl", "kept.jsonl"],
+    "sft_data": ["sft_data"],
+    "finetune": ["train_run", "finetune.log"],
+    "export": ["model"],
+    "eval": ["eval", "eval.json"],
+}
+"""What each stage writes: a stage that (re)runs removes every later stage's outputs, which were made from
+the old ones (above all train_run/, whose checkpoints train.py would otherwise resume on the new data)."""
 REDO_ON_CHANGE = {"eval"}
 """Stages nothing else depends on: changed settings rerun them instead of refusing."""
 TOP = "ssd_manifest.json"
@@ -125,6 +135,22 @@ class Round:
     def path(self, name: str) -> Path:
         return self.dir / name
 
+    def invalidate_after(self, stage: str) -> None:
+        """Forget and delete every stage after ``stage``: they would be built on outputs about to change."""
+        later = STAGES[STAGES.index(stage) + 1 :]
+        stale = [s for s in later if s in self.manifest["stages"] or any(self.path(o).exists() for o in OUTPUTS[s])]
+        if not stale:
+            return
+        log.info(f"ssd: round {self.index} {stage} reruns: removing the later stages {stale}")
+        for s in stale:
+            self.manifest["stages"].pop(s, None)
+            for o in OUTPUTS[s]:
+                if self.path(o).is_dir():
+                    shutil.rmtree(self.path(o))
+                else:
+                    self.path(o).unlink(missing_ok=True)
+        _write_json(self.manifest_path, self.manifest)
+
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
     out = []
@@ -164,6 +190,7 @@ class SSDRun:
             log.info(f"ssd: round {rnd.index} {name}: done, skipping")
             return
         log.info(f"ssd: round {rnd.index} {name}: running")
+        rnd.invalidate_after(name)
         t0 = time.perf_counter()
         stats = fn()
         rnd.mark(name, stats, time.perf_counter() - t0)
