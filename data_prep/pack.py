@@ -12,10 +12,19 @@ SPM ``<fim_prefix><fim_suffix>suf<fim_middle>pre mid``. Cut points are character
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from data_prep.tokenizer import FILE_SEP, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, REPO_NAME
+from data_prep.tokenizer import (
+    FILE_SEP,
+    FIM_MIDDLE,
+    FIM_PREFIX,
+    FIM_SUFFIX,
+    REPO_NAME,
+    encode_texts,
+    space_cuts_are_neutral,
+)
 
 
 def doc_rng(seed: int, doc_id: str) -> np.random.Generator:
@@ -35,9 +44,29 @@ def fim_plan(doc_id: str, text: str, seed: int, rate: float, spm_rate: float) ->
     return "psm", [pre, suf, mid]
 
 
-def encode_docs(tok, docs: list[dict], seed: int, rate: float, spm_rate: float, metadata: bool, batch: int = 512):
-    """Yield (doc, mode, token ids without EOS) for each doc, encoding all pieces with ``encode_batch``."""
+def _cat(parts: list) -> np.ndarray:
+    """Concatenate id arrays and single sentinel ids into one uint32 array."""
+    return np.concatenate([np.array([x], dtype=np.uint32) if isinstance(x, int) else x for x in parts])
+
+
+def encode_docs(
+    tok,
+    docs: list[dict],
+    seed: int,
+    rate: float,
+    spm_rate: float,
+    metadata: bool,
+    batch: int = 512,
+    reuse: bool | None = None,
+) -> Iterator[tuple[dict, str, np.ndarray]]:
+    """Yield (doc, mode, uint32 token ids without EOS) per doc, encoding ``batch`` docs' pieces per call.
+
+    A plain document without metadata (every one when FIM is off) is a view into the batch's id array,
+    not a copy; FIM and metadata documents are concatenated around their sentinels. ``reuse`` is
+    :func:`encode_texts`'s (None: when the tokenizer allows it); the ids are the same either way.
+    """
     sid = {t: tok.token_to_id(t) for t in (FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, REPO_NAME, FILE_SEP)}
+    reuse = space_cuts_are_neutral(tok) if reuse is None else reuse
     for start in range(0, len(docs), batch):
         chunk = docs[start : start + batch]
         plans, pieces = [], []
@@ -46,35 +75,32 @@ def encode_docs(tok, docs: list[dict], seed: int, rate: float, spm_rate: float, 
             head = [d["repo"], d["path"] + "\n"] if metadata else []
             plans.append((mode, len(head), len(parts)))
             pieces.extend(head + parts)
-        enc = tok.encode_batch_fast(pieces, add_special_tokens=False) if pieces else []
+        flat, off = encode_texts(tok, pieces, reuse)
         k = 0
         for d, (mode, nh, np_) in zip(chunk, plans):
-            ids: list[int] = []
-            if nh:
-                ids += [sid[REPO_NAME], *enc[k].ids, sid[FILE_SEP], *enc[k + 1].ids]
-            p = [e.ids for e in enc[k + nh : k + nh + np_]]
+            enc = [flat[off[j] : off[j + 1]] for j in range(k, k + nh + np_)]
             k += nh + np_
+            head, p = ([sid[REPO_NAME], enc[0], sid[FILE_SEP], enc[1]] if nh else []), enc[nh:]
             if mode == "plain":
-                ids += p[0]
+                ids = _cat([*head, p[0]]) if nh else p[0]
             elif mode == "psm":
-                ids += [sid[FIM_PREFIX], *p[0], sid[FIM_SUFFIX], *p[1], sid[FIM_MIDDLE], *p[2]]
+                ids = _cat([*head, sid[FIM_PREFIX], p[0], sid[FIM_SUFFIX], p[1], sid[FIM_MIDDLE], p[2]])
             else:
-                ids += [sid[FIM_PREFIX], sid[FIM_SUFFIX], *p[0], sid[FIM_MIDDLE], *p[1], *p[2]]
+                ids = _cat([*head, sid[FIM_PREFIX], sid[FIM_SUFFIX], p[0], sid[FIM_MIDDLE], p[1], p[2]])
             yield d, mode, ids
 
 
-def pack(token_lists, eos_id: int, seq_len: int) -> tuple[np.ndarray, int, int]:
+def pack(token_lists: Sequence, eos_id: int, seq_len: int) -> tuple[np.ndarray, int, int]:
     """Join documents with EOS and cut into [n, seq_len]. The tail is padded with EOS, so no token is lost.
 
+    ``token_lists`` holds id arrays (or lists); they are copied once, straight into the packed buffer.
     Returns (samples, real tokens, pad tokens).
     """
-    buf: list[int] = []
-    for ids in token_lists:
-        buf.extend(ids)
-        buf.append(eos_id)
-    n_real = len(buf)
+    n_real = sum(len(ids) for ids in token_lists) + len(token_lists)
     pad = (-n_real) % seq_len
-    stream = np.empty(n_real + pad, dtype=np.uint32)
-    stream[:n_real] = buf
-    stream[n_real:] = eos_id
+    stream = np.full(n_real + pad, eos_id, dtype=np.uint32)
+    if token_lists:
+        eos = np.array([eos_id], dtype=np.uint32)
+        parts = [x for ids in token_lists for x in (np.asarray(ids, dtype=np.uint32), eos)]
+        np.concatenate(parts, out=stream[:n_real])
     return stream.reshape(-1, seq_len), n_real, pad

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import gzip
+import itertools
 import json
 import os
 import shutil
@@ -334,7 +335,8 @@ def test_fim_token_structure(tmp_path, mode):
     spm_rate = 1.0 if mode == "spm" else 0.0
     out = list(encode_docs(tok, docs, seed=3, rate=1.0, spm_rate=spm_rate, metadata=False))
     assert {m for _, m, _ in out} == {mode}
-    for _, _, ids in out:
+    for _, _, arr in out:
+        ids = arr.tolist()  # encode_docs yields uint32 arrays
         assert [ids.count(t) for t in (pre, mid, suf)] == [1, 1, 1]
         i_mid, i_suf = ids.index(mid), ids.index(suf)
         assert ids[0] == pre
@@ -346,9 +348,9 @@ def test_fim_token_structure(tmp_path, mode):
             s, pm = ids[2:i_mid], ids[i_mid + 1 :]
             assert tok.decode(pm) + tok.decode(s) == text
     again = list(encode_docs(tok, docs, seed=3, rate=1.0, spm_rate=spm_rate, metadata=False))
-    assert [x[2] for x in again] == [x[2] for x in out]  # same seed, same samples
+    assert [x[2].tolist() for x in again] == [x[2].tolist() for x in out]  # same seed, same samples
     other = list(encode_docs(tok, docs, seed=4, rate=1.0, spm_rate=spm_rate, metadata=False))
-    assert [x[2] for x in other] != [x[2] for x in out]
+    assert [x[2].tolist() for x in other] != [x[2].tolist() for x in out]
 
 
 def test_pack_loses_no_tokens():
@@ -358,6 +360,123 @@ def test_pack_loses_no_tokens():
     stream = [t for d in docs for t in [*d, 0]]
     flat = samples.ravel().tolist()
     assert n_real == len(stream) and flat[:n_real] == stream and flat[n_real:] == [0] * n_pad and n_pad < 64
+
+
+def _corpus_texts() -> list[str]:
+    return [p.read_text() for p in sorted(FIXTURE.rglob("*.py"))]
+
+
+def _bpe_dir(tmp_path, texts, pre_tokenizer, name: str, normalizer=None) -> Path:
+    """A byte-level BPE trained on ``texts`` with the given pre-tokenizer, saved where ``load_dir`` reads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from data_prep.tokenizer import SPECIAL_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    (tmp_path / name).mkdir()
+    tok.save(str(tmp_path / name / "tokenizer.json"))
+    return tmp_path / name
+
+
+def _whole(tok, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def _split(flat: np.ndarray, off: np.ndarray) -> list[list[int]]:
+    return [flat[a:b].tolist() for a, b in itertools.pairwise(off)]
+
+
+def test_piece_reuse_gives_the_ids_of_whole_document_encoding(tmp_path):
+    """Cutting at space boundaries and encoding each distinct piece once is exact on real code, also with
+    StarCoder's Digits + ByteLevel, a literal special token in the text, odd whitespace and empty texts."""
+    from tokenizers import pre_tokenizers
+
+    from data_prep.tokenizer import encode_texts, space_cuts_are_neutral
+
+    texts = _corpus_texts()
+    edge = [
+        "",
+        "x = 1;\x1c\ny = 2  \n\t\n",  # U+001C: Python whitespace, the tokenizer regex's punctuation
+        "a\u00a0 b\u3000c\r\n  d\n",
+        "   \n\n  leading and trailing   ",
+        "n = 12345 + 678\nreturn n\n",
+    ]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    digits = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    for name, pre in [("bl", byte_level), ("digits", digits)]:
+        tok = load_dir(_bpe_dir(tmp_path, texts + edge * 50, pre, name))  # merges across U+001C exist
+        assert space_cuts_are_neutral(tok)
+        for batch in (texts + edge, edge, [*texts[:3], "say <|endoftext|> or <fim_prefix> in text\n"]):
+            assert _split(*encode_texts(tok, batch)) == _whole(tok, batch)
+        # The distinct pieces really are fewer than all pieces: the reuse path ran, not a whole-text fallback.
+        from data_prep.tokenizer import _pieces
+
+        pieces = [p for t in texts for p in _pieces(t)]
+        assert len(set(pieces)) < len(pieces) // 2
+
+
+def test_piece_reuse_is_off_where_cuts_could_change_ids(tmp_path):
+    """A normalizer or a split regex that glues punctuation to the newline (Llama 3's) can see across a cut."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    from data_prep.tokenizer import encode_texts, space_cuts_are_neutral
+
+    texts = _corpus_texts()[:4]
+    llama3 = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+        r"|\s+(?!\S)|\s+"
+    )
+    split = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(llama3), "isolated"), pre_tokenizers.ByteLevel(use_regex=False)]
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    for name, pre, norm in [("split", split, None), ("nfkc", byte_level, normalizers.NFKC())]:
+        tok = load_dir(_bpe_dir(tmp_path, texts, pre, name, norm))
+        assert not space_cuts_are_neutral(tok)
+        assert _split(*encode_texts(tok, texts)) == _whole(tok, texts)
+    glued = load_dir(tmp_path / "split")
+    assert _split(*encode_texts(glued, texts, reuse=True)) != _whole(glued, texts)  # why it must be off
+
+
+def test_fast_packing_equals_a_reference_packing_on_real_text(tmp_path):
+    """encode_docs + pack (piece reuse, numpy gather, FIM and metadata) against a plain per-document loop."""
+    from data_prep.pack import fim_plan
+    from data_prep.tokenizer import FILE_SEP, REPO_NAME, save_hf, train_bpe
+
+    texts = _corpus_texts()
+    save_hf(train_bpe(texts, 600), tmp_path / "tok", 64)
+    tok = load_dir(tmp_path / "tok")
+    sid = {t: tok.token_to_id(t) for t in (EOS, FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, REPO_NAME, FILE_SEP)}
+    docs = [{"id": f"d{i}", "text": t, "repo": f"r{i % 3}", "path": f"p{i}.py"} for i, t in enumerate(texts)]
+
+    def enc(s: str) -> list[int]:
+        return tok.encode(s, add_special_tokens=False).ids
+
+    for rate, metadata in [(0.0, False), (0.5, True)]:
+        stream = []
+        for d in docs:
+            mode, parts = fim_plan(d["id"], d["text"], 7, rate, 0.5)
+            ids = [sid[REPO_NAME], *enc(d["repo"]), sid[FILE_SEP], *enc(d["path"] + "\n")] if metadata else []
+            p = [enc(x) for x in parts]
+            if mode == "plain":
+                ids += p[0]
+            elif mode == "psm":
+                ids += [sid[FIM_PREFIX], *p[0], sid[FIM_SUFFIX], *p[1], sid[FIM_MIDDLE], *p[2]]
+            else:
+                ids += [sid[FIM_PREFIX], sid[FIM_SUFFIX], *p[0], sid[FIM_MIDDLE], *p[1], *p[2]]
+            stream += [*ids, sid[EOS]]
+        stream += [sid[EOS]] * ((-len(stream)) % 64)
+        got = [x[2] for x in encode_docs(tok, docs, 7, rate, 0.5, metadata, batch=5)]
+        samples, n_real, _ = pack(got, sid[EOS], 64)
+        assert samples.ravel().tolist() == stream and n_real == sum(map(len, got)) + len(got)
 
 
 @pytest.mark.slow
