@@ -124,6 +124,18 @@ def test_config_typo_fails_at_compose():
     assert ssd_cfg("ssd=smollm2_135m").problems.train_repos_from == "data/stdlib_smollm2"
 
 
+def test_entry_point_errors_are_one_line_and_help_lists_the_keys(tmp_path):
+    bad = _ssd(["finetune.global_batch=7", f"output_dir={tmp_path}"])
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == (
+        "error: finetune.global_batch=7 is not a multiple of finetune.micro_batch x finetune.nproc = 4: "
+        "set finetune.global_batch=4"
+    )
+    helped = _ssd(["--help", "ssd=tiny"])
+    assert helped.returncode == 0 and "sample.heal_newline = True" in helped.stdout
+    assert "problems.source = 'jsonl'" in helped.stdout  # the preset's values, not the schema defaults
+
+
 # ---- sampling and filtering -------------------------------------------------------------------------------
 def test_normalized_ignores_comments_spacing_and_docstrings():
     from ultrascale.ssd.sample import normalized

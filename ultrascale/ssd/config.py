@@ -77,10 +77,10 @@ class SampleConfig:
     """Prompts per ``generate`` call; each expands to ``n`` rows."""
     heal_newline: bool = True
     """Sample from the prompt without its trailing newline and re-align the completion to the full prompt.
-    BPE tokenizers merge a newline with the next line's indentation ("\n   " is one SmolLM2 token), so a prompt
-    ending in a bare "\n" token tells the model the next line starts at column 0: it writes a new top-level
-    statement and the stop sequences leave an empty body (127 of 148 SmolLM2 samples without this). The kept
-    completions are still trained after the full prompt, as HumanEval presents it."""
+    BPE tokenizers merge a newline with the next line's indentation (newline + 3 spaces is one SmolLM2 token),
+    so a prompt ending in a bare newline token tells the model the next line starts at column 0: it writes a new
+    top-level statement and the stop sequences leave an empty body (127 of 148 SmolLM2 samples without this).
+    The kept completions are still trained after the full prompt, as HumanEval presents it."""
     extra_stops: list[str] = field(default_factory=lambda: ["```"])
     """Stop sequences added to HumanEval's for sampling: a code fence means the model has left the function
     (chat-tuned models close the 'code block' and explain it), so decoding further only costs time."""

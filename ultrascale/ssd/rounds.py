@@ -280,14 +280,20 @@ class SSDRun:
 
     def run(self) -> dict:
         from ultrascale.eval.sandbox import check_available
-        from ultrascale.ssd.evaluate import check
+        from ultrascale.ssd import evaluate, finetune
 
         cfg = self.cfg
         if cfg.rounds < 1:
             raise ConfigError(f"rounds={cfg.rounds}: run at least one round")
         if cfg.stop_after is not None and cfg.stop_after not in STAGES:
             raise ConfigError(f"stop_after={cfg.stop_after} is not one of {list(STAGES)}")
-        check(cfg.eval)
+        if cfg.sample.temperature <= 0 and cfg.sample.n > 1:
+            raise ConfigError(f"sample.n={cfg.sample.n} with sample.temperature={cfg.sample.temperature}: greedy "
+                              "samples are identical; sample at a temperature > 0 (e.g. 0.8)")  # fmt: skip
+        if cfg.dtype not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"dtype={cfg.dtype} is not one of fp32, bf16, fp16")
+        evaluate.check(cfg.eval)
+        finetune.check(cfg.finetune)
         model = resolve_path(cfg.start_model)
         check_model_dir(model, "start_model")
         check_available()  # every stage but finetune runs model-written code: refuse before any work
