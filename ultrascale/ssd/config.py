@@ -86,8 +86,6 @@ class SampleConfig:
     (chat-tuned models close the 'code block' and explain it), so decoding further only costs time."""
     seed: int = 1234
     """Seeds sampling (each batch gets seed + its index), so a round's samples are reproducible."""
-    threads: int | None = None
-    """``torch.set_num_threads`` for generation in this process; null keeps torch's default (OMP_NUM_THREADS)."""
     dedupe: bool = True
     """Keep one of several passing samples with the same AST (comments, spacing and docstrings ignored)."""
     max_kept_per_problem: int = 4
@@ -178,6 +176,9 @@ class SSDConfig:
     stop_after: str | None = None
     """Stop the run after this stage of the last round (``problems``, ``sample``, ``sft_data``, ``finetune``,
     ``export``): e.g. ``sample`` to look at pass rates before paying for a finetune. A rerun without it goes on."""
+    threads: int | None = None
+    """``torch.set_num_threads`` for sampling and HumanEval generation, which run in this one process (the
+    finetune's ranks are separate processes); null keeps torch's default (``OMP_NUM_THREADS``)."""
     dtype: str = "fp32"
     """Precision for sampling (fp32 is exact and not slower on CPUs without AMX)."""
     problems: ProblemsConfig = field(default_factory=ProblemsConfig)

@@ -107,15 +107,14 @@ class Module:
         self.defs: dict[str, ast.stmt] = {}
         self.ambiguous: set[str] = set()
         self.future: list[ast.stmt] = []
-        self.star_import = False
         for stmt in tree.body:
             if isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__":
                 self.future.append(stmt)
                 continue
             for name in self._binds(stmt):
                 if name == "*":
-                    self.star_import = True
-                elif name in self.defs:
+                    continue  # whatever it binds is unknown here: a name only it provides stays unresolved
+                if name in self.defs:
                     self.ambiguous.add(name)  # defined twice: which one a caller sees depends on the order
                 else:
                     self.defs[name] = stmt

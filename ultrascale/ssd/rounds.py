@@ -297,6 +297,10 @@ class SSDRun:
         model = resolve_path(cfg.start_model)
         check_model_dir(model, "start_model")
         check_available()  # every stage but finetune runs model-written code: refuse before any work
+        if cfg.threads:
+            import torch
+
+            torch.set_num_threads(int(cfg.threads))
         start = model
         for r in range(cfg.rounds):
             rnd = Round(self, r, model)

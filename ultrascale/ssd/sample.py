@@ -68,8 +68,6 @@ def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = 
 
     from ultrascale.eval.humaneval import STOP_SEQUENCES, generate
 
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, DTYPES[dtype]))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     # Similar lengths share a batch: left padding then wastes little compute on pad tokens.
