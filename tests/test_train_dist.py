@@ -105,3 +105,16 @@ def test_muon_trains_under_zero2(tiny_data, tmp_path):
     check(launch([*FAST, "optim=muon", "zero=stage2", "optim.muon_lr=0.02", "optim.sched.warmup_steps=2",
                   f"data.path={tiny_data}", f"output_dir={out}", f"train.steps={STEPS}"]))  # fmt: skip
     _falls(out)
+
+
+def test_compiled_model_trains_like_eager(tiny_data, tmp_path):
+    """train.compile: the inductor graph computes the eager step (fp32; reassociation-level differences only)."""
+    runs = {}
+    for compiled in ("false", "true"):
+        out = tmp_path / f"compile_{compiled}"
+        proc = check(launch([*FAST, f"data.path={tiny_data}", f"output_dir={out}", "train.steps=4",
+                             f"train.compile={compiled}"]))  # fmt: skip
+        runs[compiled] = losses(out)
+    assert "compile: first step (compile included) took" in proc.stdout + proc.stderr
+    for step, ref in runs["false"].items():
+        assert runs["true"][step] == pytest.approx(ref, abs=1e-4), step
