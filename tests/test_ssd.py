@@ -351,6 +351,14 @@ def test_tiny_round_end_to_end_then_resume(tiny_start_model, tmp_path):
     assert "round 0 export: done, skipping" in log and "round 0 eval: running" in log
     assert json.loads((out / "ssd_manifest.json").read_text())["rounds"]["00"]["done"] == list(STAGES)
 
+    # Changed eval settings redo only the evaluations (nothing depends on them): here sampled pass@k as well.
+    passk = _ssd([*args, "eval.passk_samples=2", "eval.passk_k=[1,2]"])
+    assert passk.returncode == 0, passk.stderr[-2000:]
+    log = passk.stdout + passk.stderr
+    assert "round 0 finetune: done, skipping" in log and "baseline eval of" in log and "launching:" not in log
+    sampled = json.loads((rnd / "eval.json").read_text())["sampled"]
+    assert sampled["n_samples"] == 2 and {"pass@1", "pass@2"} <= sampled.keys()
+
     # Settings that would mix two configurations in one directory are refused with the key that changed.
     changed = _ssd([*args, "sample.n=3"])
     assert changed.returncode == 2 and "sample.n: 2 -> 3" in changed.stderr
