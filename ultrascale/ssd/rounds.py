@@ -337,7 +337,17 @@ def _scores(result: dict) -> dict:
 
 
 def _short(stats: dict) -> str:
-    keys = ("count", "candidates", "kept", "model_pass_rate", "samples", "train_rows", "steps", "final_loss")
+    keys = (
+        "count",
+        "candidates",
+        "kept",
+        "model_pass_rate",
+        "samples",
+        "train_rows",
+        "steps",
+        "final_loss",
+        "model_mb",
+    )
     shown = {k: stats[k] for k in keys if k in stats}
     shown.update({k: v for k, v in stats.items() if k.startswith("pass@")})
     return json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in shown.items()})
