@@ -152,7 +152,8 @@ class PackConfig:
     """Tokens per packed sample; documents are joined with EOS and cut at this length."""
     samples_per_shard: int = 8192
     batch_docs: int = 512
-    """Documents per ``encode_batch`` call."""
+    """Documents tokenized together: their distinct whitespace-led pieces are encoded once per batch, so a
+    larger batch finds more repeats (and holds more text in memory)."""
 
 
 @dataclass

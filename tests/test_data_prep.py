@@ -423,6 +423,36 @@ def test_piece_reuse_gives_the_ids_of_whole_document_encoding(tmp_path):
         assert len(set(pieces)) < len(pieces) // 2
 
 
+def _assert_piece_cuts_are_token_ends(code_points) -> None:
+    """Every cut the piece cutter makes in ``;X<two spaces>y`` is where the byte-level split regex ends a token.
+
+    Two spaces: after a whitespace X the regex's ``\\s+(?!\\S)`` would take X and one space together."""
+    from tokenizers import pre_tokenizers
+
+    from data_prep.tokenizer import _PIECE, _WIDE_SPACE, _pieces
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    chars = [chr(c) for c in code_points if not 0xD800 <= c <= 0xDFFF and not _WIDE_SPACE.match(chr(c))]
+    for space in ("  ", "\n\t"):
+        text = "".join(f";{c}{space}y" for c in chars)
+        ends = {end for _, (_, end) in byte_level.pre_tokenize_str(text)}
+        cuts = np.cumsum([len(p) for p in _PIECE.findall(text)]).tolist()
+        wrong = sorted({hex(ord(text[i - 1])) for i in set(cuts) - ends})
+        assert not wrong, f"the split regex runs from these characters into whitespace: {wrong[:10]}"
+        assert len(cuts) > len(chars)  # it did cut (after each X or the ASCII whitespace before it)
+    assert _pieces("a\u3000 b c") == ["a\u3000 b c"]  # the regex's own whitespace: the text is not cut
+
+
+def test_piece_cuts_are_token_ends_on_the_bmp_head_and_a_sample():
+    """ASCII (U+001C..U+001F included), Latin, general punctuation, CJK symbols, and every 97th code point."""
+    _assert_piece_cuts_are_token_ends([*range(0x3100), *range(0x3100, 0x110000, 97)])
+
+
+@pytest.mark.slow
+def test_piece_cuts_are_token_ends_for_every_code_point():
+    _assert_piece_cuts_are_token_ends(range(0x110000))
+
+
 def test_piece_reuse_is_off_where_cuts_could_change_ids(tmp_path):
     """A normalizer or a split regex that glues punctuation to the newline (Llama 3's) can see across a cut."""
     from tokenizers import Regex, normalizers, pre_tokenizers
