@@ -147,7 +147,7 @@ def test_normalized_ignores_comments_spacing_and_docstrings():
 
 
 def test_heal_and_unheal_the_prompt_boundary():
-    from ultrascale.ssd.sample import heal, unheal
+    from ultrascale.eval.humaneval import heal, unheal
 
     prompt = 'def f():\n    """Doc."""\n'
     healed, k = heal(prompt)

@@ -49,6 +49,10 @@ class HumanEvalConfig:
     """Address-space limit per test program."""
     workers: int = 2
     """Test programs run at once (each in its own sandbox)."""
+    heal_newline: bool = True
+    """Generate after the prompt without its trailing newline and re-align the completion (what
+    bigcode-evaluation-harness does by stripping prompts): tokenizers that merge a newline with the next
+    line's indent otherwise read a bare newline as 'the body ends here' (SmolLM2-135M wrote empty bodies)."""
 
 
 @dataclass

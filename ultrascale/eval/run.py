@@ -149,6 +149,7 @@ def run(cfg: DictConfig) -> dict:
                 seed=h.seed,
                 limits=Limits(timeout_s=h.timeout_s, memory_mb=h.memory_mb),
                 workers=h.workers,
+                heal_newline=h.heal_newline,
             )
             samples = he.pop("samples")
             results["tasks"]["humaneval"] = he

@@ -45,21 +45,6 @@ def normalized(problem: dict, completion: str) -> str:
     return "\n".join(ast.dump(s) for s in body)
 
 
-def heal(prompt: str) -> tuple[str, int]:
-    """The prompt without its trailing newlines, and how many were taken (see ``sample.heal_newline``)."""
-    healed = prompt.rstrip("\n")
-    return healed, len(prompt) - len(healed)
-
-
-def unheal(text: str, k: int) -> str:
-    """A completion generated after a healed prompt, re-aligned to the full prompt (its ``k`` newlines removed).
-
-    A model that went on with the prompt's last line instead of starting a new one cannot be re-aligned; its text
-    is kept as is, after the newline, and the sandbox judges it like any other.
-    """
-    return text[k:] if text.startswith("\n" * k) else text
-
-
 def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = "fp32") -> tuple[list[list[str]], dict]:
     """``cfg.n`` completions per problem (in problem order) and timing stats."""
     import torch
@@ -77,11 +62,10 @@ def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = 
     batches = range(0, len(order), cfg.batch_size)
     for b, start in enumerate(tqdm(batches, desc="sample", unit="batch", mininterval=5.0)):
         idx = order[start : start + cfg.batch_size]
-        prompts = [heal(problems[i]["prompt"]) if cfg.heal_newline else (problems[i]["prompt"], 0) for i in idx]
         comps = generate(
             model,
             tokenizer,
-            [p for p, _ in prompts],
+            [problems[i]["prompt"] for i in idx],
             n_samples=cfg.n,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
@@ -89,9 +73,10 @@ def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = 
             batch_size=len(idx),
             seed=cfg.seed + b,
             stops=(*STOP_SEQUENCES, *cfg.extra_stops),
+            heal_newline=cfg.heal_newline,
         )
-        for i, (_, k), cs in zip(idx, prompts, comps):
-            out[i] = [unheal(c, k) for c in cs]
+        for i, cs in zip(idx, comps):
+            out[i] = cs
     return out, {"generate_s": round(time.perf_counter() - t0, 2)}
 
 
