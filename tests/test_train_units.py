@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 
@@ -151,3 +152,23 @@ def test_byte_samples_are_real_code():
 
     text = bytes(np.asarray(byte_samples(64, max_files=2)[0], dtype=np.uint8)).decode("utf-8", "replace")
     assert any(w in text for w in ("import", "def ", '"""', "#"))
+
+
+def test_fused_adamw_is_the_same_update_as_the_foreach_one():
+    """optim.fused: torch's single-kernel AdamW, same math as the default (multi-tensor) path."""
+    from ultrascale.config.compose import compose
+    from ultrascale.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))]
+    models.append(copy.deepcopy(models[0]))
+    opts = [build_optimizer(m, compose([f"optim.fused={f}"])) for m, f in zip(models, ("true", "false"))]
+    assert opts[0].defaults["fused"] is True and not opts[1].defaults["fused"]
+    x = torch.randn(32, 8)
+    for _ in range(3):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
