@@ -31,7 +31,7 @@ import numpy as np
 from data_prep import dedup
 from data_prep.pack import encode_docs, pack
 from data_prep.sources import read_text_file, stdlib_root, walk_files
-from data_prep.tokenizer import EOS, load_dir, save_hf, space_cuts_are_neutral, train_bpe
+from data_prep.tokenizer import EOS, load_dir, piece_cuts_are_neutral, save_hf, train_bpe
 
 
 def corpus(n: int) -> list[str]:
@@ -129,7 +129,7 @@ def bench_tokenize(texts: list[str], tok_dir: Path, seq_len: int, repeat: int) -
         "mb": nbytes / 1e6,
         "tokens": n_real,
         "processes": 1,
-        "reuse": space_cuts_are_neutral(load_dir(tok_dir)),
+        "reuse": piece_cuts_are_neutral(load_dir(tok_dir)),
         "same_samples_as_datasets": same,
         "same_samples_no_reuse": bool(np.array_equal(samples, whole)),
         "seconds": t,

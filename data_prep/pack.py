@@ -23,7 +23,7 @@ from data_prep.tokenizer import (
     FIM_SUFFIX,
     REPO_NAME,
     encode_texts,
-    space_cuts_are_neutral,
+    piece_cuts_are_neutral,
 )
 
 
@@ -66,7 +66,7 @@ def encode_docs(
     :func:`encode_texts`'s (None: when the tokenizer allows it); the ids are the same either way.
     """
     sid = {t: tok.token_to_id(t) for t in (FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, REPO_NAME, FILE_SEP)}
-    reuse = space_cuts_are_neutral(tok) if reuse is None else reuse
+    reuse = piece_cuts_are_neutral(tok) if reuse is None else reuse
     for start in range(0, len(docs), batch):
         chunk = docs[start : start + batch]
         plans, pieces = [], []

@@ -7,14 +7,15 @@ ids, inside the ``vocab_size`` budget, so a model with that vocabulary can embed
 :func:`encode_texts` is the one place text becomes token ids. Profiling tokenize + pack showed 97 % of
 the time inside ``encode_batch_fast`` (about half of that malloc/free for per-word strings), so the
 lever is to hand the tokenizer less text. Byte-level BPE with the GPT-2 split regex never lets a token
-run from a non-space character into the whitespace after it, so a text cut at those points encodes to
-the concatenation of its pieces' ids; source code repeats the same pieces (`` self``, ``    return``,
-`` None``) endlessly, so each distinct piece in a batch is encoded once (the 300-file benchmark corpus:
-479 k pieces, 116 k distinct, 42 % of the characters) and the texts' ids are gathered back with numpy.
-The distinct pieces go to the tokenizer 64 to an input, joined by a special token (100 k one-piece
-inputs cost a third more). Tokenizers for which the cuts are not provably neutral (a normalizer,
-another split regex, truncation, added tokens with whitespace) are encoded whole; tests compare both
-paths against whole-document encoding on real text.
+run from a non-space character into the whitespace after it, nor across a letter/punctuation border
+(apostrophes aside), so a text cut there encodes to the concatenation of its parts' ids. Source code
+repeats the same parts (`` self``, ``.``, ``    return``, ``(``) endlessly: on the 300-file benchmark
+corpus, 5.6 M characters are 479 k whitespace-led pieces, 116 k distinct, whose 453 k parts hold 61 k
+distinct ones of 0.85 M characters. Each distinct part is encoded once per batch, 64 to a tokenizer
+input joined by a special token (one input per part costs a third more), and the ids are gathered
+back with numpy. Tokenizers for which the cuts are not provably neutral (a normalizer, another split
+regex, truncation, added tokens with whitespace) are encoded whole; tests compare both paths against
+whole-document encoding on real text and check every cut rule against the tokenizer.
 """
 
 from __future__ import annotations
@@ -130,25 +131,31 @@ def load_dir(path: str | Path):
     return tok
 
 
-# Pieces are cut before ASCII whitespace that follows anything else. The split regex (Oniguruma \s,
-# Unicode White_Space) ends a match at such a cut unless the character before it is itself whitespace
-# outside ASCII: that set is below, and a text containing any of it is not cut (ASCII texts, most of code,
-# skip the check). Python's \s would be wrong here: U+001C..U+001F are Python whitespace but regex
-# punctuation. A test checks every code point against the installed tokenizer.
+# Two levels of cuts, both where the split regex ends a match whatever follows, so ids never change:
+# 1. pieces: before ASCII whitespace that follows anything else. The regex (Oniguruma \s, Unicode
+#    White_Space) ends a match there unless the character before is itself whitespace outside ASCII: that
+#    set is _WIDE_SPACE, and a text containing any of it is not cut (ASCII texts skip the check). Python's
+#    \s would be wrong: U+001C..U+001F are Python whitespace but regex punctuation.
+# 2. parts, inside a distinct ASCII piece without an apostrophe: between a letter/digit run and a
+#    punctuation run (`` self.assertEqual(`` -> `` self``, ``.``, ``assertEqual``, ``(``). Letter and
+#    digit runs end at punctuation and punctuation runs at letters; only the contractions (``'s``) span
+#    both, hence no apostrophe. Parts are cut only when no added token occurs in the batch's text.
+# Tests check every code point (level 1) and every ASCII pair (level 2) against the installed tokenizer.
 _PIECE = re.compile(r"[ \t\n\r\f\v]*[^ \t\n\r\f\v]+|[ \t\n\r\f\v]+")
 _WIDE_SPACE = re.compile("[\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")
-_JOIN_PIECES = 64  # pieces per joined input; measured 16..4096: 64 fastest, 4096 slower than no joining
+_PART = re.compile(r"[ \t\n\r\f\v]*(?:[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r\f\v]+)")
+_JOIN = 64  # parts per joined input: 32..128 measure alike; 4096 was slower than not joining at all
 
 
-def space_cuts_are_neutral(tok) -> bool:
-    """Whether cutting a text between a non-space character and following whitespace leaves its ids unchanged.
+def piece_cuts_are_neutral(tok) -> bool:
+    """Whether the cuts :func:`encode_texts` makes (see ``_PIECE``, ``_PART``) leave a text's ids unchanged.
 
     True for byte-level BPE with the GPT-2 split regex (ours, GPT-2's, SmolLM2's; StarCoder's adds
-    ``Digits`` first, also fine): no alternative of ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+|
-    ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`` matches a non-space character followed by whitespace, the
-    regex has no look-behind, and BPE works inside one regex match. Anything that could see across a cut
-    (a normalizer, another split regex such as Llama 3's, which glues ``):\\n`` into one token, a prefix
-    space, truncation, BPE dropout, an added token with whitespace or strip flags) makes this False.
+    ``Digits`` first, also fine): ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|
+    \\s+(?!\\S)|\\s+`` ends a match at each cut, has no look-behind, and BPE works inside one match.
+    Anything that could see across a cut (a normalizer, another split regex such as Llama 3's, which
+    glues ``):\\n`` into one token, a prefix space, truncation, BPE dropout, an added token with
+    whitespace or strip flags) makes this False and texts are encoded whole.
     """
     cfg = json.loads(tok.to_str())
     if cfg.get("normalizer") is not None or cfg.get("truncation") is not None or cfg.get("padding") is not None:
@@ -174,10 +181,33 @@ def _pieces(text: str) -> list[str]:
     return [text] if not text.isascii() and _WIDE_SPACE.search(text) else _PIECE.findall(text)
 
 
+def _parts(pieces: list[str]) -> list[list[str]]:
+    # A piece is whitespace then non-space, so the parts join back to it; an all-space piece stays whole.
+    return [(_PART.findall(p) or [p]) if p.isascii() and "'" not in p else [p] for p in pieces]
+
+
 def _offsets(lens: np.ndarray) -> np.ndarray:
     out = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=out[1:])
     return out
+
+
+def _distinct(groups: list[list[str]]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(distinct strings in first-seen order, each member's index into them, group sizes)."""
+    members = list(chain.from_iterable(groups))
+    distinct = list(dict.fromkeys(members))
+    index = dict(zip(distinct, range(len(distinct)), strict=True))
+    plan = np.fromiter(map(index.__getitem__, members), dtype=np.int64, count=len(members))
+    return distinct, plan, np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+
+
+def _gather(ids: np.ndarray, off: np.ndarray, plan: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per group, the concatenated ids of its members (``plan``: member -> distinct string, ``off``: its ids)."""
+    starts, lens = off[:-1][plan], np.diff(off)[plan]
+    out = _offsets(lens)
+    # Output position j of member k reads ids[starts[k] + (j - out[k])].
+    src = np.repeat(starts - out[:-1], lens) + np.arange(out[-1], dtype=np.int64)
+    return ids[src], out[_offsets(sizes)]
 
 
 def _encode_list(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -186,61 +216,49 @@ def _encode_list(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.fromiter(chain.from_iterable(ids), dtype=np.uint32, count=int(lens.sum())), _offsets(lens)
 
 
-def _encode_joined(tok, pieces: list[str], texts: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
-    """``_encode_list(tok, pieces)`` via few long inputs: pieces joined by a special token the tokenizer splits on.
+def _encode_joined(tok, parts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``_encode_list(tok, parts)`` through few long inputs: ``_JOIN`` parts joined by a special token.
 
-    Special tokens are split out before pre-tokenization, so each piece is encoded on its own, as in the
-    list. None (use the list) when the batch's text contains any added token (it would be split out
-    too), or when the separators do not come back one per piece.
+    Special tokens are split out before pre-tokenization, so each part is still encoded on its own; the
+    caller has checked that no added token occurs in the text. Falls back to the list if the separators
+    do not come back one per part.
     """
-    added = tok.get_added_tokens_decoder()
-    specials = sorted((i, t.content) for i, t in added.items() if t.special)
-    if not specials or any(t.content in x for t in added.values() for x in texts):
-        return None
+    specials = sorted((i, t.content) for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    if not specials:
+        return _encode_list(tok, parts)
     sep_id, sep = specials[0]
-    inputs = [sep.join(pieces[i : i + _JOIN_PIECES]) for i in range(0, len(pieces), _JOIN_PIECES)]
+    inputs = [sep.join(parts[i : i + _JOIN]) for i in range(0, len(parts), _JOIN)]
     saved = tok.encode_special_tokens
     tok.encode_special_tokens = False
     try:
         enc = tok.encode_batch_fast(inputs, add_special_tokens=False)
     finally:
         tok.encode_special_tokens = saved
-    # Every input ends with a separator too, so piece i ends at the i-th separator.
+    # Every input gets a separator at its end too, so part i ends at the i-th separator.
     flat = np.fromiter(chain.from_iterable([*e.ids, sep_id] for e in enc), dtype=np.uint32)
     ends = np.flatnonzero(flat == sep_id)
-    if len(ends) != len(pieces):
-        return None
-    starts = np.concatenate([[0], ends[:-1] + 1])
-    return flat, np.stack([starts, ends])
+    if len(ends) != len(parts):
+        return _encode_list(tok, parts)
+    return flat[flat != sep_id], _offsets(ends - np.concatenate([[0], ends[:-1] + 1]))
 
 
 def encode_texts(tok, texts: list[str], reuse: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of every text (no special tokens added) as one flat uint32 array and ``len(texts) + 1`` offsets.
 
     Text ``i`` is ``flat[offsets[i] : offsets[i + 1]]``, identical to ``tok.encode(texts[i]).ids``. With
-    ``reuse`` (default: :func:`space_cuts_are_neutral`), texts are cut into whitespace-led pieces, each
-    distinct piece is encoded once, and the texts' ids are gathered from the pieces' with numpy (no
-    per-token Python).
+    ``reuse`` (default: :func:`piece_cuts_are_neutral`), texts are cut into whitespace-led pieces and
+    distinct pieces into parts; each distinct part is encoded once, and pieces' then texts' ids are
+    gathered with numpy (no per-token Python).
     """
     if reuse is None:
-        reuse = space_cuts_are_neutral(tok)
+        reuse = piece_cuts_are_neutral(tok)
     if not reuse or not texts:
         return _encode_list(tok, texts)
-    segs = [_pieces(t) for t in texts]
-    flat_segs = list(chain.from_iterable(segs))
-    distinct = list(dict.fromkeys(flat_segs))
-    index = {s: i for i, s in enumerate(distinct)}
-    plan = np.fromiter(map(index.__getitem__, flat_segs), dtype=np.int64, count=len(flat_segs))
-    per_text = np.fromiter(map(len, segs), dtype=np.int64, count=len(segs))
-    joined = _encode_joined(tok, distinct, texts)
-    if joined is None:
-        ids, off = _encode_list(tok, distinct)
-        starts, lens = off[:-1], np.diff(off)
+    pieces, plan, sizes = _distinct([_pieces(t) for t in texts])
+    added = [t.content for t in tok.get_added_tokens_decoder().values()]
+    if any(a in t for a in added for t in texts):  # it would be split out of the joined input, or cut in parts
+        ids, off = _encode_list(tok, pieces)
     else:
-        ids, (starts, ends) = joined
-        lens = ends - starts
-    # Output position j of piece k reads ids[starts[k] + (j - where piece k's output begins)].
-    plen = lens[plan]
-    out = _offsets(plen)
-    gather = np.repeat(starts[plan] - out[:-1], plen) + np.arange(out[-1], dtype=np.int64)
-    return ids[gather], out[_offsets(per_text)]
+        parts, part_plan, part_sizes = _distinct(_parts(pieces))
+        ids, off = _gather(*_encode_joined(tok, parts), part_plan, part_sizes)
+    return _gather(ids, off, plan, sizes)

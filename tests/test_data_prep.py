@@ -399,7 +399,7 @@ def test_piece_reuse_gives_the_ids_of_whole_document_encoding(tmp_path):
     StarCoder's Digits + ByteLevel, a literal special token in the text, odd whitespace and empty texts."""
     from tokenizers import pre_tokenizers
 
-    from data_prep.tokenizer import encode_texts, space_cuts_are_neutral
+    from data_prep.tokenizer import encode_texts, piece_cuts_are_neutral
 
     texts = _corpus_texts()
     edge = [
@@ -413,7 +413,7 @@ def test_piece_reuse_gives_the_ids_of_whole_document_encoding(tmp_path):
     digits = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     for name, pre in [("bl", byte_level), ("digits", digits)]:
         tok = load_dir(_bpe_dir(tmp_path, texts + edge * 50, pre, name))  # merges across U+001C exist
-        assert space_cuts_are_neutral(tok)
+        assert piece_cuts_are_neutral(tok)
         for batch in (texts + edge, edge, [*texts[:3], "say <|endoftext|> or <fim_prefix> in text\n"]):
             assert _split(*encode_texts(tok, batch)) == _whole(tok, batch)
         # The distinct pieces really are fewer than all pieces: the reuse path ran, not a whole-text fallback.
@@ -423,41 +423,57 @@ def test_piece_reuse_gives_the_ids_of_whole_document_encoding(tmp_path):
         assert len(set(pieces)) < len(pieces) // 2
 
 
-def _assert_piece_cuts_are_token_ends(code_points) -> None:
-    """Every cut the piece cutter makes in ``;X<two spaces>y`` is where the byte-level split regex ends a token.
-
-    Two spaces: after a whitespace X the regex's ``\\s+(?!\\S)`` would take X and one space together."""
+def _assert_cuts_are_token_ends(text: str) -> int:
+    """Every cut encode_texts makes in ``text`` (pieces, then parts) is where the byte-level split regex ends a
+    token, so the ids cannot change; returns the number of cuts."""
     from tokenizers import pre_tokenizers
 
-    from data_prep.tokenizer import _PIECE, _WIDE_SPACE, _pieces
+    from data_prep.tokenizer import _parts, _pieces
 
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    ends = {end for _, (_, end) in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(text)}
+    sizes = [len(part) for piece in _pieces(text) for part in _parts([piece])[0]]
+    assert sum(sizes) == len(text)
+    cuts = set(np.cumsum(sizes).tolist())
+    wrong = sorted(cuts - ends)
+    assert not wrong, f"cuts inside a token: {[text[max(i - 3, 0) : i + 3] for i in wrong[:10]]}"
+    return len(cuts)
+
+
+def _assert_space_cuts_hold(code_points) -> None:
+    """``;X<two spaces>y`` for every X: two spaces because after a whitespace X the regex's ``\\s+(?!\\S)``
+    would take X and one space together (why the regex's own non-ASCII whitespace stops all cuts)."""
+    from data_prep.tokenizer import _WIDE_SPACE, _pieces
+
     chars = [chr(c) for c in code_points if not 0xD800 <= c <= 0xDFFF and not _WIDE_SPACE.match(chr(c))]
     for space in ("  ", "\n\t"):
-        text = "".join(f";{c}{space}y" for c in chars)
-        ends = {end for _, (_, end) in byte_level.pre_tokenize_str(text)}
-        cuts = np.cumsum([len(p) for p in _PIECE.findall(text)]).tolist()
-        wrong = sorted({hex(ord(text[i - 1])) for i in set(cuts) - ends})
-        assert not wrong, f"the split regex runs from these characters into whitespace: {wrong[:10]}"
-        assert len(cuts) > len(chars)  # it did cut (after each X or the ASCII whitespace before it)
-    assert _pieces("a\u3000 b c") == ["a\u3000 b c"]  # the regex's own whitespace: the text is not cut
+        assert _assert_cuts_are_token_ends("".join(f";{c}{space}y" for c in chars)) > len(chars)
+    assert _pieces("a\u3000 b c") == ["a\u3000 b c"]
 
 
-def test_piece_cuts_are_token_ends_on_the_bmp_head_and_a_sample():
+def test_cuts_are_token_ends_on_the_bmp_head_and_a_sample():
     """ASCII (U+001C..U+001F included), Latin, general punctuation, CJK symbols, and every 97th code point."""
-    _assert_piece_cuts_are_token_ends([*range(0x3100), *range(0x3100, 0x110000, 97)])
+    _assert_space_cuts_hold([*range(0x3100), *range(0x3100, 0x110000, 97)])
 
 
 @pytest.mark.slow
-def test_piece_cuts_are_token_ends_for_every_code_point():
-    _assert_piece_cuts_are_token_ends(range(0x110000))
+def test_cuts_are_token_ends_for_every_code_point():
+    _assert_space_cuts_hold(range(0x110000))
+
+
+def test_part_cuts_are_token_ends_for_every_ascii_pair():
+    """Letter/digit <-> punctuation cuts for every ASCII pair, alone and between letters and digits; the
+    apostrophe (``'s``, ``'t`` contractions span punctuation and letters) keeps its piece whole."""
+    chars = [chr(c) for c in range(128) if chr(c) not in " \t\n\r\f\v"]
+    for pattern in (" {}{}", " a{}{}b", " 1{}{}.", " ({}{}s", " {}{}'t"):
+        text = "".join(pattern.format(x, y) for x in chars for y in chars)
+        assert _assert_cuts_are_token_ends(text) >= len(chars) ** 2  # at least one per space
 
 
 def test_piece_reuse_is_off_where_cuts_could_change_ids(tmp_path):
     """A normalizer or a split regex that glues punctuation to the newline (Llama 3's) can see across a cut."""
     from tokenizers import Regex, normalizers, pre_tokenizers
 
-    from data_prep.tokenizer import encode_texts, space_cuts_are_neutral
+    from data_prep.tokenizer import encode_texts, piece_cuts_are_neutral
 
     texts = _corpus_texts()[:4]
     llama3 = (
@@ -470,7 +486,7 @@ def test_piece_reuse_is_off_where_cuts_could_change_ids(tmp_path):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     for name, pre, norm in [("split", split, None), ("nfkc", byte_level, normalizers.NFKC())]:
         tok = load_dir(_bpe_dir(tmp_path, texts, pre, name, norm))
-        assert not space_cuts_are_neutral(tok)
+        assert not piece_cuts_are_neutral(tok)
         assert _split(*encode_texts(tok, texts)) == _whole(tok, texts)
     glued = load_dir(tmp_path / "split")
     assert _split(*encode_texts(glued, texts, reuse=True)) != _whole(glued, texts)  # why it must be off
