@@ -68,7 +68,7 @@ def train(run_dir: Path, data: Path, stage: int, layers: int, hidden: int) -> No
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, "train.py"]
     cmd += [f"output_dir={run_dir}", f"zero=stage{stage}", f"data.path={data}", "data.prepare_max_files=80"]
     cmd += ["data.micro_batch=1", "data.global_batch=2", "train.steps=1", "train.checkpoint_interval=1"]
-    cmd += ["train.eval_interval=0", "logger=none", f"model.config.hidden_size={hidden}"]
+    cmd += ["train.eval_interval=0", "logger=none", "train.compile=false", f"model.config.hidden_size={hidden}"]
     cmd += [f"model.config.num_hidden_layers={layers}", f"model.config.intermediate_size={inter}"]
     cmd += ["model.config.num_attention_heads=12", "model.config.num_key_value_heads=4", "model.name=bench"]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)

@@ -59,7 +59,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_parallel_"))
     data = write_byte_dataset(tmp / "data", seq_len=a.seq_len, max_files=200)
     gb = MICRO * 2 * 2  # dp=2 baselines: 2 micro-steps; dp=1 levers: 4 micro-steps (same samples per step)
-    common = ["logger=none", "zero=stage1", f"data.path={data}", f"data.seq_len={a.seq_len}",
+    common = ["logger=none", "train.compile=false", "zero=stage1", f"data.path={data}", f"data.seq_len={a.seq_len}",
               f"data.micro_batch={MICRO}", f"data.global_batch={gb}", f"train.steps={a.steps}",
               "train.eval_interval=0", "train.checkpoint_interval=0", "optim.sched.warmup_steps=2",
               f"model.config.vocab_size={BYTE_VOCAB}"]  # fmt: skip

@@ -38,7 +38,7 @@ Data: the BPE-tokenized stdlib corpus at data/stdlib when it is prepared (seq_le
 the byte-level stdlib corpus written to a temporary directory; the JSON settings say which.
 
     python bench/train_overhead.py [--rounds 5] [--steps 30] [--zero stage1] [--nproc 2] [--seq-len 256]
-                                   [--train-args "train.compile=true optim.fused=false"] [--json PATH]
+                                   [--train-args "train.compile=false optim.fused=false"] [--json PATH]
 """
 
 from __future__ import annotations

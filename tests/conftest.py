@@ -49,6 +49,7 @@ FAST = [
     "optim.sched.warmup_steps=2",
     "train.eval_interval=0",
     "train.checkpoint_interval=0",
+    "train.compile=false",  # a few steps never repay a compile; test_compiled_model_trains_like_eager covers it
 ]
 
 

@@ -60,7 +60,13 @@ def runs(tmp_path_factory) -> dict:
         run_dir = root / (f"zero{stage}" if stage != "pp2" else "pp2")
         layout = [f"zero=stage{stage}"] if stage != "pp2" else ["zero=stage1", "parallel=pp2"]
         overrides = [f"output_dir={run_dir}", *layout, f"data.path={data}", "data.prepare_max_files=80"]
-        overrides += ["train.steps=3", "train.checkpoint_interval=3", "train.eval_interval=0", "logger=none"]
+        overrides += [
+            "train.steps=3",
+            "train.checkpoint_interval=3",
+            "train.eval_interval=0",
+            "logger=none",
+            "train.compile=false",
+        ]
         _torchrun(["train.py", *overrides], root / f"train_{run_dir.name}.log")
         run_dirs[stage] = run_dir
     logits_dir = root / "engine_logits"
