@@ -223,7 +223,7 @@ def plot(analyses: list[Analysis], out_path: Path, title: str = "") -> Path:
         col[0].set_title("\n".join(textwrap.fill(h, 100) for h in head.split("\n")), fontsize=10, loc="left")
         if c == 0:
             # below the panel, where it hides no bar (constrained layout makes room for it)
-            col[0].legend(loc="upper left", bbox_to_anchor=(0.0, -0.13), fontsize=7, ncol=7, frameon=False)
+            col[0].legend(loc="upper left", bbox_to_anchor=(0.0, -0.13), fontsize=7, ncol=5, frameon=False)
         if col[4].get_legend_handles_labels()[0]:  # every column: runs can have different events
             col[4].legend(loc="upper right", fontsize=7, ncol=2, framealpha=0.8)
     if len(mfu_axes) > 1:
