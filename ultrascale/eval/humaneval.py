@@ -88,11 +88,14 @@ def generate(
     seed: int = 1234,
     stops: Sequence[str] = STOP_SEQUENCES,
     heal_newline: bool = True,
+    progress: bool = False,
 ) -> list[list[str]]:
     """``n_samples`` truncated completions per prompt, each aligned to its full prompt (see :func:`heal`).
 
-    temperature 0 means greedy (then n_samples must be 1).
+    temperature 0 means greedy (then n_samples must be 1). ``progress`` draws a bar over the batches: all 164
+    problems take many minutes on a CPU, and a silent log looks like a hang.
     """
+    from tqdm import tqdm
     from transformers import StoppingCriteriaList
 
     greedy = temperature <= 0
@@ -105,7 +108,8 @@ def generate(
     model.eval()
     out: list[list[str]] = []
     healed = [heal(p) if heal_newline else (p, 0) for p in prompts]
-    for i in range(0, len(prompts), batch_size):
+    starts = range(0, len(prompts), batch_size)
+    for i in tqdm(starts, desc="humaneval generate", unit="batch", mininterval=5.0, disable=not progress):
         batch = tokenizer([h for h, _ in healed[i : i + batch_size]], return_tensors="pt", padding=True)
         plen = batch["input_ids"].shape[1]
         kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p}
@@ -139,6 +143,7 @@ def evaluate(
     limits: Limits | None = None,
     workers: int = 2,
     heal_newline: bool = True,
+    progress: bool = False,
 ) -> dict:
     """Generate, execute in the sandbox, score. Returns ``{"pass@k": ..., "problems": N, "samples": [...]}``."""
     check_available()  # refuse before spending minutes on generation
@@ -154,6 +159,7 @@ def evaluate(
         batch_size=batch_size,
         seed=seed,
         heal_newline=heal_newline,
+        progress=progress,
     )
     programs = [check_program(p, c) for p, cs in zip(problems, completions) for c in cs]
     outcomes = run_many(programs, limits or Limits(), workers=workers)

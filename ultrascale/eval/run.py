@@ -131,7 +131,7 @@ def run(cfg: DictConfig) -> dict:
             load_manifest(data_path)  # fail with the data error before loading anything heavier
             p = cfg.perplexity
             results["tasks"]["perplexity"] = perplexity(
-                model, data_path, split=p.split, batch_size=p.batch_size, max_samples=p.max_samples
+                model, data_path, split=p.split, batch_size=p.batch_size, max_samples=p.max_samples, progress=True
             )
             results["tasks"]["perplexity"]["data_path"] = str(data_path)
         if "humaneval" in cfg.tasks:
@@ -150,6 +150,7 @@ def run(cfg: DictConfig) -> dict:
                 limits=Limits(timeout_s=h.timeout_s, memory_mb=h.memory_mb),
                 workers=h.workers,
                 heal_newline=h.heal_newline,
+                progress=True,
             )
             samples = he.pop("samples")
             results["tasks"]["humaneval"] = he
