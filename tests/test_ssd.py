@@ -71,6 +71,7 @@ def test_mining_keeps_solvable_problems_and_counts_every_drop():
     for reason in ("unresolved_name", "denied_name", "relative_import", "humaneval_contaminated"):
         assert report[reason] == 1, (reason, report)
     assert report["tests_accept_stub"] == 1  # quiet(): its examples print nothing, so `return None` passes
+    assert report["tests_accept_constant"] == 1  # memorisable(): `return 44` passes its one example
     assert report["reference_failed"] == 1  # wrong_example(): the documented output is wrong
     assert report["kept"] == 3
     # the helper a function needs is in its prompt, so the problem is self-contained

@@ -6,7 +6,9 @@ Problems must not be the evaluation set, must be solvable and must have sane tes
 2. duplicates (the same function copied between files) are dropped;
 3. HumanEval decontamination with data prep's own n-gram matcher (:mod:`data_prep.decontam`);
 4. in the sandbox, the reference must pass its own tests *and* a ``return None`` body must fail them:
-   a problem whose tests accept anything would keep every sample, right or wrong.
+   a problem whose tests accept anything would keep every sample, right or wrong. So must a body that
+   returns a documented answer as a constant (``return 44`` for a lone ``>>> f(22)`` / ``44``): the first
+   SmolLM2 round's only kept sample was exactly that, a memorised answer rather than a solution.
 
 Every drop is counted per reason; :func:`build` returns the problems and that report. With
 ``train_repos_from`` only the repositories data prep put in the *train* split are mined, so problems never
@@ -139,10 +141,40 @@ def _decontaminate(problems: list[dict], cfg: DictConfig, counts: Counter) -> li
     return out
 
 
-def _stub(reference: str) -> str:
-    """A wrong body at the reference's indentation: the tests must reject it."""
+MAX_CONSTANT_STUBS = 3
+"""Distinct documented answers tried as constant bodies per problem (each one is a sandbox run)."""
+
+
+def _stubs(problem: dict) -> list[str]:
+    """Wrong bodies at the reference's indentation that the tests must reject.
+
+    ``return None``, then ``return <answer>`` for each distinct literal answer the prompt's doctest examples
+    document: tests that one constant satisfies reward memorising the example, not solving the problem.
+    """
+    import ast
+    import doctest
+
+    reference = problem["reference"]
     first = next((ln for ln in reference.splitlines() if ln.strip()), "    pass")
-    return first[: len(first) - len(first.lstrip(" \t"))] + "return None\n"
+    indent = first[: len(first) - len(first.lstrip(" \t"))]
+    bodies = [indent + "return None\n"]
+    try:  # the entry point's docstring: in the raw prompt a closing quote line would end up in the last answer
+        fns = [
+            n for n in ast.walk(ast.parse(problem["prompt"])) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+        ]
+        doc = next((ast.get_docstring(f) for f in fns if f.name == problem.get("entry_point")), None) or ""
+        examples = doctest.DocTestParser().get_examples(doc)
+    except (SyntaxError, ValueError):  # an unparsable prompt or malformed examples: the reference check reports them
+        examples = []
+    for ex in examples:
+        try:
+            value = ast.literal_eval(ex.want.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue  # printed text, reprs of objects, nothing: no constant to try
+        body = f"{indent}return {value!r}\n"
+        if value is not None and body not in bodies and len(bodies) <= MAX_CONSTANT_STUBS:
+            bodies.append(body)
+    return bodies
 
 
 def _verify(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict]:
@@ -157,9 +189,13 @@ def _verify(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict
         chunk = order[i : i + VERIFY_CHUNK]
         i += len(chunk)
         checkable = [p for p in chunk if p.get("reference")]
-        pairs = [(p, c) for p in checkable for c in (p["reference"], _stub(p["reference"]))]
+        stubs = {p["task_id"]: _stubs(p) for p in checkable}
+        pairs = [(p, c) for p in checkable for c in (p["reference"], *stubs[p["task_id"]])]
         outcomes = iter(verdicts(pairs, limits, workers=cfg.workers))
-        results = {p["task_id"]: (next(outcomes), next(outcomes)) for p in checkable}
+        results = {}
+        for p in checkable:
+            ref = next(outcomes)
+            results[p["task_id"]] = (ref, [next(outcomes) for _ in stubs[p["task_id"]]])
         for p in chunk:
             if len(kept) >= cap:
                 counts["over_max_problems"] += 1
@@ -168,12 +204,15 @@ def _verify(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict
                 counts["unverified_no_reference"] += 1
                 kept.append(p)
                 continue
-            ref, stub = results[p["task_id"]]
+            ref, stub_outcomes = results[p["task_id"]]
             if not ref.passed:
                 counts["reference_failed"] += 1
                 log.debug(f"problems: {p['task_id']} reference fails its tests: {last_error(ref)}")
-            elif stub.passed:
+            elif stub_outcomes[0].passed:
                 counts["tests_accept_stub"] += 1
+            elif any(o.passed for o in stub_outcomes[1:]):
+                counts["tests_accept_constant"] += 1
+                log.debug(f"problems: drop {p['task_id']} (a constant documented answer passes its tests)")
             else:
                 kept.append(p)
     counts["over_max_problems"] += len(order) - i
