@@ -18,6 +18,7 @@ median step time (every step logged), which a burst covering a few steps hardly 
 resident set per rank (``mem_gb``; CUDA peak allocated on a GPU).
 
     python bench/levers.py [--levers compile,fused_loss,...] [--rounds 3] [--steps 30] [--seq-len 256] [--json PATH]
+                           [--train-args "train.compile=false"]   # a lever against other defaults
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--json", dest="json_path", help="write results as JSON here")
+    ap.add_argument(
+        "--train-args", default="", help="extra train.py overrides for every run, e.g. 'train.compile=false'"
+    )
     a = ap.parse_args()
     levers = [x for x in a.levers.split(",") if x]
     unknown = set(levers) - set(LEVERS)
@@ -117,7 +121,7 @@ def main() -> None:
     data = write_byte_dataset(tmp / "data", seq_len=a.seq_len, max_files=200)
     common = ["logger=none", f"data.seq_len={a.seq_len}", "data.micro_batch=4", "data.global_batch=16",
               f"train.steps={a.steps}", "train.eval_interval=0", "train.checkpoint_interval=0",
-              "optim.sched.warmup_steps=5", "data.eval_batches=1", "train.log_interval=1"]  # fmt: skip
+              "optim.sched.warmup_steps=5", "data.eval_batches=1", "train.log_interval=1", *a.train_args.split()]  # fmt: skip
     padded = real_frac = None
     results = []
     for lever in levers:
