@@ -46,6 +46,8 @@ def perplexity(
     ``shard=(rank, world)`` takes every world-th sample: ranks evaluate disjoint subsets, and summing
     ``loss_sum`` and ``tokens`` over ranks gives the same result as one rank evaluating everything.
     """
+    from tqdm import tqdm
+
     reader = open_split(data_path, split, verify=verify)
     vocab = model.config.vocab_size
     n = len(reader) if max_samples is None else min(max_samples, len(reader))
@@ -53,8 +55,6 @@ def perplexity(
     indices = np.arange(rank, n, world)
     model.eval()
     total, tokens = 0.0, 0
-    from tqdm import tqdm
-
     starts = range(0, len(indices), batch_size)
     for i in tqdm(starts, desc="perplexity", unit="batch", mininterval=5.0, disable=not progress):
         ids = torch.from_numpy(reader.get(indices[i : i + batch_size]))
