@@ -19,6 +19,7 @@ resident set per rank (``mem_gb``; CUDA peak allocated on a GPU).
 
     python bench/levers.py [--levers compile,fused_loss,...] [--rounds 3] [--steps 30] [--seq-len 256] [--json PATH]
                            [--train-args "train.compile=false"]   # a lever against other defaults
+                           [--data data/stdlib]                   # prepared shards instead of the byte corpus
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--json", dest="json_path", help="write results as JSON here")
     ap.add_argument(
+        "--data", help="prepared shards to train on (e.g. data/stdlib); default: the byte-level stdlib corpus"
+    )
+    ap.add_argument(
         "--train-args", default="", help="extra train.py overrides for every run, e.g. 'train.compile=false'"
     )
     a = ap.parse_args()
@@ -118,7 +122,19 @@ def main() -> None:
     from ultrascale.data.bytecorpus import write_byte_dataset
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_levers_"))
-    data = write_byte_dataset(tmp / "data", seq_len=a.seq_len, max_files=200)
+    if a.data:
+        from ultrascale.data.shards import load_manifest
+        from ultrascale.errors import DataError
+
+        data = Path(a.data).resolve()
+        try:
+            seq = int(load_manifest(data)["seq_len"])
+        except DataError as e:  # missing or corrupt shards: one line, not a traceback
+            sys.exit(f"error: --data: {e}")
+        if seq != a.seq_len:
+            sys.exit(f"error: --data {data} is packed with seq_len={seq}, not {a.seq_len}: pass --seq-len {seq}")
+    else:
+        data = write_byte_dataset(tmp / "data", seq_len=a.seq_len, max_files=200)
     common = ["logger=none", f"data.seq_len={a.seq_len}", "data.micro_batch=4", "data.global_batch=16",
               f"train.steps={a.steps}", "train.eval_interval=0", "train.checkpoint_interval=0",
               "optim.sched.warmup_steps=5", "data.eval_batches=1", "train.log_interval=1", *a.train_args.split()]  # fmt: skip
@@ -183,11 +199,13 @@ def main() -> None:
         " a few steps; when it and the wall-clock speedup disagree, the machine was disturbed)"
     )
     print(
-        f"\n{a.rounds} paired rounds per lever, {a.steps} steps, seq {a.seq_len}, 2 CPU ranks, tiny Llama (vocab 4096)"
+        f"\n{a.rounds} paired rounds per lever, {a.steps} steps, seq {a.seq_len}, 2 CPU ranks, tiny Llama (vocab 4096), "
+        f"data {a.data or 'byte-level stdlib corpus'}"
     )
     if a.json_path:
         Path(a.json_path).parent.mkdir(parents=True, exist_ok=True)
-        settings = {"rounds": a.rounds, "steps": a.steps, "seq_len": a.seq_len, "nproc": 2, "common": common}
+        settings = {"rounds": a.rounds, "steps": a.steps, "seq_len": a.seq_len, "nproc": 2, "common": common,
+                    "data": a.data or "byte-level stdlib corpus"}  # fmt: skip
         Path(a.json_path).write_text(json.dumps({"settings": settings, "levers": results}, indent=2) + "\n")
 
 
