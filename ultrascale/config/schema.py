@@ -222,6 +222,11 @@ class TrainConfig:
     keep the plain path (their forward adds the router loss) and the banner says so."""
     loss_chunk_tokens: int = 0
     """Tokens per chunk of the fused loss; 0 picks one from the vocabulary size (see ``ultrascale/model/loss.py``)."""
+    attn_block_size: int = 64
+    """With ``model.attn_implementation=sdpa``: run causal attention in query blocks of this many tokens, each
+    block attending only to keys up to its own end, so the tiles the causal mask forbids are never computed
+    (``ultrascale/model/attention.py``; same output as sdpa). 0 = HF's sdpa as is. Causal text decoders
+    with pp=1 and sp=1; the banner says when it is off and why."""
     step_breakdown: bool = True
     """Record where each step's time goes (data wait, forward, backward, communication, optimizer) from
     DeepSpeed's own engine timers (``wall_clock_breakdown``): host clocks on CPU, CUDA events on GPU."""
@@ -230,6 +235,12 @@ class TrainConfig:
     sandbox (0 = off). Needs a prepared dataset with a tokenizer, zero.stage<=2 and pp=tp=1."""
     eval_humaneval_max_new_tokens: int = 128
     """Generation budget per HumanEval completion during training (stop sequences usually end it sooner)."""
+    profile_steps: int = 0
+    """Record a ``torch.profiler`` trace of this many steps on every rank (0 = off): ``profile/rankNNNNN.txt``
+    ranks the operators by self time, ``.trace.json`` opens in Perfetto. For when the step breakdown shows a
+    phase larger than it should be and the question is which operator."""
+    profile_start: int = 5
+    """Steps to run before the profiled window, so warm-up and the compile stay out of it."""
 
 
 @dataclass

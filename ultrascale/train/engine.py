@@ -56,6 +56,7 @@ def build_engine(cfg: DictConfig, topo: Topology, ds_config: dict):
     if cfg.train.activation_checkpointing and topo.pp == 1:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     fused_loss, extras["loss"] = _install_loss(model, cfg, topo)
+    extras["attention"] = _install_attention(model, cfg, topo)
 
     optimizer = build_optimizer(model, cfg)
     if optimizer is not None:
@@ -105,6 +106,18 @@ def _install_loss(model, cfg: DictConfig, topo: Topology) -> tuple[bool, str]:
     if installed is False:
         return False, "plain HF cross-entropy (MoE: the forward adds the router loss)"
     return True, "chunked linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)"
+
+
+def _install_attention(model, cfg: DictConfig, topo: Topology) -> str:
+    """Banner line: causal SDPA by query blocks (ultrascale/model/attention.py) where the layout allows it."""
+    block = int(cfg.train.attn_block_size)
+    if block and topo.pp > 1:
+        return "HF attention as configured (the pipeline stages build their own masks; train.attn_block_size unused)"
+    if block and topo.sp > 1:
+        return "HF attention as configured (Ulysses wraps the attention core; train.attn_block_size unused)"
+    from ultrascale.model.attention import install_blocked_attention
+
+    return install_blocked_attention(model, block)[1]
 
 
 def _compile(engine, cfg: DictConfig, topo: Topology) -> str:

@@ -46,6 +46,7 @@ from ultrascale.train.loggers import MetricLogger, read_metrics
 from ultrascale.train.metrics import device_peak_flops, memory_gb, throughput
 from ultrascale.train.optim import apply_lr
 from ultrascale.train.plot import plot_curves
+from ultrascale.train.profiler import StepProfiler
 from ultrascale.train.stability import (
     FaultInjector,
     StabilityMonitor,
@@ -389,6 +390,7 @@ class Trainer:
         t_first = None  # wall clock after the first step: the loop's true rate includes logging and evals
         steps_run = 0
         step = self.start_step
+        profiler = StepProfiler(self.out, self.rank, int(cfg.profile_start), int(cfg.profile_steps))
         while step < steps:
             if step == fault and dist.is_rank0():
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -396,7 +398,9 @@ class Trainer:
                 raise RuntimeError(f"injected failure on rank {self.rank} at step {step} ({RAISE_ENV}={raise_on})")
             if steps_run == 0 and cfg.compile:
                 t_compile = time.perf_counter()
+            profiler.before(steps_run)
             last, verdict = self.train_step(step)
+            profiler.after(steps_run)
             self.injector.fired(step + 1)
             done = step + 1
             if steps_run == 0 and cfg.compile:
@@ -422,6 +426,7 @@ class Trainer:
                 t_first = time.perf_counter()
             step = done
         t_loop = time.perf_counter() - t_first if t_first else 0.0
+        profiler.close(steps_run)
         if bar:
             bar.close()
         summary = {"steps": steps, "resumed_from": self.start_step, "world_size": self.topo.world,
