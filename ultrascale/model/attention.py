@@ -25,9 +25,8 @@ import torch.nn.functional as F
 # Model types whose decoder layers take a causal (or causal sliding-window) mask from HF's mask builder in
 # transformers 5.22: a subset of the lower triangle, which is what makes dropping the upper keys exact.
 # (Models with bidirectional overlays, e.g. image tokens in Gemma 3, are left out.)
-CAUSAL_MODEL_TYPES = frozenset(
-    "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe starcoder2 smollm3 phi3 olmo2".split()
-)
+CAUSAL_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                                "starcoder2", "smollm3", "phi3", "olmo2"})  # fmt: skip
 MAX_BLOCKS = 16
 """More blocks skip little more (the saving tends to 50 %) but add a kernel call each; longer rows get larger blocks."""
 
