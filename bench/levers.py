@@ -5,6 +5,7 @@ Levers (every other lever stays at its default while one is toggled):
     compile      train.compile            torch.compile of the model (engine.compile)
     fused_loss   train.fused_loss         chunked linear cross-entropy: no [tokens, vocab] logits
     fused_adamw  optim.fused              torch AdamW's fused kernel
+    attn_blocks  train.attn_block_size    causal SDPA by query blocks of 64 (upper-triangle tiles skipped) vs sdpa
     doc_mask     data.document_masking   block-diagonal attention + restarting positions (a correctness lever: its cost)
     breakdown    train.step_breakdown    DeepSpeed's engine timers for the step breakdown (its overhead)
     packing      padded -> packed         one document per row, padded (pads loss-masked) vs packed rows;
@@ -41,6 +42,7 @@ LEVERS = {
     "compile": ("train.compile=false", "train.compile=true"),
     "fused_loss": ("train.fused_loss=false", "train.fused_loss=true"),
     "fused_adamw": ("optim.fused=false", "optim.fused=true"),
+    "attn_blocks": ("train.attn_block_size=0", "train.attn_block_size=64"),
     "doc_mask": ("data.document_masking=false", "data.document_masking=true"),
     "breakdown": ("train.step_breakdown=false", "train.step_breakdown=true"),
     "packing": (None, None),  # data differs, see _padded_dataset
