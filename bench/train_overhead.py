@@ -66,7 +66,7 @@ SIDES = ("ultrascale", "bare", "trainer")
 TARGET_VS_BARE, TARGET_VS_TRAINER = 0.97, 1.15
 # Resolved config keys worth recording when they exist; the harness never requires them.
 LEVER_KEYS = ("train.compile", "train.fused_loss", "optim.fused", "data.document_masking", "train.step_breakdown",
-              "optim.torch_adam", "model.attn_implementation")  # fmt: skip
+              "train.attn_block_size", "optim.torch_adam", "model.attn_implementation")  # fmt: skip
 
 
 def _json_line(stdout: str) -> dict:
@@ -189,7 +189,8 @@ def _settings(a, ref: Path, data_desc: str, trainer_settings: dict, common: list
                 "optimizer: Trainer's default optim (above), weight decay off for biases and norm weights",
                 "warmup: HF linear warmup starts at lr 0 at the first update (train.py and bare: lr*(step+1)/warmup)",
                 "sampler: Trainer's RandomSampler shuffles (seed train.seed); bare and train.py read in their own order",
-                "attention: plain causal over packed rows (train.py may use document masking; see levers)",
+                "attention: HF sdpa, plain causal over packed rows (train.py: document masking and, on CPU, "
+                "causal SDPA by query blocks, train.attn_block_size; see levers)",
             ],
         },
         "settle_s": a.settle,

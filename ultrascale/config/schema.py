@@ -222,11 +222,13 @@ class TrainConfig:
     keep the plain path (their forward adds the router loss) and the banner says so."""
     loss_chunk_tokens: int = 0
     """Tokens per chunk of the fused loss; 0 picks one from the vocabulary size (see ``ultrascale/model/loss.py``)."""
-    attn_block_size: int = 64
+    attn_block_size: int | None = None
     """With ``model.attn_implementation=sdpa``: run causal attention in query blocks of this many tokens, each
     block attending only to keys up to its own end, so the tiles the causal mask forbids are never computed
-    (``ultrascale/model/attention.py``; same output as sdpa). 0 = HF's sdpa as is. Causal text decoders
-    with pp=1 and sp=1; the banner says when it is off and why."""
+    (``ultrascale/model/attention.py``; same output as sdpa). Unset (auto): 64 on CPU, where it is measured
+    (1.07x fwd+bwd compiled on the tiny model), and HF's sdpa on GPU, where it is not measured yet and
+    ``flash_attention_2`` (varlen over documents) is the better choice anyway; a number forces it anywhere;
+    0 = off. Causal text decoders with pp=1 and sp=1; the banner says when it is off and why."""
     step_breakdown: bool = True
     """Record where each step's time goes (data wait, forward, backward, communication, optimizer) from
     DeepSpeed's own engine timers (``wall_clock_breakdown``): host clocks on CPU, CUDA events on GPU."""

@@ -110,14 +110,21 @@ def _install_loss(model, cfg: DictConfig, topo: Topology) -> tuple[bool, str]:
 
 def _install_attention(model, cfg: DictConfig, topo: Topology) -> str:
     """Banner line: causal SDPA by query blocks (ultrascale/model/attention.py) where the layout allows it."""
-    block = int(cfg.train.attn_block_size)
+    block = cfg.train.attn_block_size
+    if block is None:
+        from ultrascale.dist import select_accelerator
+        from ultrascale.model.attention import CPU_BLOCK
+
+        if select_accelerator() != "gloo":
+            return "HF attention as configured (train.attn_block_size unset: the blocks are measured on CPU only)"
+        block = CPU_BLOCK
     if block and topo.pp > 1:
         return "HF attention as configured (the pipeline stages build their own masks; train.attn_block_size unused)"
     if block and topo.sp > 1:
         return "HF attention as configured (Ulysses wraps the attention core; train.attn_block_size unused)"
     from ultrascale.model.attention import install_blocked_attention
 
-    return install_blocked_attention(model, block)[1]
+    return install_blocked_attention(model, int(block))[1]
 
 
 def _compile(engine, cfg: DictConfig, topo: Topology) -> str:
