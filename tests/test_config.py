@@ -53,6 +53,13 @@ def test_compose_errors_name_the_key(override, match):
         (["+model.config.hidden_sise=64"], 2, r"model.config has keys \['hidden_sise'\]"),
         (["data.seq_len=4096"], 2, r"data.seq_len=4096 exceeds model max_position_embeddings=1024"),
         (["model.type=not_a_model"], 2, r"model.type='not_a_model' is not a transformers model type"),
+        (["train.attn_block_size=-1"], 2, r"train.attn_block_size=-1 must be >= 0: a block size, 0 for HF's sdpa"),
+        (["train.profile_steps=-2"], 2, r"train.profile_steps=-2 must be >= 0"),
+        (
+            ["train.profile_steps=2", "train.profile_start=100", "train.steps=100"],
+            2,
+            r"train.profile_start=100 is not before train.steps=100: nothing would be profiled; use train.profile_start=5",
+        ),
     ],
 )
 def test_validation_errors_name_key_value_fix(overrides, world, match):

@@ -242,7 +242,8 @@ class TrainConfig:
     ranks the operators by self time, ``.trace.json`` opens in Perfetto. For when the step breakdown shows a
     phase larger than it should be and the question is which operator."""
     profile_start: int = 5
-    """Steps to run before the profiled window, so warm-up and the compile stay out of it."""
+    """Steps to run before the profiled window (counted from the start or resume of the run), so warm-up and
+    the compile stay out of it."""
 
 
 @dataclass

@@ -55,6 +55,22 @@ def _positive(key: str, value: int) -> None:
         raise ConfigError(f"{key}={value} must be >= 1")
 
 
+def _train_tools(t: DictConfig) -> None:
+    """The attention blocks and the profiler window: a bad value would otherwise silently do nothing."""
+    if t.attn_block_size is not None and t.attn_block_size < 0:
+        raise ConfigError(
+            f"train.attn_block_size={t.attn_block_size} must be >= 0: a block size, 0 for HF's sdpa, or unset for auto"
+        )
+    for key in ("profile_steps", "profile_start"):
+        if t[key] < 0:
+            raise ConfigError(f"train.{key}={t[key]} must be >= 0")
+    if t.profile_steps and t.profile_start >= t.steps:
+        raise ConfigError(
+            f"train.profile_start={t.profile_start} is not before train.steps={t.steps}: nothing would be profiled; "
+            f"use train.profile_start={max(0, min(5, t.steps - 1))}"
+        )
+
+
 def model_dims(cfg: DictConfig) -> dict[str, int]:
     """Head count, kv heads and MLP width from the model group (for divisibility rules)."""
     from omegaconf import OmegaConf
@@ -152,6 +168,7 @@ def validate(cfg: DictConfig, world_size: int) -> Topology:
     _positive("data.global_batch", cfg.data.global_batch)
     _positive("data.seq_len", cfg.data.seq_len)
     _positive("train.steps", cfg.train.steps)
+    _train_tools(cfg.train)
     _choice("precision.dtype", cfg.precision.dtype, PRECISIONS, "use precision=fp32|bf16|fp16")
     _choice("optim.name", cfg.optim.name, OPTIMIZERS, "use optim=adamw or optim=muon")
     _choice("optim.sched.name", cfg.optim.sched.name, SCHEDULES)

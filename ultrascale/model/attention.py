@@ -25,6 +25,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 # Model types whose decoder layers take a causal (or causal sliding-window) mask from HF's mask builder in
 # transformers 5.22: a subset of the lower triangle, which is what makes dropping the upper keys exact.
@@ -56,8 +57,6 @@ def blocked_sdpa_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention-interface signature; query ``[b, h, s, d]``, key/value ``[b, h_kv, s, d]``."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     size = block_size_for(q_len, block)

@@ -23,10 +23,12 @@ log = logging.getLogger("ultrascale")
 
 
 class StepProfiler:
-    """Profiles steps ``[start, start + steps)`` (0-based optimizer steps run by this process)."""
+    """Profiles steps ``[start, start + steps)`` of this process (0-based, counted from its start or resume);
+    ``first_step`` (the resumed-from step) turns them into the step numbers the metrics log."""
 
-    def __init__(self, out: Path, rank: int, start: int, steps: int):
+    def __init__(self, out: Path, rank: int, start: int, steps: int, first_step: int = 0):
         self.out, self.rank, self.start, self.steps = out, rank, int(start), int(steps)
+        self.first_step = int(first_step)
         self._prof = None
 
     def before(self, step: int) -> None:
@@ -53,6 +55,7 @@ class StepProfiler:
         prof.export_chrome_trace(str(trace))
         by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=by, row_limit=40, max_name_column_width=70)
-        head = f"torch.profiler, rank {self.rank}, optimizer steps {self.start + 1}..{end} (as logged), by {by}\n"
+        steps = f"{self.first_step + self.start + 1}..{self.first_step + end}"
+        head = f"torch.profiler, rank {self.rank}, optimizer steps {steps} (as logged), by {by}\n"
         (d / f"rank{self.rank:05d}.txt").write_text(head + table + "\n")
-        log.info(f"profile of steps {self.start + 1}..{end}: {d / f'rank{self.rank:05d}.txt'} (table), {trace}")
+        log.info(f"profile of steps {steps}: {d / f'rank{self.rank:05d}.txt'} (table), {trace}")

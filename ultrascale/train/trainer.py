@@ -390,7 +390,7 @@ class Trainer:
         t_first = None  # wall clock after the first step: the loop's true rate includes logging and evals
         steps_run = 0
         step = self.start_step
-        profiler = StepProfiler(self.out, self.rank, int(cfg.profile_start), int(cfg.profile_steps))
+        profiler = StepProfiler(self.out, self.rank, cfg.profile_start, cfg.profile_steps, self.start_step)
         while step < steps:
             if step == fault and dist.is_rank0():
                 os.kill(os.getpid(), signal.SIGKILL)
