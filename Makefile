@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-parallel bench-export bench-levers bench-loss clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-parallel bench-export bench-levers bench-loss bench-attention clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,9 @@ bench-levers: setup
 
 bench-loss: setup
 	$(BIN)/python bench/bench_loss.py --json bench/results/bench_loss.json
+
+bench-attention: setup
+	$(BIN)/python bench/bench_attention.py --json bench/results/bench_attention.json
 
 bench-parallel: setup
 	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json

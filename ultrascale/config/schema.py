@@ -226,7 +226,7 @@ class TrainConfig:
     """With ``model.attn_implementation=sdpa``: run causal attention in query blocks of this many tokens, each
     block attending only to keys up to its own end, so the tiles the causal mask forbids are never computed
     (``ultrascale/model/attention.py``; same output as sdpa). Unset (auto): 64 on CPU, where it is measured
-    (tiny model, compiled: 1.07x fwd+bwd, 1.035x per step through train.py), and HF's sdpa on GPU, where it is not measured yet and
+    (tiny model, compiled: 1.065x fwd+bwd in `make bench-attention`, 1.035x per step through train.py), and HF's sdpa on GPU, where it is not measured yet and
     ``flash_attention_2`` (varlen over documents) is the better choice anyway; a number forces it anywhere;
     0 = off. Causal text decoders with pp=1 and sp=1; the banner says when it is off and why."""
     step_breakdown: bool = True

@@ -5,13 +5,14 @@ fused CPU kernel computes every query x key tile, including the upper triangle t
 anyway. Cutting the queries into blocks of ``B`` and giving block ``i`` only keys ``[0, (i + 1) * B)``
 skips those tiles: with ``n`` blocks the attention does ``(n + 1) / 2n`` of the work (62.5 % at 4 blocks).
 Every key dropped is one the causal mask forbids, so the output is the same function of the inputs (the
-test compares it with HF's ``sdpa`` to float rounding). Measured on the 2-core CPU box (tiny Llama, 4 x 256
-tokens of the BPE stdlib corpus, document masks, one thread, 57 paired micro-steps, sdpa/blocks alternating in
-one process): fwd+bwd 1.072x faster compiled (IQR 1.02-1.12) and 1.008x eager (0.98-1.02): eager only breaks
-even, because the per-block slicing and concatenation cost what the skipped tiles save until the compiler fuses
-them. Through ``train.py`` on 2 ranks, where the step also holds the optimizer and the gradient reduction:
-1.035x (6 paired rounds, 0.97-1.05; ``python bench/levers.py --levers attn_blocks --data data/stdlib --rounds 6``).
-SmolLM2-135M at its recipe's 2 x 256 tokens, eager: 1.002x (attention is a small share of that model's step).
+test compares it with HF's ``sdpa`` to float rounding). Measured with ``make bench-attention`` (tiny Llama,
+4 x 256 tokens of the BPE stdlib corpus, document masks, one thread, 60 paired micro-batches in one process):
+fwd+bwd 1.065x faster compiled (IQR 1.054-1.074) and 0.993x eager (0.973-1.023): eager only breaks even,
+because the per-block slicing and concatenation cost what the skipped tiles save until the compiler fuses
+them. SmolLM2-135M at its recipe's 2 x 256 tokens, eager: 1.012x (0.995-1.027; ``bench/bench_attention.py
+--model-dir models/smollm2-135m --data data/stdlib_smollm2 --micro 2 --modes eager --steps 12``). Through
+``train.py`` on 2 ranks, where the step also holds the optimizer and the gradient reduction: 1.035x (6 paired
+rounds, 0.97-1.05; ``python bench/levers.py --levers attn_blocks --data data/stdlib --rounds 6``).
 
 It is registered as its own HF attention implementation (``AttentionInterface``, with HF's SDPA mask
 builder) and set on the model by ``install_blocked_attention`` at train time, so the model's config still
