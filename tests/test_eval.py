@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -179,6 +181,35 @@ def test_eval_py_end_to_end_on_a_model_dir(tiny, tmp_path):
     assert "pass@1" in proc.stdout and "perplexity" in proc.stdout
     bad = subprocess.run([*cmd[:2], "model_dir=/nonexistent"], capture_output=True, text=True, cwd=PROJECT_ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "model_dir" in bad.stderr
+
+
+def _without_namespaces(cmd: list[str]) -> list[str]:
+    """``cmd`` where the kernel refuses namespaces: root minus CAP_SYS_ADMIN (a non-root user already is)."""
+    return ["setpriv", "--bounding-set=-sys_admin", *cmd] if os.geteuid() == 0 else cmd
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None, reason="needs util-linux `setpriv`")
+def test_where_namespaces_are_denied_humaneval_refuses_in_one_line_and_runs_nothing(tiny, tmp_path):
+    marker = tmp_path / "ran_unsandboxed"
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from ultrascale.eval.sandbox import SandboxUnavailable, run_program\n"
+        "try:\n    run_program(f'open({sys.argv[2]!r}, \"w\").write(\"x\")')\n    print('ran')\n"
+        "except SandboxUnavailable as e:\n    print('refused:', e)\n"
+    )
+    api = subprocess.run(_without_namespaces([sys.executable, "-c", probe, str(PROJECT_ROOT), str(marker)]),
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert api.returncode == 0, api.stderr[-2000:]
+    assert api.stdout.startswith("refused: cannot sandbox generated code") and not marker.exists()
+    model_dir = tiny[0]
+    out = tmp_path / "eval_out"
+    cmd = [sys.executable, str(PROJECT_ROOT / "eval.py"), f"model_dir={model_dir}", "tasks=[humaneval]",
+           "humaneval.limit=1", f"output_dir={out}", "wandb=false"]  # fmt: skip
+    proc = subprocess.run(_without_namespaces(cmd), capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: cannot sandbox generated code") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (out / "humaneval_samples.jsonl").exists() and not (out / "eval_results.json").exists()
 
 
 def _reduce_worker(rank: int, port: int, model_dir: str, data: str, out: str) -> None:

@@ -6,14 +6,28 @@ root, as CI has; elsewhere they skip with the reason the sandbox gives.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import textwrap
 import threading
 
 import pytest
 
 from ultrascale.config.compose import PROJECT_ROOT
-from ultrascale.eval.sandbox import Limits, SandboxUnavailable, check_available, processes_of, run_many, run_program
+from ultrascale.eval import jail
+from ultrascale.eval.sandbox import (
+    Limits,
+    SandboxUnavailable,
+    check_available,
+    processes_of,
+    remove_root,
+    run_many,
+    run_program,
+)
 
 try:
     check_available()
@@ -161,3 +175,132 @@ def test_network_connect_fails_even_to_a_local_listener():
 def test_run_many_keeps_order():
     outs = run_many([f"import sys; sys.exit({i % 2})" for i in range(4)], FAST, workers=2)
     assert [o.passed for o in outs] == [True, False, True, False]
+
+
+def test_program_posing_as_a_setup_failure_is_just_a_failed_program():
+    # The jail reports setup failures on its own pipe; what a program prints is only the program's output.
+    out = run_program("import sys\nsys.stderr.write('jail-setup-failed: fake\\n')\nsys.exit(125)", FAST)
+    assert out.status == "failed" and out.returncode == 125 and "jail-setup-failed: fake" in out.stderr
+
+
+# Run inside a namespace of the test's own (private to the host, then made rshared, as systemd makes `/`),
+# under an interpreter whose prefix is an overlay of the real one: the overlay is the canary. A jail that
+# mounts before making its mounts private leaks the prefix bind mount into this namespace, and a cleanup
+# that deletes across mounts then deletes the overlay's files (never the real prefix: overlayfs only
+# writes whiteouts into its upper directory).
+_SHARED_NS_PROBE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from ultrascale.eval import jail, sandbox
+seen = []
+def remove_root(root, _remove=sandbox.remove_root):  # what reached this namespace, before any cleanup
+    seen.extend(jail.mount_points(str(root)))
+    _remove(root)
+sandbox.remove_root = remove_root
+out = sandbox.run_program("print(6 * 7)")
+left = [ln.split()[4] for ln in open("/proc/self/mountinfo") if "ultrascale-sandbox-" in ln]
+print(json.dumps({"status": out.status, "stdout": out.stdout.strip(), "prefix": sys.base_prefix, "left": left,
+                  "seen": seen,
+                  "canary": os.path.exists(os.path.join(sys.base_prefix, "CANARY")),
+                  "python": os.path.exists(sys.executable)}))
+"""
+_SHARED_NS_SETUP = (
+    'mount --make-rshared / && mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" '
+    '&& touch "$4/CANARY" && exec "$4/$5" -c "$6" "$7"'
+)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux `unshare` to make a namespace")
+def test_sandbox_in_shared_propagation_namespace_leaves_no_mount_and_keeps_the_prefix(tmp_path):
+    prefix = os.path.realpath(sys.base_prefix)
+    python_rel = os.path.relpath(os.path.realpath(sys.executable), prefix)
+    if python_rel.startswith(".."):  # a venv: its interpreter is a link into the base prefix
+        python_rel = os.path.relpath(os.path.realpath(sys._base_executable), prefix)
+    upper, work, merged = (tmp_path / d for d in ("upper", "work", "merged"))
+    for d in (upper, work, merged):
+        d.mkdir()
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _SHARED_NS_SETUP, "sh",
+         prefix, str(upper), str(work), str(merged), python_rel, _SHARED_NS_PROBE, str(PROJECT_ROOT)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["prefix"] == str(merged)  # the probe really ran on the overlay prefix
+    assert got["status"] == "passed" and got["stdout"] == "42"
+    assert got["seen"] == []  # the jail's mounts never reached the caller's namespace
+    assert got["left"] == []  # and none is left behind
+    assert got["canary"] and got["python"]  # nothing was deleted through a mount
+    assert sorted(p.name for p in upper.iterdir()) == ["CANARY"]  # not even a whiteout in the overlay
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux `unshare` to make a namespace")
+def test_cleanup_unmounts_what_it_finds_and_never_deletes_across_a_mount(tmp_path):
+    canary, root = tmp_path / "canary", tmp_path / "root"
+    canary.mkdir()
+    (canary / "KEEP").write_text("x")
+    (root / "python").mkdir(parents=True)
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path\n"
+        "from ultrascale.eval.sandbox import remove_root, SandboxCleanupError\n"
+        "try:\n    remove_root(Path(sys.argv[2])); print('removed')\n"
+        "except SandboxCleanupError as e:\n    print('refused:', e)\n"
+    )
+    bind = 'mount --bind "$1" "$2/python" && '
+
+    def run(inner: str) -> str:
+        script = bind + inner + ' "$3" -c "$4" "$5" "$2"'
+        proc = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", str(canary), str(root),
+             sys.executable, probe, str(PROJECT_ROOT)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip()
+
+    # A mount it cannot detach (inherited into a user namespace, so the kernel locks it): nothing deleted.
+    got = run("unshare --user --map-root-user --mount")
+    assert got.startswith("refused:") and f"{root}/python is still a mount point" in got
+    assert (canary / "KEEP").exists() and root.exists()
+    # As root it detaches the leaked mount first, then deletes only the root's own files.
+    assert run("exec") == "removed"
+    assert (canary / "KEEP").exists() and not root.exists()
+
+
+def test_cleanup_removes_a_plain_root(tmp_path):
+    root = tmp_path / "plain"
+    (root / "work").mkdir(parents=True)
+    (root / "program.py").write_text("print(1)")
+    remove_root(root)
+    assert not root.exists()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux `unshare` to make a namespace")
+def test_readonly_fallback_remounts_everything_or_names_the_mount_it_could_not(tmp_path):
+    # The pre-5.12 path (no mount_setattr) never runs on this kernel otherwise: run it in a namespace.
+    probe = (
+        "import sys, os; sys.path.insert(0, sys.argv[1])\n"
+        "from ultrascale.eval import jail\n"
+        "jail._mount(None, '/', None, jail.MS_REC | jail.MS_PRIVATE, None)\n"
+        "jail.remount_readonly(jail._mountinfo())\n"
+        "try:\n    open(os.path.join(sys.argv[2], 'x'), 'w')\n    print('writable')\n"
+        "except OSError as e:\n    print('errno', e.errno)\n"
+        "try:\n    jail.remount_readonly([('/nonexistent/ultrascale-mount', 'rw')])\n"
+        "except OSError as e:\n    print('error:', e)\n"
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", probe, str(PROJECT_ROOT),
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "errno 30"  # EROFS: every mount really went read-only
+    assert lines[1].startswith("error:") and "/nonexistent/ultrascale-mount" in lines[1]
+    assert not (tmp_path / "x").exists()
+
+
+def test_mount_points_decode_the_kernels_escapes():
+    points = jail.mount_points()
+    assert "/" in points and "/proc" in points
+    assert jail.mount_points("/proc") == [p for p in points if p == "/proc" or p.startswith("/proc/")]

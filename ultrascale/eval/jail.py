@@ -1,4 +1,4 @@
-"""Jail launcher for one untrusted program: run as ``python -I -S _jail.py SPEC_JSON`` by :mod:`sandbox`.
+"""Jail launcher for one untrusted program: run as ``python -I -S jail.py SPEC_JSON`` by :mod:`sandbox`.
 
 It is a separate, stdlib-only interpreter on purpose: namespaces and setuid are set up between fork and
 exec, which is only safe in a single-threaded process (the evaluating process has torch's threads).
@@ -12,8 +12,17 @@ Layers, each enforced by the kernel rather than by Python:
   caps a fork bomb, and no other sandbox's processes count against it;
 - resources: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE (output files), RLIMIT_NOFILE, no core dumps.
 
-Exit status: the program's own status; 125 with ``jail-setup-failed: ...`` on stderr if isolation could
-not be established (the caller then refuses to run untrusted code).
+Order matters for the host: the first thing after ``unshare(CLONE_NEWNS)`` is making every mount
+recursively private. A new mount namespace starts as a peer of the caller's shared mounts (systemd makes
+``/`` shared), so any mount made before that (the interpreter's bind mount) would propagate back to the
+host, and the caller's cleanup of the sandbox root would then delete through it into the real prefix.
+
+Setup failures are reported on a status pipe that the caller passes in (``status_fd``), never on the
+program's stderr: the pipe is close-on-exec, so it is closed before the untrusted program runs, and
+whatever the program prints cannot pose as a setup failure. Exit status: the program's own.
+
+Also a stdlib-only module for the caller: :func:`mount_points` and :func:`unmount`, so the cleanup never
+deletes across a mount.
 """
 
 import ctypes
@@ -21,6 +30,7 @@ import ctypes.util
 import json
 import os
 import platform
+import re
 import resource
 import signal
 import sys
@@ -38,6 +48,7 @@ MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
 AT_FDCWD = -100
 AT_RECURSIVE = 0x8000
 MOUNT_ATTR_RDONLY = 0x1
@@ -48,6 +59,8 @@ SETUP_FAILED = 125
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.syscall.restype = ctypes.c_long
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_status_fd: int | None = None
 
 
 class _MountAttr(ctypes.Structure):
@@ -66,38 +79,68 @@ def _check(ret: int, what: str) -> None:
 
 
 def _mount(src, target, fstype, flags, data) -> None:
-    enc = [None if x is None else str(x).encode() for x in (src, target, fstype)]
+    enc = [None if x is None else str(x).encode("utf-8", "surrogateescape") for x in (src, target, fstype)]
     _check(_libc.mount(enc[0], enc[1], enc[2], flags, None if data is None else data.encode()), f"mount {target}")
 
 
+def _mountinfo() -> list[tuple[str, str]]:
+    """(mount point, mount options) per line; the kernel writes space, tab, newline and backslash as octal."""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        rows = [ln.split() for ln in f]
+    return [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), r[4]), r[5]) for r in rows]
+
+
+def mount_points(under: str | None = None) -> list[str]:
+    """Mount points of this mount namespace (``/proc/self/mountinfo``), optionally only ``under`` a path.
+
+    A bind mount of a directory on the same filesystem has the same ``st_dev`` as its parent, so
+    ``os.path.ismount`` misses it: the kernel's table is the only reliable answer.
+    """
+    points = [point for point, _ in _mountinfo()]
+    if under is None:
+        return points
+    base = os.path.realpath(under).rstrip("/")
+    return [p for p in points if p == base or p.startswith(base + "/")]
+
+
+def unmount(point: str) -> None:
+    """Detach the mount at ``point`` (lazily, so a busy mount is cut off from the path at once)."""
+    _check(_libc.umount2(point.encode("utf-8", "surrogateescape"), MNT_DETACH), f"umount {point}")
+
+
 def _readonly_everything() -> None:
-    """Recursively read-only and private: mount_setattr (Linux >= 5.12) in one call, else mount by mount."""
+    """Recursively read-only: mount_setattr (Linux >= 5.12) in one call, else mount by mount."""
     nr = {"x86_64": 442, "aarch64": 442}.get(platform.machine())
     if nr is not None:
-        attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, MS_PRIVATE, 0)
+        attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
         ret = _libc.syscall(nr, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
         if ret == 0:
             return
-    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+    remount_readonly(_mountinfo())
+
+
+def remount_readonly(mounts: list[tuple[str, str]]) -> None:
+    """The pre-5.12 path: remount each (point, options) read-only, keeping nosuid/nodev/noexec.
+
+    Every remount must succeed: a mount left writable is a hole, so a failure is an error that names the
+    mount, never skipped.
+    """
     keep = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
-    with open("/proc/self/mountinfo") as f:
-        mounts = [(ln.split()[4], ln.split()[5]) for ln in f]
     for point, opts in mounts:
-        point = point.encode().decode("unicode_escape")
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for name, bit in keep.items():
             if name in opts.split(","):
                 flags |= bit
         try:
             _mount(None, point, None, flags, None)
-        except OSError:
-            if point == "/":
-                raise
+        except OSError as e:
+            raise OSError(e.errno, f"read-only remount of {point} failed ({os.strerror(e.errno)})") from None
 
 
 def _fail(msg: str) -> None:
-    sys.stderr.write(f"jail-setup-failed: {msg}\n")
-    sys.stderr.flush()
+    """Report on the status pipe (the caller's only source for setup failures) and exit."""
+    if _status_fd is not None:
+        os.write(_status_fd, msg.encode("utf-8", "replace")[:4000])
     os._exit(SETUP_FAILED)
 
 
@@ -141,12 +184,17 @@ def _child(spec: dict, uid: int) -> None:
 
 
 def main() -> None:
+    global _status_fd
     spec = json.loads(sys.argv[1])
+    _status_fd = int(spec["status_fd"])
+    os.set_inheritable(_status_fd, False)  # closed by the program's exec: it can never write a "setup failure"
     try:
         _check(
             _libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS),
             "unshare(mount, net, pid, ipc, uts namespaces) [needs root or CAP_SYS_ADMIN]",
         )
+        # Before any mount of ours: nothing made below may propagate back into the caller's namespace.
+        _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
         # The interpreter may live under a home directory the sandbox uid cannot traverse (pyenv in
         # /root): expose its prefix, read-only like everything else, at a path inside the jail's root.
         _mount(spec["python_prefix"], spec["python_mount"], None, MS_BIND | MS_REC, None)
