@@ -22,10 +22,10 @@ BENCH_ENV = {
 
 def torchrun(nproc: int, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``torchrun --nproc_per_node nproc args`` from the project root; exit with its output on failure."""
-    from ultrascale.dist import _free_port
+    from ultrascale.dist import free_port
 
     full_env = {**os.environ, **BENCH_ENV, **(env or {})}
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), *args]
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"benchmark run failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

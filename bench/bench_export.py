@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ultrascale.dist import _free_port  # noqa: E402
+from ultrascale.dist import free_port  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"}
 ENV.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
@@ -64,7 +64,7 @@ print(json.dumps({'peak_rss_mb': end['VmHWM'], 'baseline_rss_mb': base['VmRSS'],
 
 def train(run_dir: Path, data: Path, stage: int, layers: int, hidden: int) -> None:
     inter = int(hidden * 8 / 3) // 64 * 64
-    port = str(_free_port())  # torchrun passes --master_port 0 to the ranks literally
+    port = str(free_port())  # torchrun passes --master_port 0 to the ranks literally
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, "train.py"]
     cmd += [f"output_dir={run_dir}", f"zero=stage{stage}", f"data.path={data}", "data.prepare_max_files=80"]
     cmd += ["data.micro_batch=1", "data.global_batch=2", "train.steps=1", "train.checkpoint_interval=1"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ultrascale.config.compose import PROJECT_ROOT, resolve_path
-from ultrascale.dist import _free_port
+from ultrascale.dist import free_port
 from ultrascale.errors import ConfigError
 
 SPAWNING = ("deepspeed", "torchrun")
@@ -46,7 +46,7 @@ def _exe(name: str) -> str:
 def launcher_argv(cfg: DictConfig, script: str, args: list[str], port: int | None = None) -> list[str]:
     """The launcher command line for one run of ``script args`` with ``cfg.launcher``'s shape."""
     lc = cfg.launcher
-    port = port or lc.master_port or _free_port()
+    port = port or lc.master_port or free_port()
     if lc.nproc_per_node < 1 or lc.nnodes < 1:
         raise ConfigError(
             f"launcher.nproc_per_node={lc.nproc_per_node}, launcher.nnodes={lc.nnodes}: both must be >= 1"

@@ -29,7 +29,7 @@ TEST_ENV = {
 os.environ.update(TEST_ENV)
 
 from ultrascale.data.bytecorpus import BYTE_VOCAB, byte_samples, write_byte_dataset  # noqa: E402, F401
-from ultrascale.dist import _free_port  # noqa: E402
+from ultrascale.dist import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -66,9 +66,9 @@ def launch(
     if launcher == "python" or nproc == 0:
         cmd = [sys.executable, script, *args]
     elif launcher == "deepspeed":
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), script, *args]
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script, *args]
     else:
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), script, *args]
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), script, *args]
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

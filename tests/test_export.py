@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ultrascale.dist import _free_port  # torchrun passes --master_port 0 to the ranks literally
+from ultrascale.dist import free_port  # torchrun passes --master_port 0 to the ranks literally
 
 STAGES = (0, 1, 2, 3)
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def _torchrun(args: list[str], log: Path) -> None:
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         *args,
     ]
     with open(log, "w") as f:

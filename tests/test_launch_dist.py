@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import FAST, ROOT, TEST_ENV, _free_port, check, launch, losses
+from tests.conftest import FAST, ROOT, TEST_ENV, check, free_port, launch, losses
 
 pytestmark = pytest.mark.dist
 
@@ -68,7 +68,7 @@ def test_two_nodes_on_loopback_no_ssh(tiny_data, tmp_path, torchrun_run):
     """Two `launch/node.sh` (deepspeed --no_ssh) processes of 1 rank each train the same run as torchrun's 1x2."""
     ref_out, _ = torchrun_run
     out = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     args = ["train.py", *BASE, f"data.path={tiny_data}", f"output_dir={out}"]
     procs = {}
     for node in (1, 0):

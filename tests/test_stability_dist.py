@@ -28,7 +28,7 @@ def _summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("zero", ["stage0", "stage2"])
+@pytest.mark.parametrize("zero", ["stage0", "stage1", "stage2"])
 def test_nan_on_rank1_is_skipped_on_both_ranks_and_a_spike_cuts_the_lr(zero, tiny_data, tmp_path):
     out = tmp_path / zero
     args = [*FAST, f"zero={zero}", f"data.path={tiny_data}", f"output_dir={out}", "train.steps=10",
@@ -59,8 +59,15 @@ ROLLBACK = [*FAST, "train.steps=8", "train.checkpoint_interval=3", "train.keep_c
 @pytest.fixture(scope="module")
 def rolled_back(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("rollback") / "run"
-    check(launch([*ROLLBACK, f"data.path={tiny_data}", f"output_dir={out}"], env={"ULTRASCALE_INJECT": "spike@5:0"}))
+    env = {"ULTRASCALE_INJECT": "spike@5:0", "ULTRASCALE_TRACE_SAMPLES": str(out.parent / "trace")}
+    check(launch([*ROLLBACK, f"data.path={tiny_data}", f"output_dir={out}"], env=env))
     return out
+
+
+def _reads(trace_dir) -> dict[int, list[list[int]]]:
+    """Per rank, the sample indices of every micro-batch actually read, in reading order."""
+    return {int(f.stem[4:]): [json.loads(ln)["indices"] for ln in f.read_text().splitlines()]
+            for f in sorted(trace_dir.glob("rank*.jsonl"))}  # fmt: skip
 
 
 def test_spike_rolls_back_to_the_checkpoint_and_skips_the_window(rolled_back):
@@ -86,6 +93,40 @@ def test_a_kill_after_the_rollback_resumes_with_the_window_still_skipped(rolled_
     got = {r["step"]: r["loss"] for r in metrics(out) if "loss" in r and "event" not in r}
     for step in (7, 8):
         assert got[step] == pytest.approx(ref[step], rel=1e-6), step
+
+
+def test_a_kill_right_after_the_rollback_resumes_past_the_skipped_window(rolled_back, tiny_data, tmp_path):
+    """SIGKILL after the rollback, before any checkpoint records it: the resumed run reads what the
+    uninterrupted run read after its rollback, and never a sample of the skipped window."""
+    out = tmp_path / "killed"
+    args = [*ROLLBACK, f"data.path={tiny_data}", f"output_dir={out}"]
+    first, resumed = tmp_path / "trace_first", tmp_path / "trace_resumed"
+    env = {"ULTRASCALE_INJECT": "spike@5:0", "ULTRASCALE_FAULT_AFTER_ROLLBACK": "1",
+           "ULTRASCALE_TRACE_SAMPLES": str(first)}  # fmt: skip
+    killed = launch(args, env=env)
+    assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_00000003"
+    check(launch(args, env={"ULTRASCALE_TRACE_SAMPLES": str(resumed)}))
+    ref, before, after = _reads(rolled_back.parent / "trace"), _reads(first), _reads(resumed)
+    gas = len(ref[0]) // 10  # the reference read 10 steps: 5, then 5 more after rolling back to step 3
+    for rank in ref:
+        assert before[rank][: 5 * gas] == ref[rank][: 5 * gas]  # the same run up to the spike (rank 1 may read on)
+        window = {i for mb in before[rank][3 * gas : 5 * gas] for i in mb}  # steps 4-5: what the spike came from
+        assert after[rank] == ref[rank][5 * gas :]  # resumed = uninterrupted, sample for sample
+        assert not window & {i for mb in after[rank] for i in mb}
+    s = _summary(out)
+    assert s["rollbacks"] == 1 and s["data_offset"] == 2 and s["replicas_agree"] is True
+    assert [e["step"] for e in _events(out, "rollback")] == [5]  # the event survives the resume
+
+
+def test_a_resumed_run_detects_a_spike_at_its_first_step(tiny_data, tmp_path):
+    """The spike detector's window travels in the checkpoint: detection is armed right after a resume."""
+    out = tmp_path / "armed"
+    args = [*FAST, f"data.path={tiny_data}", f"output_dir={out}", "optim.sched.name=constant",
+            "optim.sched.warmup_steps=0", "stability.spike_min_history=3"]  # fmt: skip
+    check(launch([*args, "train.steps=6"]))
+    check(launch([*args, "train.steps=8"], env={"ULTRASCALE_INJECT": "spike@7:0"}))
+    (skip,) = _events(out, "skip")
+    assert (skip["step"], skip["reason"]) == (7, "spike") and skip["zscore"] > 6
 
 
 def test_consecutive_bad_steps_stop_the_run_with_one_line(tiny_data, tmp_path):

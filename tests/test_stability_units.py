@@ -28,17 +28,28 @@ def test_zscore_is_one_sided_with_a_relative_floor():
     assert d.zscore(4.8) == pytest.approx(0.8 / (0.02 * 4.0))  # flat window: the 2 % floor sets the scale
 
 
-def test_policies_map_to_actions():
-    m = _monitor(spike_min_history=3)
-    assert m.judge(float("nan")).action == "skip" and m.judge(math.inf).reason == "nonfinite"
+@pytest.mark.parametrize("policy", ["skip", "rollback", "stop"])
+def test_every_nonfinite_policy_is_the_action_for_nan_and_inf(policy):
+    m = _monitor(nonfinite=policy, spike="none")
+    for x in (float("nan"), math.inf, -math.inf):
+        assert (m.judge(x).action, m.judge(x).reason) == (policy, "nonfinite"), x
+    assert (m.nonfinite_grad().action, m.nonfinite_grad().reason) == (policy, "nonfinite")
+    assert m.judge(2.0).action == "ok"
+
+
+@pytest.mark.parametrize("policy", ["none", "skip", "lr_cut", "rollback"])
+def test_every_spike_policy_is_the_action_for_a_spike_and_only_for_one(policy):
+    m = _monitor(spike=policy, spike_min_history=3)
+    assert m.judge(1e6).action == "ok"  # not armed until spike_min_history accepted steps
     for x in (2.0, 2.1, 1.9, 2.0):
         m.record(m.judge(x), x, 1)
-    assert m.judge(2.05).action == "ok"
+    assert m.judge(2.05).action == "ok" and m.judge(1.0).action == "ok"  # a falling loss is no spike
     spike = m.judge(9.0)
-    assert (spike.action, spike.reason) == ("skip", "spike") and spike.zscore > 6
-    assert _monitor(spike="lr_cut", spike_min_history=1).judge(1.0).action == "ok"
-    assert _monitor(nonfinite="rollback").judge(float("nan")).action == "rollback"
-    assert _monitor(spike="none").judge(1e9).action == "ok"
+    if policy == "none":
+        assert (spike.action, spike.reason) == ("ok", "")
+    else:
+        assert (spike.action, spike.reason) == (policy, "spike") and spike.zscore > 6
+    assert m.judge(float("nan")).action == "skip"  # the nonfinite policy is independent of the spike policy
 
 
 def test_consecutive_bad_steps_end_the_run_and_a_clean_step_resets():
@@ -105,3 +116,42 @@ def test_apply_lr_follows_the_step_and_keeps_each_groups_peak():
     assert apply_lr(opt, 4, cfg) == pytest.approx(0.5)
     assert apply_lr(opt, 50, cfg, factor=0.5) == pytest.approx(0.5)
     assert opt.param_groups[1]["lr"] == pytest.approx(0.25)
+
+
+def _agree_worker(rank: int, port: int, verdicts: list, out: str) -> None:
+    import torch.distributed as tdist
+
+    from ultrascale.train.stability import Verdict, agree
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    got = [agree(Verdict(*v)) for v in verdicts[rank]]
+    torch.save([(g.action, g.reason, g.zscore) for g in got], f"{out}/rank{rank}.pt")
+    tdist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_ranks_that_disagree_adopt_the_strongest_action_with_its_own_reason(tmp_path):
+    import torch.multiprocessing as mp
+
+    from ultrascale.dist import free_port
+
+    verdicts = [
+        [("ok", "", 0.5), ("skip", "nonfinite", None), ("lr_cut", "spike", 7.0), ("ok", "", None)],  # rank 0
+        [("rollback", "spike", 9.0), ("rollback", "spike", 9.5), ("ok", "", 0.1), ("ok", "", 0.2)],  # rank 1
+    ]
+    mp.spawn(_agree_worker, args=(free_port(), verdicts, str(tmp_path)), nprocs=2, join=True)
+    want = [("rollback", "spike", 9.0), ("rollback", "spike", 9.5), ("lr_cut", "spike", 7.0), ("ok", "", None)]
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == want, rank
+
+
+def test_monitor_state_round_trips_with_its_spike_window():
+    m = _monitor(spike_min_history=3)
+    for x in (2.0, 2.1, 1.9):
+        m.record(m.judge(x), x, 1)
+    m.record(m.judge(float("nan")), float("nan"), 2)
+    fresh = _monitor(spike_min_history=3)
+    assert fresh.judge(9.0).action == "ok"  # no history yet: not armed
+    fresh.load_state(m.state())
+    assert fresh.judge(9.0).action == "skip" and fresh.skips == 1
+    assert fresh.state() == m.state() | {"consecutive": 0}

@@ -89,7 +89,7 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -102,7 +102,7 @@ def init_distributed(timeout_min: int = 60) -> str:
     backend = select_accelerator()
     if "WORLD_SIZE" not in os.environ:  # plain python: a real 1-rank group, so the code path is the same
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if not dist.is_initialized():
         import deepspeed
 

@@ -16,7 +16,10 @@ token learns from an unrelated file that happened to precede it in the row.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,6 +28,9 @@ from ultrascale.data.shards import SplitReader
 
 IGNORE = -100
 """Label value for 'not a target' (HF's and torch's cross-entropy ignore_index)."""
+TRACE_ENV = "ULTRASCALE_TRACE_SAMPLES"
+"""Test hook: a directory where each rank appends the sample indices it reads (``rankNNNNN.jsonl``, one line
+per micro-batch), so tests can check what was trained on, not the offset arithmetic that chose it."""
 
 
 @dataclass
@@ -95,6 +101,12 @@ class StepBatches:
         self.document_masking = document_masking
         self.n = len(reader)
         self._perms: dict[int, np.ndarray] = {}
+        self._trace = None
+
+    def trace_to(self, directory: str | os.PathLike, rank: int) -> None:
+        """Append every read's indices to ``directory/rankNNNNN.jsonl`` (see TRACE_ENV)."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self._trace = open(Path(directory) / f"rank{rank:05d}.jsonl", "a")  # noqa: SIM115 (lives with the loader)
 
     @property
     def grad_accum(self) -> int:
@@ -115,6 +127,9 @@ class StepBatches:
 
     def get(self, step: int, micro: int) -> Batch:
         idx = self.indices(step, micro)
+        if self._trace is not None:
+            self._trace.write(json.dumps({"data_step": step, "micro": micro, "indices": idx.tolist()}) + "\n")
+            self._trace.flush()
         return make_batch(self.reader.get(idx), self.reader.get_loss_mask(idx), self.eos_id, self.document_masking)
 
     def epoch(self, step: int) -> float:

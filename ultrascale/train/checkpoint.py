@@ -29,6 +29,9 @@ log = logging.getLogger("ultrascale")
 META = "ultrascale_meta.json"
 LATEST = "latest"
 UNIVERSAL_SUFFIX = "_universal"
+ROLLBACKS = "rollbacks.json"
+"""Rollbacks taken since each checkpoint, keyed by its tag: written when the rollback happens, not with the
+next checkpoint, so a crash in between still resumes past the skipped data window."""
 
 
 def tag_for(step: int) -> str:
@@ -161,6 +164,25 @@ def load(engine, tag_dir: Path, same_world: bool) -> tuple[int, dict]:
     if same_world and rng.exists():
         set_rng_state(torch.load(rng, weights_only=False))
     return step, client
+
+
+def record_rollback(ckpt_dir: Path, tag_dir: Path, state: dict) -> None:
+    """Rank 0: persist (atomically) the trainer state a rollback to ``tag_dir`` produced."""
+    path = ckpt_dir / ROLLBACKS
+    records = json.loads(path.read_text()) if path.exists() else {}
+    records[_meta_dir(tag_dir).name] = state
+    atomic_write_text(path, json.dumps(records, indent=1) + "\n")
+
+
+def rollback_since(tag_dir: Path) -> dict | None:
+    """The state of the newest rollback to ``tag_dir`` (None if the run never rolled back to it)."""
+    path = _meta_dir(tag_dir).parent / ROLLBACKS
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text()).get(_meta_dir(tag_dir).name)
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{path} is corrupt: delete it to resume without the rollbacks it records") from None
 
 
 def read_meta(tag_dir: Path) -> dict:

@@ -140,11 +140,18 @@ class StabilityMonitor:
                 f"stability.max_rollbacks={self.cfg.max_rollbacks}: check the data and optim.lr"
             )
 
-    def state(self) -> dict:
+    def counters(self) -> dict:
         return {"consecutive": self.consecutive, "rollbacks": self.rollbacks, "skips": self.skips,
                 "lr_cut_from": self.lr_cut_from, "lr_cut_until": self.lr_cut_until}  # fmt: skip
 
+    def state(self) -> dict:
+        """Counters and the spike window: a resumed run is armed against a spike from its first step."""
+        return {**self.counters(), "window": list(self.detector.losses)}
+
     def load_state(self, state: dict) -> None:
+        if "window" in state:
+            self.detector.losses.clear()
+            self.detector.losses.extend(float(x) for x in state["window"])
         self.rollbacks = int(state.get("rollbacks", 0))
         self.skips = int(state.get("skips", 0))
         self.lr_cut_from = int(state.get("lr_cut_from", 0))
@@ -152,15 +159,22 @@ class StabilityMonitor:
 
 
 def agree(verdict: Verdict) -> Verdict:
-    """All ranks adopt the most severe verdict any rank reached (collective)."""
+    """All ranks adopt the most severe verdict any rank reached, as one (action, reason, z-score) record.
+
+    Action and reason travel as one code (action-major), so the reason every rank reports is the reason of
+    the rank whose action won, never the worst reason of some other rank. Collective.
+    """
     if not (tdist.is_initialized() and tdist.get_world_size() > 1):
         return verdict
-    code = torch.tensor([ACTIONS.index(verdict.action), REASONS.index(verdict.reason)], dtype=torch.int64)
-    tdist.all_reduce(code, op=tdist.ReduceOp.MAX)
-    action, reason = ACTIONS[int(code[0])], REASONS[int(code[1])]
-    if (action, reason) == (verdict.action, verdict.reason):
-        return verdict
-    return Verdict(action, reason, verdict.zscore)
+    code = ACTIONS.index(verdict.action) * len(REASONS) + REASONS.index(verdict.reason)
+    z = math.nan if verdict.zscore is None else float(verdict.zscore)
+    mine = torch.tensor([float(code), z], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(rows, mine)
+    best = max(rows, key=lambda r: int(r[0]))  # the lowest rank among ties
+    action, reason = divmod(int(best[0]), len(REASONS))
+    zscore = None if math.isnan(float(best[1])) else float(best[1])
+    return Verdict(ACTIONS[action], REASONS[reason], zscore)
 
 
 class StepGate:

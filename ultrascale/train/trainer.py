@@ -28,7 +28,7 @@ from ultrascale import dist
 from ultrascale.config.compose import resolve_path
 from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.topology import Topology
-from ultrascale.data.loader import Batch, StepBatches, eval_batches
+from ultrascale.data.loader import TRACE_ENV, Batch, StepBatches, eval_batches
 from ultrascale.data.prepare import ensure_prepared
 from ultrascale.data.shards import load_manifest, open_split
 from ultrascale.errors import DataError
@@ -60,6 +60,8 @@ log = logging.getLogger("ultrascale")
 
 # Test hook: SIGKILL rank 0 at the start of this step, to prove kill-then-resume loses nothing.
 FAULT_ENV = "ULTRASCALE_FAULT_AT_STEP"
+# Test hook: SIGKILL rank 0 right after a rollback, before any later checkpoint could record it.
+FAULT_ROLLBACK_ENV = "ULTRASCALE_FAULT_AFTER_ROLLBACK"
 # Test hook: this global rank raises at its first step while its peers wait in a collective, to prove a
 # failing rank brings the whole job down with a message naming it (and that no rank hangs).
 RAISE_ENV = "ULTRASCALE_RAISE_ON_RANK"
@@ -84,9 +86,12 @@ def _prepare_run_dir(cfg: DictConfig, out: Path, ds_config: dict) -> None:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """After a resume, drop rows logged past the checkpoint: they will be recomputed identically."""
+    """After a resume, drop rows logged past the checkpoint: they will be recomputed identically.
+
+    Rollback events stay: a rollback after the checkpoint still holds (it is recorded beside the checkpoints).
+    """
     if path.exists():
-        rows = [r for r in read_metrics(path) if r["step"] <= step]
+        rows = [r for r in read_metrics(path) if r["step"] <= step or r.get("event") == "rollback"]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -135,6 +140,8 @@ class Trainer:
             self.train_split, cfg.data.micro_batch, cfg.data.global_batch, self.dp_rank, self.topo.dp,
             cfg.train.seed, eos_id=self.eos, document_masking=self.doc_mask,
         )  # fmt: skip
+        if os.environ.get(TRACE_ENV):
+            self.batches.trace_to(os.environ[TRACE_ENV], self.rank)
         self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         self.flops_per_token = train_flops_per_token(self.info.hf_config, cfg.data.seq_len)
         self.peak, self.peak_src = device_peak_flops()
@@ -158,6 +165,7 @@ class Trainer:
     def _load(self, tag_dir: Path, saved_world: int | None) -> int:
         """Restore engine, RNG, data offset and stability state from a checkpoint; returns its step."""
         step, client = checkpoint.load(self.engine, tag_dir, same_world=saved_world == self.topo.world)
+        client.update(checkpoint.rollback_since(tag_dir) or {})  # a rollback after this checkpoint was saved
         self.data_offset = int(client.get("data_offset", 0))
         self.stability.load_state(client.get("stability", {}))
         return step
@@ -369,6 +377,9 @@ class Trainer:
         to_step = self._load(tag_dir, self.topo.world)
         self.stability.load_state(counters)  # the checkpoint's counters predate this rollback
         self.data_offset = old_offset + step + 1 - to_step  # step `to_step` now reads what step+1 would have
+        if dist.is_rank0():  # durable now: a crash before the next checkpoint must not re-read the window
+            checkpoint.record_rollback(self.ckpt_dir, tag_dir, {"data_offset": self.data_offset,
+                                                                "stability": self.stability.state()})  # fmt: skip
         self.metrics.event(
             step + 1, "rollback", reason=verdict.reason, to_step=to_step, zscore=verdict.zscore,
             skip_from=to_step + old_offset, skip_to=step + 1 + old_offset,
@@ -414,6 +425,8 @@ class Trainer:
             self.stability.record(verdict, last["loss"], done)
             if verdict.action == "rollback":
                 step = self._rollback(step, verdict)
+                if os.environ.get(FAULT_ROLLBACK_ENV) and dist.is_rank0():
+                    os.kill(os.getpid(), signal.SIGKILL)
                 continue
             if bar:
                 bar.update(1)
@@ -437,7 +450,7 @@ class Trainer:
             log.warning(f"data-parallel replicas hold different parameters: {digests}")
         if self.moe is not None:  # expert shards differ by design; the rest must agree
             summary.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
-        summary.update(self.stability.state(), data_offset=self.data_offset)
+        summary.update(self.stability.counters(), data_offset=self.data_offset)
         if self.start_step < steps:
             ev = self.evaluate()
             self.metrics.event(steps, "eval", **ev)
