@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ def tiny_data(tmp_path_factory) -> Path:
     """Byte-level shards of real stdlib code, seq_len 64 (shared by every test in the session)."""
     return write_byte_dataset(tmp_path_factory.mktemp("tiny_data"), seq_len=64)
 
+
+# What CPython prints last when a program dies of an exception: proof that a sandboxed program really ran
+# (a tiny model writes SyntaxErrors, NameErrors, failing asserts...).
+PY_ERROR = re.compile(r"^(\w+\.)*\w*(Error|Exception|Exit|Interrupt)\b")
 
 # Overrides that make the tiny model train fast and deterministically on CPU.
 FAST = [

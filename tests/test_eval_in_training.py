@@ -1,16 +1,18 @@
-"""Evaluation during training and the per-step time breakdown, on 2 ranks through train.py.
+"""Evaluation during training, on 2 ranks through train.py.
 
 Held-out loss is sharded over the ranks and all-reduced (token-weighted); HumanEval runs greedy on rank 0
-in the sandbox on a BPE-tokenized corpus; every step row carries the breakdown that the comb report draws.
+in the sandbox on a BPE-tokenized corpus, and each completion's sandbox exit is kept beside the run. The
+step breakdown with planted stalls is tested in tests/test_report.py.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from tests.conftest import FAST, check, launch, metrics
+from tests.conftest import FAST, PY_ERROR, check, launch, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -27,7 +29,7 @@ def bpe_data(tmp_path_factory):
     return out
 
 
-def test_eval_and_humaneval_during_training_and_the_step_breakdown(bpe_data, tmp_path):
+def test_eval_and_humaneval_during_training_runs_every_completion_in_the_sandbox(bpe_data, tmp_path):
     out = tmp_path / "run"
     check(launch([*FAST, f"data.path={bpe_data}", f"output_dir={out}", "train.steps=4", "train.eval_interval=2",
                   "train.eval_humaneval=2", "train.eval_humaneval_max_new_tokens=16"]))  # fmt: skip
@@ -36,12 +38,18 @@ def test_eval_and_humaneval_during_training_and_the_step_breakdown(bpe_data, tmp
     assert [e["step"] for e in evals] == [2, 4]
     for e in evals:
         assert e["eval_ppl"] == pytest.approx(math.exp(e["eval_loss"]), rel=1e-6) and e["eval_s"] > 0
-        assert 0.0 <= e["humaneval_pass@1"] <= 1.0 and e["humaneval_problems"] == 2
+        assert e["humaneval_problems"] == 2
+        samples = [json.loads(x) for x in (out / "humaneval" / f"step_{e['step']:08d}.jsonl").read_text().splitlines()]
+        assert [s["task_id"] for s in samples] == ["HumanEval/0", "HumanEval/1"]
+        assert e["humaneval_pass@1"] == pytest.approx(sum(s["passed"] for s in samples) / 2)
+        for s in samples:  # each program really ran: its exit status and the interpreter's own last words
+            assert s["status"] in ("passed", "failed", "timeout") and s["passed"] == (s["status"] == "passed")
+            if s["status"] == "failed":
+                assert s["returncode"] not in (None, 0) and PY_ERROR.match(s["error"]), s
     steps = [r for r in rows if "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert all(r[p] >= 0 for p in PARTS), r
-        assert sum(r[p] for p in PARTS) == pytest.approx(r["step_s"], rel=0.05), r  # disjoint parts, whole step
         assert r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["opt_s"] > 0
 
 

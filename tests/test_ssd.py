@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, TEST_ENV
+from tests.conftest import PY_ERROR, ROOT, TEST_ENV
 from ultrascale.config.compose import compose
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.eval.sandbox import SandboxUnavailable, check_available
@@ -311,7 +311,10 @@ def test_tiny_round_end_to_end_then_resume(tiny_start_model, tmp_path):
     samples = _rows(rnd / "samples.jsonl")
     model_rows = [r for r in samples if r["source"] == "model"]
     assert len(model_rows) == 4 * 2  # n=2 completions for each of the 4 problems, every one executed
-    assert all(r["status"] in ("passed", "failed", "timeout") for r in samples)
+    for r in samples:  # every candidate really ran in the sandbox; a failure carries the interpreter's last words
+        assert r["status"] in ("passed", "failed", "timeout") and r["passed"] == (r["status"] == "passed"), r
+        if not r["passed"]:
+            assert r["reason"] == r["status"] and (r["error"] == "timeout" or PY_ERROR.match(r["error"])), r
     planted = {(r["task_id"], r["source"]): r for r in samples}
     good, bad = planted[("planted/add", "provided")], planted[("planted/is_even", "provided")]
     assert good["passed"] and good["kept"]  # the planted correct solution is kept...
@@ -328,7 +331,11 @@ def test_tiny_round_end_to_end_then_resume(tiny_start_model, tmp_path):
     assert (rnd / "model" / "config.json").exists() and (rnd / "model" / "tokenizer.json").exists()
     for ev in (rnd / "eval.json", out / "baseline" / "eval.json"):
         greedy = json.loads(ev.read_text())["greedy"]
-        assert greedy["problems"] == 2 and 0.0 <= greedy["pass@1"] <= 1.0
+        executed = _rows(ev.parent / "eval" / "greedy" / "humaneval_samples.jsonl")
+        assert greedy["problems"] == 2 and [r["task_id"] for r in executed] == ["HumanEval/0", "HumanEval/1"]
+        assert greedy["pass@1"] == pytest.approx(sum(r["passed"] for r in executed) / 2)
+        for r in executed:
+            assert r["passed"] or (r["returncode"] not in (None, 0) and PY_ERROR.match(r["error"])), r
     top = json.loads((out / "ssd_manifest.json").read_text())
     assert top["rounds"]["00"]["done"] == list(STAGES)
     assert top["rounds"]["00"]["sample"]["kept"] == len(kept)

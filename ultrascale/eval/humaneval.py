@@ -169,10 +169,11 @@ def evaluate(
     result["n_samples"] = n_samples
     result["temperature"] = temperature
     result["heal_newline"] = heal_newline
-    result["samples"] = [
-        {"task_id": p["task_id"], "completion": c, "passed": ok}
-        for p, cs, oks in zip(problems, completions, passed)
-        for c, ok in zip(cs, oks)
-    ]
+    pairs = [(p["task_id"], c) for p, cs in zip(problems, completions) for c in cs]
+    result["samples"] = [  # how each program ended in the sandbox: what was really executed, and why it failed
+        {"task_id": t, "completion": c, "passed": o.passed, "status": o.status, "returncode": o.returncode,
+         "error": o.error}
+        for (t, c), o in zip(pairs, outcomes)
+    ]  # fmt: skip
     log.info("humaneval: " + ", ".join(f"pass@{k} {result[f'pass@{k}']:.4f}" for k in ks) + f" on {len(problems)}")
     return result

@@ -79,6 +79,16 @@ class Outcome:
     def passed(self) -> bool:
         return self.status == "passed"
 
+    @property
+    def error(self) -> str:
+        """The line that says why it failed (the exception the program raised, or ``timeout``); empty if passed."""
+        if self.status == "timeout":
+            return "timeout"
+        if self.passed:
+            return ""
+        lines = [ln for ln in self.stderr.strip().splitlines() if ln.strip()]
+        return lines[-1][:200] if lines else f"exit status {self.returncode}"
+
 
 def _tail(path: Path, limit: int = 4096) -> str:
     with open(path, "rb") as f:

@@ -23,11 +23,3 @@ def program(problem: dict, completion: str) -> str:
 def verdicts(pairs: Sequence[tuple[dict, str]], limits: Limits, workers: int = 2) -> list[Outcome]:
     """Sandbox outcomes for (problem, completion) pairs, in input order."""
     return run_many([program(p, c) for p, c in pairs], limits, workers=workers)
-
-
-def last_error(outcome: Outcome) -> str:
-    """The line that says why a program failed (the exception, or the timeout), for samples.jsonl."""
-    if outcome.status == "timeout":
-        return "timeout"
-    lines = [ln for ln in outcome.stderr.strip().splitlines() if ln.strip()]
-    return lines[-1][:200] if lines else ""

@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.eval.sandbox import Limits
-from ultrascale.ssd.execute import last_error, verdicts
+from ultrascale.ssd.execute import verdicts
 from ultrascale.ssd.mine import MineOptions, mine_file
 
 log = logging.getLogger("ultrascale")
@@ -207,7 +207,7 @@ def _verify(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict
             ref, stub_outcomes = results[p["task_id"]]
             if not ref.passed:
                 counts["reference_failed"] += 1
-                log.debug(f"problems: {p['task_id']} reference fails its tests: {last_error(ref)}")
+                log.debug(f"problems: {p['task_id']} reference fails its tests: {ref.error}")
             elif stub_outcomes[0].passed:
                 counts["tests_accept_stub"] += 1
             elif any(o.passed for o in stub_outcomes[1:]):

@@ -20,7 +20,7 @@ from collections import Counter
 from omegaconf import DictConfig
 
 from ultrascale.eval.sandbox import Limits
-from ultrascale.ssd.execute import last_error, verdicts
+from ultrascale.ssd.execute import verdicts
 
 log = logging.getLogger("ultrascale")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -102,7 +102,7 @@ def select(problems: list[dict], completions: list[list[str]], cfg: DictConfig) 
         row.update(status=o.status, passed=o.passed, seconds=round(o.seconds, 3))
         counts[f"{row['source']}_samples"] += 1
         if not o.passed:
-            row.update(kept=False, reason=o.status, error=last_error(o))
+            row.update(kept=False, reason=o.status, error=o.error)
             continue
         counts[f"{row['source']}_passed"] += 1
         keys = kept_keys.setdefault(p["task_id"], set())

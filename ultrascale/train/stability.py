@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -36,9 +37,12 @@ ACTIONS = ("ok", "lr_cut", "skip", "rollback", "stop")
 REASONS = ("", "spike", "nonfinite")
 
 INJECT_ENV = "ULTRASCALE_INJECT"
-"""Test hook: comma-separated ``nan@STEP[:RANK]`` / ``spike@STEP[:RANK][xFACTOR]``. STEP is the step number as
-logged (1 = the first step); rank defaults to 0, factor to 20. Each fires once per process, so a rolled-back
-run does not replay it (the data window that 'caused' it is skipped, as with a real spike)."""
+"""Test hook: comma-separated ``nan@STEP[:RANK]`` / ``spike@STEP[:RANK][xFACTOR]`` (loss faults), and
+``slow_data@STEP[:RANK]xSECONDS`` / ``slow_ckpt@STEP[:RANK]xSECONDS`` (a stall planted inside that step's
+data fetch, or inside the checkpoint saved after that step). STEP is the step number as logged (1 = the first
+step); rank defaults to 0, factor to 20. Each fires once per process, so a rolled-back run does not replay it
+(the data window that 'caused' it is skipped, as with a real spike)."""
+FAULT_KINDS = ("nan", "spike", "slow_data", "slow_ckpt")
 
 
 class TrainingHealthError(UltrascaleError):
@@ -239,14 +243,14 @@ def parse_faults(spec: str | None) -> list[Fault]:
             rest, f = rest.split("x", 1)
             factor = float(f)
         step, _, rank = rest.partition(":")
-        if kind not in ("nan", "spike"):
-            raise ValueError(f"{INJECT_ENV}: unknown fault {kind!r} in {spec!r} (use nan@STEP[:RANK] or spike@...)")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"{INJECT_ENV}: unknown fault {kind!r} in {spec!r} (use one of {', '.join(FAULT_KINDS)})")
         faults.append(Fault(kind, int(step), int(rank or 0), factor))
     return faults
 
 
 class FaultInjector:
-    """Multiplies this rank's loss by NaN or a spike factor at the planted steps, once each."""
+    """Plants this rank's faults at their steps, once each: a NaN or spike factor on the loss, or a stall."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -254,9 +258,16 @@ class FaultInjector:
 
     def factor(self, step: int) -> float | None:
         for f in self.pending:
-            if f.step == step:
+            if f.step == step and f.kind in ("nan", "spike"):
                 return float("nan") if f.kind == "nan" else f.factor
         return None
 
+    def stall(self, kind: str, step: int) -> None:
+        """Sleep for a planted ``slow_data``/``slow_ckpt`` at ``step``: the caller's timer must book it."""
+        for f in [f for f in self.pending if f.step == step and f.kind == kind]:
+            self.pending.remove(f)
+            time.sleep(f.factor)
+
     def fired(self, step: int) -> None:
-        self.pending = [f for f in self.pending if f.step != step]
+        """The step's loss faults have been applied (a rolled-back replay of the step runs clean)."""
+        self.pending = [f for f in self.pending if f.step != step or f.kind not in ("nan", "spike")]

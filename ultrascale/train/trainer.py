@@ -25,6 +25,7 @@ import torch.distributed as tdist
 from omegaconf import DictConfig, OmegaConf
 
 from ultrascale import dist
+from ultrascale.atomic import atomic_write_text
 from ultrascale.config.compose import resolve_path
 from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.topology import Topology
@@ -211,6 +212,7 @@ class Trainer:
         bd.start()
         if self.pipe:
             t = time.perf_counter()
+            self.injector.stall("slow_data", step + 1)
             micro = [self.batches.get(data_step, m) for m in range(self.batches.grad_accum)]
             bd.add("data_wait_s", time.perf_counter() - t)
             lr = apply_lr(engine.optimizer, step, self.cfg, self.stability.lr_factor(step))
@@ -226,6 +228,8 @@ class Trainer:
             gas = self.batches.grad_accum
             for m in range(gas):
                 t = time.perf_counter()
+                if m == 0:
+                    self.injector.stall("slow_data", step + 1)
                 batch = self.batches.get(data_step, m)
                 if self.flat:
                     batch = batch.flattened()
@@ -304,7 +308,7 @@ class Trainer:
         return out.loss, out.loss
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def evaluate(self, step: int) -> dict:
         """Held-out loss over every rank's share of the validation split (token-weighted), plus HumanEval."""
         t0 = time.perf_counter()
         self.engine.eval()
@@ -323,13 +327,17 @@ class Trainer:
         loss = float(total[0] / total[1]) if total[1] else float("nan")
         result = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
         if int(self.cfg.train.eval_humaneval):
-            result.update(self._eval_humaneval())
+            result.update(self._eval_humaneval(step))
         self.breakdown.reset_engine_timers()
         result["eval_s"] = time.perf_counter() - t0
         return result
 
-    def _eval_humaneval(self) -> dict:
-        """Greedy pass@1 on the first train.eval_humaneval problems, generated on rank 0; others wait."""
+    def _eval_humaneval(self, step: int) -> dict:
+        """Greedy pass@1 on the first train.eval_humaneval problems, generated on rank 0; others wait.
+
+        Every completion and how it ended in the sandbox goes to ``humaneval/step_XXXXXXXX.jsonl``: what the
+        model wrote at that step is worth more than the number.
+        """
         score = None
         if self.humaneval is not None:
             from ultrascale.eval.humaneval import evaluate
@@ -343,6 +351,9 @@ class Trainer:
                         max_new_tokens=int(self.cfg.train.eval_humaneval_max_new_tokens),
                     )  # fmt: skip
                 score = res["pass@1"]
+                samples = self.out / "humaneval" / f"{checkpoint.tag_for(step)}.jsonl"
+                samples.parent.mkdir(exist_ok=True)
+                atomic_write_text(samples, "".join(json.dumps(r) + "\n" for r in res["samples"]))
             finally:
                 model.config.use_cache = use_cache
                 model.train()
@@ -359,6 +370,7 @@ class Trainer:
             "data_offset": self.data_offset,
         }
         client = {"data_offset": self.data_offset, "stability": self.stability.state()}
+        self.injector.stall("slow_ckpt", step)
         checkpoint.save(self.engine, self.ckpt_dir, step, meta, keep=self.cfg.train.keep_checkpoints, client=client)
         secs = time.perf_counter() - t0
         log.info(f"checkpoint {checkpoint.tag_for(step)} saved in {secs:.1f}s")
@@ -432,7 +444,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
             if cfg.eval_interval and done % cfg.eval_interval == 0 and done != steps:
-                self.metrics.event(done, "eval", **self.evaluate())
+                self.metrics.event(done, "eval", **self.evaluate(done))
             if cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0 and done != steps:
                 self.save(done)
             if t_first is None:
@@ -452,7 +464,7 @@ class Trainer:
             summary.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
         summary.update(self.stability.counters(), data_offset=self.data_offset)
         if self.start_step < steps:
-            ev = self.evaluate()
+            ev = self.evaluate(steps)
             self.metrics.event(steps, "eval", **ev)
             self.save(steps)
             summary.update(
