@@ -46,10 +46,6 @@ def render_sbatch(cfg: DictConfig, args: list[str], script: str = "train.py", ro
     lc, sc = cfg.launcher, cfg.launcher.slurm
     if sc.node_launcher not in NODE_LAUNCHERS:
         raise ConfigError(f"launcher.slurm.node_launcher={sc.node_launcher!r}: choose one of {list(NODE_LAUNCHERS)}")
-    if lc.nnodes < 1 or lc.nproc_per_node < 1:
-        raise ConfigError(
-            f"launcher.nnodes={lc.nnodes}, launcher.nproc_per_node={lc.nproc_per_node}: both must be >= 1"
-        )
     out = resolve_path(cfg.output_dir)
     name = sc.job_name or out.name
     world = lc.nnodes * lc.nproc_per_node

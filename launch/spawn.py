@@ -47,10 +47,6 @@ def launcher_argv(cfg: DictConfig, script: str, args: list[str], port: int | Non
     """The launcher command line for one run of ``script args`` with ``cfg.launcher``'s shape."""
     lc = cfg.launcher
     port = port or lc.master_port or free_port()
-    if lc.nproc_per_node < 1 or lc.nnodes < 1:
-        raise ConfigError(
-            f"launcher.nproc_per_node={lc.nproc_per_node}, launcher.nnodes={lc.nnodes}: both must be >= 1"
-        )
     if lc.name == "deepspeed":
         cmd = [_exe("deepspeed")]
         if lc.nnodes > 1:

@@ -177,10 +177,14 @@ def test_conf_fits_and_gpu_hour_budget() -> None:
             ["budget.target_loss=1.5"],
             r"^budget.target_loss=1.5 is not above the fit's irreducible loss budget.law.E=1.6934",
         ),
-        (["budget.train_flops=-1"], r"^budget.train_flops=-1.0 must be positive"),
-        (["budget.train_flops=1e23", "budget.inference_mfu=55"], r"^budget.inference_mfu=55.0 must be a fraction"),
-        (["budget.train_flops=1e23", "budget.inference_tokens=-5"], r"^budget.inference_tokens=-5.0 must be >= 0"),
-        (["budget.train_flops=1e23", "budget.law.beta=0"], r"^budget.law.beta=0.0 must be positive"),
+        (["budget.train_flops=-1"], r"^budget.train_flops=-1.0 is out of range: it must be > 0"),
+        (
+            ["budget.train_flops=1e23", "budget.inference_mfu=55"],
+            r"^budget.inference_mfu=55.0 is out of range: it must be > 0 and <= 1",
+        ),
+        (["budget.train_flops=1e23", "budget.inference_tokens=-5"], r"^budget.inference_tokens=-5.0 is out of range"),
+        (["budget.train_flops=1e23", "budget.law.beta=0"], r"^budget.law.beta=0.0 is out of range: it must be > 0"),
+        (["budget.train_flops=1e23", "cluster.peak_tflops=0"], r"^cluster.peak_tflops=0.0 is out of range"),
         (["budget.train_flops=1e23", "plot=x.png"], r"^plot=x.png draws layouts, and budget mode plans none"),
     ],
 )

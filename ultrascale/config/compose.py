@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ultrascale.config.fields import check
 from ultrascale.config.schema import register_configs
 from ultrascale.errors import ConfigError
 
@@ -72,6 +73,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
         raise ConfigError(_one_line(e, overrides, config_name)) from None
     finally:
         GlobalHydra.instance().clear()
+    check(cfg, HELP_COMMANDS.get(config_name, "--help"))
     return cfg
 
 

@@ -14,6 +14,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from ultrascale.config.fields import num
+
 
 @dataclass
 class ModelConfig:
@@ -30,7 +32,7 @@ class ModelConfig:
     there is no hub access at run time."""
     attn_implementation: str = "sdpa"
     """``sdpa`` (fused, no s^2 activation term), ``eager`` (reference), or ``flash_attention_2`` on GPU."""
-    init_seed: int | None = None
+    init_seed: int | None = num(None, ge=0)
     """Seed for weight init; defaults to ``train.seed`` so every rank builds identical weights."""
 
 
@@ -38,7 +40,7 @@ class ModelConfig:
 class ZeroConfig:
     """DeepSpeed ``zero_optimization`` knobs, named exactly as DeepSpeed names them."""
 
-    stage: int = 1
+    stage: int = num(1, ge=0, le=3)
     """0 = plain DDP-style data parallel; 1 shards optimizer state; 2 also gradients; 3 also weights.
     Rule of thumb: the lowest stage that fits is the fastest."""
     offload_optimizer: str = "none"
@@ -53,23 +55,23 @@ class ZeroConfig:
     """Copy gradients into one contiguous buffer as they are produced: less fragmentation at peak."""
     reduce_scatter: bool = True
     """Use reduce-scatter instead of all-reduce for gradient averaging (stage >= 2)."""
-    reduce_bucket_size: int = 50_000_000
+    reduce_bucket_size: int = num(50_000_000, ge=1)
     """Elements per gradient reduction bucket. Larger = fewer, bigger collectives; more memory."""
-    allgather_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = num(50_000_000, ge=1)
     """Elements per all-gather bucket after the optimizer step (stage 1/2)."""
     round_robin_gradients: bool = False
     """Stage 1/2 with CPU offload: parallelise gradient copies to host across ranks."""
-    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int = num(50_000_000, ge=0)
     """Stage 3: elements of upcoming parameters to prefetch (all-gather ahead of use)."""
-    stage3_param_persistence_threshold: int = 100_000
+    stage3_param_persistence_threshold: int = num(100_000, ge=0)
     """Stage 3: parameters smaller than this stay resident (not partitioned): saves many tiny gathers."""
-    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_live_parameters: int = num(1_000_000_000, ge=1)
     """Stage 3: upper bound on gathered parameters alive at once; lower it if memory spikes."""
-    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_max_reuse_distance: int = num(1_000_000_000, ge=0)
     """Stage 3: keep a gathered parameter if it is reused within this many parameters."""
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Stage 3: also write a consolidated 16-bit state dict on save (costs a full gather)."""
-    zero_hpz_partition_size: int = 1
+    zero_hpz_partition_size: int = num(1, ge=1)
     """ZeRO++ hierarchical partitioning: secondary weight copy within groups of this many ranks (1 = off)."""
     zero_quantized_weights: bool = False
     """ZeRO++ qwZ: int8 weight all-gather. Needs CUDA kernels."""
@@ -81,13 +83,13 @@ class ZeroConfig:
 class PrecisionConfig:
     dtype: str = "fp32"
     """``fp32``, ``bf16`` (no loss scaling needed; the default on Ampere+), or ``fp16`` (dynamic loss scale)."""
-    initial_scale_power: int = 16
+    initial_scale_power: int = num(16, ge=0, le=32)
     """fp16 only: the dynamic loss scale starts at 2**this."""
-    loss_scale_window: int = 1000
+    loss_scale_window: int = num(1000, ge=1)
     """fp16 only: steps without overflow before the scale is raised."""
-    hysteresis: int = 2
+    hysteresis: int = num(2, ge=1)
     """fp16 only: overflows tolerated before the scale is lowered."""
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = num(1.0, gt=0)
     """fp16 only: floor for the dynamic loss scale."""
 
 
@@ -96,13 +98,13 @@ class SchedConfig:
     name: str = "cosine"
     """``cosine`` (linear warmup then cosine to min_lr), ``wsd`` (warmup-stable-decay: flat, then a short
     decay, so a run can be extended or branched from any stable-phase checkpoint), or ``constant``."""
-    warmup_steps: int = 100
+    warmup_steps: int = num(100, ge=0)
     """Linear warmup from 0; protects Adam's early, badly estimated second moments."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = num(0.1, ge=0, le=1)
     """Final lr as a fraction of optim.lr."""
-    decay_fraction: float = 0.2
+    decay_fraction: float = num(0.2, ge=0, le=1)
     """WSD only: the last fraction of train.steps spent decaying."""
-    total_steps: int | None = None
+    total_steps: int | None = num(None, ge=1)
     """Schedule length; defaults to train.steps. Set it to keep the schedule fixed when extending a run."""
 
 
@@ -111,17 +113,17 @@ class OptimConfig:
     name: str = "adamw"
     """``adamw`` or ``muon`` (DeepSpeed's MuonWithAuxAdam: Muon on 2-D hidden matrices, Adam on the rest;
     ZeRO stage <= 2 because Muon needs whole, unflattened matrices)."""
-    lr: float = 3e-4
+    lr: float = num(3e-4, gt=0)
     """Peak learning rate reached after warmup."""
-    weight_decay: float = 0.1
+    weight_decay: float = num(0.1, ge=0)
     """Decoupled weight decay, applied to matrices only: never to norms, biases or (optionally) embeddings."""
     decay_embeddings: bool = True
     """Whether embedding/unembedding matrices get weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = num(default_factory=lambda: [0.9, 0.95], ge=0, lt=1)
     """Adam betas; 0.95 for beta2 is the usual LLM choice for stability."""
-    eps: float = 1e-8
+    eps: float = num(1e-8, gt=0)
     """Adam epsilon."""
-    grad_clip: float = 1.0
+    grad_clip: float = num(1.0, ge=0)
     """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
     torch_adam: bool = True
     """Use torch's AdamW inside DeepSpeed instead of JIT-compiling FusedAdam/CPUAdam (minutes on first use).
@@ -129,9 +131,9 @@ class OptimConfig:
     fused: bool = True
     """torch AdamW's fused kernel (``fused=True``: one kernel for all parameters instead of a loop of small
     ops); it exists on CPU and CUDA for fp32/bf16/fp16. Same math as the unfused step."""
-    momentum: float = 0.95
+    momentum: float = num(0.95, ge=0, lt=1)
     """Muon only: Nesterov momentum."""
-    muon_lr: float | None = None
+    muon_lr: float | None = num(None, gt=0)
     """Muon only: lr for the Muon half (matrices); the Adam half uses optim.lr."""
     sched: SchedConfig = field(default_factory=SchedConfig)
 
@@ -141,19 +143,19 @@ class DataConfig:
     path: str = "data/stdlib"
     """Directory produced by ``python -m data_prep`` (manifest.json + shards). Relative paths resolve
     against the project root."""
-    seq_len: int = 256
+    seq_len: int = num(256, ge=2)
     """Tokens per sample; must equal the prepared shards' seq_len."""
-    micro_batch: int = 4
+    micro_batch: int = num(4, ge=1)
     """Samples per rank per forward/backward (DeepSpeed train_micro_batch_size_per_gpu)."""
-    global_batch: int = 16
+    global_batch: int = num(16, ge=1)
     """Samples per optimizer step across all data-parallel ranks; must be micro_batch * dp * k."""
     prepare_if_missing: bool = True
     """If ``path`` has no manifest, rank 0 runs data prep on ``prepare_source`` while the other ranks wait."""
     prepare_source: str = "stdlib"
     """Corpus used when preparing on demand: ``stdlib`` (this Python's own sources) or a directory."""
-    prepare_max_files: int = 400
+    prepare_max_files: int = num(400, ge=1)
     """Cap on source files when preparing on demand (keeps the first run to seconds)."""
-    eval_batches: int = 4
+    eval_batches: int = num(4, ge=1)
     """Held-out micro-batches per rank per evaluation."""
     verify_checksums: bool = True
     """Check every shard's sha256 against the manifest before training (catches corrupt copies)."""
@@ -189,17 +191,17 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = num(100, ge=1)
     """Optimizer steps to run (each consumes data.global_batch samples)."""
-    eval_interval: int = 50
+    eval_interval: int = num(50, ge=0)
     """Evaluate held-out loss every N steps (0 = only at the end)."""
-    checkpoint_interval: int = 50
+    checkpoint_interval: int = num(50, ge=0)
     """Save a checkpoint every N steps (0 = only at the end)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = num(2, ge=0)
     """Newest complete checkpoints to keep on disk (0 = keep all)."""
-    log_interval: int = 1
+    log_interval: int = num(1, ge=1)
     """Log metrics every N steps."""
-    seed: int = 1234
+    seed: int = num(1234, ge=0)
     """Seeds weight init, data order and dropout. Same seed + same data = same run."""
     resume: str = "auto"
     """``auto`` (resume from the newest complete checkpoint in output_dir if any), ``never``, or a path."""
@@ -220,9 +222,9 @@ class TrainConfig:
     [tokens, vocab] logits never exist at once, which at a 49k vocabulary is the largest activation of a
     small model. Same loss and gradients as the plain path. Dense HF decoders with pp=1 and sp=1; MoE models
     keep the plain path (their forward adds the router loss) and the banner says so."""
-    loss_chunk_tokens: int = 0
+    loss_chunk_tokens: int = num(0, ge=0)
     """Tokens per chunk of the fused loss; 0 picks one from the vocabulary size (see ``ultrascale/model/loss.py``)."""
-    attn_block_size: int | None = None
+    attn_block_size: int | None = num(None, ge=0)
     """With ``model.attn_implementation=sdpa``: run causal attention in query blocks of this many tokens, each
     block attending only to keys up to its own end, so the tiles the causal mask forbids are never computed
     (``ultrascale/model/attention.py``; same output as sdpa). Unset (auto): 64 on CPU, where it is measured
@@ -232,16 +234,16 @@ class TrainConfig:
     step_breakdown: bool = True
     """Record where each step's time goes (data wait, forward, backward, communication, optimizer) from
     DeepSpeed's own engine timers (``wall_clock_breakdown``): host clocks on CPU, CUDA events on GPU."""
-    eval_humaneval: int = 0
+    eval_humaneval: int = num(0, ge=0)
     """At every eval_interval also run greedy HumanEval pass@1 on the first N problems on rank 0, in the
     sandbox (0 = off). Needs a prepared dataset with a tokenizer, zero.stage<=2 and pp=tp=1."""
-    eval_humaneval_max_new_tokens: int = 128
+    eval_humaneval_max_new_tokens: int = num(128, ge=1)
     """Generation budget per HumanEval completion during training (stop sequences usually end it sooner)."""
-    profile_steps: int = 0
+    profile_steps: int = num(0, ge=0)
     """Record a ``torch.profiler`` trace of this many steps on every rank (0 = off): ``profile/rankNNNNN.txt``
     ranks the operators by self time, ``.trace.json`` opens in Perfetto. For when the step breakdown shows a
     phase larger than it should be and the question is which operator."""
-    profile_start: int = 5
+    profile_start: int = num(5, ge=0)
     """Steps to run before the profiled window (counted from the start or resume of the run), so warm-up and
     the compile stay out of it."""
 
@@ -262,47 +264,47 @@ class StabilityConfig:
     """A loss spike (see spike_zscore): ``none``, ``skip`` (drop this step's update), ``lr_cut`` (apply it with
     lr x lr_cut_factor and keep the cut for lr_cut_steps) or ``rollback`` (last checkpoint, skip the data
     window from it to the spike). ``skip`` needs parallel.pp=1 (the pipeline updates inside train_batch)."""
-    spike_zscore: float = 6.0
+    spike_zscore: float = num(6.0, gt=0)
     """A step is a spike when its loss exceeds the mean of the recent window by this many standard deviations.
     One-sided: a loss that falls fast is progress, not a spike."""
-    spike_window: int = 50
+    spike_window: int = num(50, ge=1)
     """Accepted (non-skipped) steps in the moving window of losses the z-score is measured against."""
-    spike_min_history: int = 20
+    spike_min_history: int = num(20, ge=1)
     """No spike detection until the window holds this many steps (early losses fall too fast to be a baseline)."""
-    spike_min_rel_std: float = 0.02
+    spike_min_rel_std: float = num(0.02, ge=0)
     """Floor on the window's standard deviation as a fraction of its mean loss, so a flat stretch of the
     curve (or a short window) does not turn ordinary noise into a 'spike'."""
-    lr_cut_factor: float = 0.5
+    lr_cut_factor: float = num(0.5, gt=0, le=1)
     """``spike=lr_cut``: multiply the scheduled lr by this factor..."""
-    lr_cut_steps: int = 100
+    lr_cut_steps: int = num(100, ge=1)
     """...for this many steps after the spike."""
-    max_consecutive: int = 5
+    max_consecutive: int = num(5, ge=1)
     """End the run with an error after this many bad steps in a row (skips and rollbacks without a clean
     step between them): something is persistently broken and a human should look."""
-    max_rollbacks: int = 10
+    max_rollbacks: int = num(10, ge=0)
     """End the run with an error after this many rollbacks in total."""
 
 
 @dataclass
 class PipelineConfig:
-    micro_batches: int | None = None
+    micro_batches: int | None = num(None, ge=1)
     """Micro-batches per pipeline step; defaults to gradient accumulation steps. More = smaller bubble
     (p-1)/(m+p-1)."""
     partition_method: str = "parameters"
     """``parameters`` (balance parameter counts), ``uniform`` (balance layer counts), or ``type:<regex>``."""
-    activation_checkpoint_interval: int = 0
+    activation_checkpoint_interval: int = num(0, ge=0)
     """Checkpoint every N layers inside each stage (0 = off)."""
 
 
 @dataclass
 class MoEConfig:
-    num_experts: int = 8
+    num_experts: int = num(8, ge=1)
     """Experts per MoE layer (HF MoE models read it from their own config; this is for the DeepSpeed MoE swap)."""
-    top_k: int = 2
+    top_k: int = num(2, ge=1)
     """Experts each token is routed to."""
-    capacity_factor: float = 1.25
+    capacity_factor: float = num(1.25, gt=0)
     """Expert capacity = capacity_factor * tokens * top_k / num_experts; overflow tokens are dropped."""
-    aux_loss_coef: float = 0.01
+    aux_loss_coef: float = num(0.01, ge=0)
     """Weight of the router load-balancing loss added to the LM loss."""
     drop_tokens: bool = True
     """Drop tokens over capacity (fixed shapes, faster) instead of padding capacity to the max load."""
@@ -310,13 +312,13 @@ class MoEConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
+    tp: int = num(1, ge=1)
     """Tensor-parallel degree (DeepSpeed AutoTP). Keep it inside a node: it all-reduces twice per layer."""
-    pp: int = 1
+    pp: int = num(1, ge=1)
     """Pipeline-parallel stages. Needs zero.stage <= 1."""
-    sp: int = 1
+    sp: int = num(1, ge=1)
     """Sequence-parallel degree (Ulysses all-to-all). Must divide the attention head count."""
-    ep: int = 1
+    ep: int = num(1, ge=1)
     """Expert-parallel degree for MoE models. Must divide dp and the expert count."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -334,7 +336,7 @@ class SlurmConfig:
     """``#SBATCH --qos``; None uses the partition's default."""
     time: str = "24:00:00"
     """Wall-clock limit (``HH:MM:SS`` or ``D-HH:MM:SS``). Requeue plus auto-resume continues past it."""
-    cpus_per_task: int = 16
+    cpus_per_task: int = num(16, ge=1)
     """CPU cores per node for the one launcher task (its ranks and their data loading share them)."""
     mem: str | None = None
     """``#SBATCH --mem`` per node (e.g. ``0`` = all of it); None uses the partition's default."""
@@ -346,7 +348,7 @@ class SlurmConfig:
     """Per-node launcher started by ``srun``: ``deepspeed`` (``--no_ssh --node_rank``) or ``torchrun``."""
     requeue: bool = True
     """Requeue the job when preempted or near the time limit; the run resumes from its latest checkpoint."""
-    signal_lead_s: int = 300
+    signal_lead_s: int = num(300, ge=0)
     """Seconds before the time limit at which Slurm signals the batch script to requeue the job."""
     extra: list[str] = field(default_factory=list)
     """Further ``#SBATCH`` options, verbatim (e.g. ``["--exclusive", "--reservation=big"]``)."""
@@ -360,11 +362,11 @@ class LauncherConfig:
     """How a run is started: ``local`` (this process, or whatever launcher already started it),
     ``deepspeed``/``torchrun`` (spawn a multi-rank launcher for the run, or per Hydra ``-m`` job), or ``slurm``
     (write ``<output_dir>/sbatch.sh`` and submit it)."""
-    nproc_per_node: int = 2
+    nproc_per_node: int = num(2, ge=1)
     """Ranks per node when this tool spawns the launcher (GPUs per node on a GPU cluster)."""
-    nnodes: int = 1
+    nnodes: int = num(1, ge=1)
     """Nodes when this tool spawns the launcher. More than one needs ``launcher.hostfile`` or ``launcher=slurm``."""
-    master_port: int | None = None
+    master_port: int | None = num(None, ge=1, le=65535)
     """Rendezvous TCP port on the first node. None picks one: a free port for local launches, and
     20000 + job id % 20000 on Slurm (two jobs sharing a node must not collide)."""
     hostfile: str | None = None
@@ -402,29 +404,29 @@ class ClusterConfig:
 
     name: str = "h100_8x"
     """Preset name, shown in the plan's header."""
-    gpus_per_node: int = 8
+    gpus_per_node: int = num(8, ge=1)
     """Accelerators per node: tensor parallelism stays inside one (it all-reduces twice per layer)."""
-    nodes: int = 1
+    nodes: int = num(1, ge=1)
     """Nodes; world size = gpus_per_node * nodes."""
-    gpu_memory_gib: float = 80.0
+    gpu_memory_gib: float = num(80.0, gt=0)
     """Device memory per accelerator (GiB) that a layout's peak must fit under."""
-    reserved_gib: float = 1.0
+    reserved_gib: float = num(1.0, ge=0)
     """Memory the runtime takes before training allocates anything (CUDA context, NCCL/communicator buffers)."""
-    host_memory_gib: float = 2048.0
+    host_memory_gib: float = num(2048.0, gt=0)
     """Host memory per node (GiB): ZeRO-Offload state must fit here, shared by the node's ranks."""
-    peak_tflops: float = 989.0
+    peak_tflops: float = num(989.0, gt=0)
     """Dense 16-bit peak per accelerator (TFLOP/s); MFU is measured against it."""
-    matmul_efficiency: float = 0.55
+    matmul_efficiency: float = num(0.55, gt=0, le=1)
     """Achieved fraction of peak for a training step's mix of matmuls and elementwise kernels."""
-    intra_node_gbps: float = 450.0
+    intra_node_gbps: float = num(450.0, gt=0)
     """Achieved all-reduce bus bandwidth inside a node (GB/s per GPU; NVLink 4 ~ 450-480)."""
-    inter_node_gbps: float = 45.0
+    inter_node_gbps: float = num(45.0, gt=0)
     """Achieved bus bandwidth across nodes (GB/s per GPU; 400 Gb/s InfiniBand per GPU ~ 45)."""
-    host_link_gbps: float = 25.0
+    host_link_gbps: float = num(25.0, gt=0)
     """Host<->device copy bandwidth (GB/s) used by offload."""
-    intra_node_latency_us: float = 10.0
+    intra_node_latency_us: float = num(10.0, ge=0)
     """Per-collective latency inside a node."""
-    inter_node_latency_us: float = 25.0
+    inter_node_latency_us: float = num(25.0, ge=0)
     """Per-collective latency across nodes."""
     measure_peak: bool = False
     """Measure ``peak_tflops`` on this machine at plan time (a timed matmul); for ``cluster=cpu_local``."""
@@ -436,27 +438,27 @@ class SearchConfig:
 
     enabled: bool = True
     """False: evaluate only the layout given by the parallel/zero/data/train groups (explain one config)."""
-    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    zero_stages: list[int] = num(default_factory=lambda: [0, 1, 2, 3], ge=0, le=3)
     """ZeRO stages to try."""
     offload: bool = True
     """Also try optimizer (stage>=1) and parameter (stage 3) offload to the host."""
     recompute: list[bool] = field(default_factory=lambda: [False, True])
     """Activation checkpointing settings to try."""
-    micro_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    micro_batches: list[int] = num(default_factory=lambda: [1, 2, 4, 8], ge=1)
     """Micro-batch sizes to try; each must divide global_batch / dp."""
-    tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    tp: list[int] = num(default_factory=lambda: [1, 2, 4, 8], ge=1)
     """Tensor-parallel degrees to try (capped at gpus_per_node)."""
-    pp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    pp: list[int] = num(default_factory=lambda: [1, 2, 4, 8], ge=1)
     """Pipeline degrees to try."""
-    sp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    sp: list[int] = num(default_factory=lambda: [1, 2, 4, 8], ge=1)
     """Ulysses sequence-parallel degrees to try."""
-    ep: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    ep: list[int] = num(default_factory=lambda: [1, 2, 4, 8], ge=1)
     """Expert-parallel degrees to try (MoE models only)."""
-    fragmentation: float = 0.10
+    fragmentation: float = num(0.10, ge=0)
     """Headroom, as a fraction of the allocated peak, for allocator fragmentation."""
-    overlap: float = 0.8
+    overlap: float = num(0.8, ge=0, le=1)
     """Fraction of overlappable communication (DP/ZeRO buckets, prefetch) hidden behind compute."""
-    recompute_overhead: float = 1.0
+    recompute_overhead: float = num(1.0, ge=0)
     """Extra forward passes per step with activation checkpointing (1.0 = one full recompute)."""
 
 
@@ -467,15 +469,15 @@ class ScalingLawConfig:
 
     name: str = "hoffmann"
     """Which fit, shown in the budget table."""
-    E: float = 1.6934
+    E: float = num(1.6934, ge=0)
     """Irreducible loss (nats/token on the fit's data): no model reaches it."""
-    A: float = 406.4
+    A: float = num(406.4, gt=0)
     """Coefficient of the parameter term A/N^alpha."""
-    B: float = 410.7
+    B: float = num(410.7, gt=0)
     """Coefficient of the data term B/D^beta."""
-    alpha: float = 0.3392
+    alpha: float = num(0.3392, gt=0)
     """Parameter exponent."""
-    beta: float = 0.2849
+    beta: float = num(0.2849, gt=0)
     """Data exponent."""
 
 
@@ -489,20 +491,20 @@ class BudgetConfig:
     """Print the budget table instead of planning layouts (``budget=hoffmann|besiroglu`` turn it on)."""
     law: ScalingLawConfig = field(default_factory=ScalingLawConfig)
     """The loss surface both optima are read from."""
-    train_flops: float | None = None
+    train_flops: float | None = num(None, gt=0)
     """Training compute budget (FLOPs, 6·N·D): the bar is the loss of Chinchilla's model for it."""
-    train_gpu_hours: float | None = None
+    train_gpu_hours: float | None = num(None, gt=0)
     """Training budget in GPU-hours on ``cluster`` (at ``cluster.peak_tflops`` x the training MFU)."""
-    target_loss: float | None = None
+    target_loss: float | None = num(None, gt=0)
     """The loss to reach directly; must be above ``law.E``."""
-    inference_tokens: float = 0.0
+    inference_tokens: float = num(0.0, ge=0)
     """Tokens served over the model's life (prompt + generated), each costing 2·N FLOPs."""
-    train_mfu: float | None = None
+    train_mfu: float | None = num(None, gt=0, le=1)
     """Training MFU for GPU-hours; null = ``cluster.matmul_efficiency``."""
-    inference_mfu: float | None = None
+    inference_mfu: float | None = num(None, gt=0, le=1)
     """Serving MFU; null = the training MFU. Lower it (decoding is memory-bound) and inference FLOPs cost more,
     which shifts the optimum to smaller models: the optimum minimises GPU-hours, not FLOPs."""
-    usd_per_gpu_hour: float | None = None
+    usd_per_gpu_hour: float | None = num(None, gt=0)
     """Price of one GPU-hour: adds a dollar row; null = no dollars."""
 
 
@@ -512,7 +514,7 @@ class PlanRootConfig(RootConfig):
 
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
-    top_n: int = 10
+    top_n: int = num(10, ge=1)
     """Rows in the printed ranking."""
     output_json: str | None = None
     """Write the full result (every layout, its terms and any rejection reason) to this path."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from ultrascale.config.fields import num
+
 TASKS = ("perplexity", "humaneval")
 
 
@@ -17,9 +19,9 @@ TASKS = ("perplexity", "humaneval")
 class PerplexityConfig:
     split: str = "validation"
     """Split of the prepared data to score; ``validation`` is held out from training by data prep."""
-    batch_size: int = 8
+    batch_size: int = num(8, ge=1)
     """Samples per forward pass; lower it for long sequences or big vocabularies (logits are [b, s, V])."""
-    max_samples: int | None = None
+    max_samples: int | None = num(None, ge=1)
     """Score only the first N samples (shuffled at prep time, so a fair subset); None = the whole split."""
     data_path: str | None = None
     """Prepared data directory; defaults to the run's ``data.path``. Required with ``model_dir=``."""
@@ -27,27 +29,27 @@ class PerplexityConfig:
 
 @dataclass
 class HumanEvalConfig:
-    limit: int | None = None
+    limit: int | None = num(None, ge=1)
     """Evaluate the first N of the 164 problems (fixed order, so subsets compare across checkpoints)."""
-    n_samples: int = 1
+    n_samples: int = num(1, ge=1)
     """Completions per problem. pass@k needs n_samples >= k; n_samples > k lowers the estimator's variance."""
-    temperature: float = 0.0
+    temperature: float = num(0.0, ge=0)
     """0 = greedy (the standard pass@1); pass@k with k > 1 needs sampling, e.g. 0.8 with n_samples=20."""
-    top_p: float = 0.95
+    top_p: float = num(0.95, gt=0, le=1)
     """Nucleus sampling cutoff (sampling only)."""
-    k: list[int] = field(default_factory=lambda: [1])
+    k: list[int] = num(default_factory=lambda: [1], ge=1)
     """The k values to report pass@k for; each must be <= n_samples."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = num(256, ge=1)
     """Generation budget per completion; stop sequences usually end it far earlier."""
-    batch_size: int = 8
+    batch_size: int = num(8, ge=1)
     """Prompts per ``generate`` call (each expands to n_samples rows)."""
-    seed: int = 1234
+    seed: int = num(1234, ge=0)
     """Seeds sampling, so a pass@k run is reproducible."""
-    timeout_s: float = 10.0
+    timeout_s: float = num(10.0, gt=0)
     """Wall-clock limit per test program in the sandbox."""
-    memory_mb: int = 1024
+    memory_mb: int = num(1024, ge=16)
     """Address-space limit per test program."""
-    workers: int = 2
+    workers: int = num(2, ge=1)
     """Test programs run at once (each in its own sandbox)."""
     heal_newline: bool = True
     """Generate after the prompt without its trailing newline and re-align the completion (what
@@ -59,7 +61,7 @@ class HumanEvalConfig:
 class EvalConfig:
     run_dir: str | None = None
     """A training run directory (config.yaml + checkpoints/): evaluates its checkpoint ``step``."""
-    step: int | None = None
+    step: int | None = num(None, ge=0)
     """Checkpoint step inside run_dir; None = the newest complete one (``checkpoints/latest``)."""
     model_dir: str | None = None
     """Any local HF model directory instead of a run (an export, an imported GGUF, ...)."""

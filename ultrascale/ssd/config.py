@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from ultrascale.config.fields import num
+
 DENY_NAMES = [
     # Files, processes, the network, clocks, randomness and the interpreter: a problem must be a pure function
     # of its arguments, so its tests are deterministic and a pass says something about the code, not the
@@ -37,43 +39,43 @@ class ProblemsConfig:
     """``source=jsonl``: one problem per line, ``{"task_id", "prompt", "tests", "entry_point"}`` plus optional
     ``reference`` (verified like mined ones) and ``extra_candidates`` (completions from elsewhere, e.g. human
     solutions, executed and filtered exactly like model samples and marked ``source: provided``)."""
-    max_problems: int | None = 128
+    max_problems: int | None = num(128, ge=1)
     """Keep at most this many problems (a seeded sample of those passing every filter); null keeps all."""
-    seed: int = 0
+    seed: int = num(0, ge=0)
     """Seeds the ``max_problems`` sample."""
     include_helpers: bool = True
     """Put the module-level functions, classes and constants a function uses (transitively) into its prompt,
     so it is self-contained and the model can see them. Off: such functions are dropped."""
-    max_prompt_lines: int = 80
+    max_prompt_lines: int = num(80, ge=1)
     """Longest prompt (imports + helpers + signature + docstring) kept; longer ones are dropped (CPU budget)."""
-    max_reference_lines: int = 40
+    max_reference_lines: int = num(40, ge=1)
     """Longest reference body kept: a completion the model could plausibly write in ``max_new_tokens``."""
     asserts: bool = True
     """Also turn module-level ``assert f(...) == ...`` statements (and those in ``_test``/``test_*`` functions or
     ``if __name__ == "__main__"`` blocks) that call the function into its tests."""
     deny_names: list[str] = field(default_factory=lambda: list(DENY_NAMES))
     """Names (builtins or modules) a problem may not use anywhere in its code: no I/O, clocks or randomness."""
-    decontam_ngram: int = 10
+    decontam_ngram: int = num(10, ge=1)
     """HumanEval decontamination: word n-gram size (data prep's ``decontam.ngram``)."""
-    decontam_min_overlap: float = 0.5
+    decontam_min_overlap: float = num(0.5, gt=0, le=1)
     """Share of a HumanEval item's n-grams found in a problem (prompt + reference) that drops it."""
-    timeout_s: float = 5.0
+    timeout_s: float = num(5.0, gt=0)
     """Sandbox wall-clock limit when checking a reference against its own tests: problems must be fast."""
-    workers: int = 2
+    workers: int = num(2, ge=1)
     """Reference checks run at once (each in its own sandbox)."""
 
 
 @dataclass
 class SampleConfig:
-    n: int = 4
+    n: int = num(4, ge=1)
     """Completions sampled per problem from the current model."""
-    temperature: float = 0.8
+    temperature: float = num(0.8, ge=0)
     """Sampling temperature (> 0: n identical greedy samples teach nothing)."""
-    top_p: float = 0.95
+    top_p: float = num(0.95, gt=0, le=1)
     """Nucleus sampling cutoff."""
-    max_new_tokens: int = 192
+    max_new_tokens: int = num(192, ge=1)
     """Generation budget per completion; the stop sequences (next top-level statement) usually end it sooner."""
-    batch_size: int = 8
+    batch_size: int = num(8, ge=1)
     """Prompts per ``generate`` call; each expands to ``n`` rows."""
     heal_newline: bool = True
     """Sample from the prompt without its trailing newline and re-align the completion to the full prompt.
@@ -84,31 +86,31 @@ class SampleConfig:
     extra_stops: list[str] = field(default_factory=lambda: ["```"])
     """Stop sequences added to HumanEval's for sampling: a code fence means the model has left the function
     (chat-tuned models close the 'code block' and explain it), so decoding further only costs time."""
-    seed: int = 1234
+    seed: int = num(1234, ge=0)
     """Seeds sampling (each batch gets seed + its index), so a round's samples are reproducible."""
     dedupe: bool = True
     """Keep one of several passing samples with the same AST (comments, spacing and docstrings ignored)."""
-    max_kept_per_problem: int = 4
+    max_kept_per_problem: int = num(4, ge=1)
     """Cap on kept samples per problem, so easy problems do not dominate the finetuning set."""
-    timeout_s: float = 5.0
+    timeout_s: float = num(5.0, gt=0)
     """Sandbox wall-clock limit per sample program."""
-    memory_mb: int = 1024
+    memory_mb: int = num(1024, ge=16)
     """Sandbox address-space limit per sample program."""
-    workers: int = 2
+    workers: int = num(2, ge=1)
     """Sample programs run at once (each in its own sandbox)."""
 
 
 @dataclass
 class SFTConfig:
-    seq_len: int = 512
+    seq_len: int = num(512, ge=2)
     """Packed row length of the finetuning set; a sample (prompt + completion + EOS) longer than this is dropped."""
-    validation_fraction: float = 0.1
+    validation_fraction: float = num(0.1, ge=0, lt=1)
     """Share of problems whose kept samples form the validation split (at least one problem when two or more
     have kept samples; otherwise validation repeats train and the manifest says so)."""
     eos_token: str | None = None
     """Token appended after each completion and used as the document separator; null = the tokenizer's
     ``eos_token``, which is what the exported generation config stops at."""
-    seed: int = 0
+    seed: int = num(0, ge=0)
     """Seeds the row order and the validation pick."""
 
 
@@ -116,26 +118,26 @@ class SFTConfig:
 class FinetuneConfig:
     launcher: str = "torchrun"
     """How ``train.py`` is started: ``torchrun`` or ``deepspeed`` (``train.py ... launcher=X`` spawns it)."""
-    nproc: int = 2
+    nproc: int = num(2, ge=1)
     """Ranks on this node (``launcher.nproc_per_node``)."""
     train_overrides: list[str] = field(default_factory=list)
     """Extra ``train.py`` overrides, applied before the ones SSD sets (e.g. ``[recipe=smollm2_135m_cpt]`` for
     its ZeRO stage, precision and logger). SSD always sets the model, data, steps, lr and output directory."""
-    lr: float = 2.0e-5
+    lr: float = num(2.0e-5, gt=0)
     """Peak learning rate: small, so a few hundred kept samples nudge the model rather than overwrite it."""
-    epochs: float = 2.0
+    epochs: float = num(2.0, gt=0)
     """Passes over the packed training rows; steps = ceil(epochs x rows / global_batch), clamped below."""
-    min_steps: int = 1
+    min_steps: int = num(1, ge=1)
     """Fewest optimizer steps, however small the kept set."""
-    max_steps: int = 200
+    max_steps: int = num(200, ge=1)
     """Most optimizer steps, however large the kept set."""
-    micro_batch: int = 2
+    micro_batch: int = num(2, ge=1)
     """Rows per rank per forward/backward."""
-    global_batch: int = 8
+    global_batch: int = num(8, ge=1)
     """Rows per optimizer step (micro_batch x nproc x gradient accumulation)."""
-    warmup_steps: int = 2
+    warmup_steps: int = num(2, ge=0)
     """Linear warmup steps (capped at steps - 1)."""
-    checkpoint_interval: int = 0
+    checkpoint_interval: int = num(0, ge=0)
     """Checkpoint every N steps so a killed finetune resumes mid-way (0 = only at the end; each checkpoint of
     a 135M model with Adam state is ~1.6 GB and ~7 s on CPU)."""
     export_dtype: str = "fp32"
@@ -148,19 +150,19 @@ class SSDEvalConfig:
     """Evaluate each round's exported model on HumanEval."""
     baseline: bool = True
     """Also evaluate the starting model once (``<output_dir>/baseline/``): the 'before' of the first round."""
-    limit: int | None = None
+    limit: int | None = num(None, ge=1)
     """First N HumanEval problems (null = all 164)."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = num(256, ge=1)
     """Generation budget per HumanEval completion."""
-    batch_size: int = 8
+    batch_size: int = num(8, ge=1)
     """Prompts per ``generate`` call."""
-    passk_samples: int = 0
+    passk_samples: int = num(0, ge=0)
     """Sampled completions per problem for pass@k (0 = greedy pass@1 only; pass@k needs >= max(passk_k))."""
-    passk_k: list[int] = field(default_factory=lambda: [1, 5])
+    passk_k: list[int] = num(default_factory=lambda: [1, 5], ge=1)
     """k values reported from the sampled completions."""
-    temperature: float = 0.8
+    temperature: float = num(0.8, gt=0)
     """Sampling temperature for pass@k."""
-    workers: int = 2
+    workers: int = num(2, ge=1)
     """Test programs run at once."""
 
 
@@ -171,12 +173,12 @@ class SSDConfig:
     its tokenizer. Round r + 1 starts from round r's export."""
     output_dir: str = "runs/ssd"
     """Where rounds, manifests and models go. Rerunning with the same directory continues where it stopped."""
-    rounds: int = 1
+    rounds: int = num(1, ge=1)
     """Sample -> execute -> filter -> finetune -> export -> eval cycles."""
     stop_after: str | None = None
     """Stop the run after this stage of the last round (``problems``, ``sample``, ``sft_data``, ``finetune``,
     ``export``): e.g. ``sample`` to look at pass rates before paying for a finetune. A rerun without it goes on."""
-    threads: int | None = None
+    threads: int | None = num(None, ge=1)
     """``torch.set_num_threads`` for sampling and HumanEval generation, which run in this one process (the
     finetune's ranks are separate processes); null keeps torch's default (``OMP_NUM_THREADS``)."""
     dtype: str = "fp32"

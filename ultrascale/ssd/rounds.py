@@ -283,8 +283,6 @@ class SSDRun:
         from ultrascale.ssd import evaluate, finetune
 
         cfg = self.cfg
-        if cfg.rounds < 1:
-            raise ConfigError(f"rounds={cfg.rounds}: run at least one round")
         if cfg.stop_after is not None and cfg.stop_after not in STAGES:
             raise ConfigError(f"stop_after={cfg.stop_after} is not one of {list(STAGES)}")
         if cfg.sample.temperature <= 0 and cfg.sample.n > 1:
