@@ -24,4 +24,4 @@ def main(cfg: DictConfig) -> dict:
 
 if __name__ == "__main__":
     register_eval_configs()
-    raise SystemExit(run_app("eval", main))
+    raise SystemExit(run_app("eval", main, help_text=__doc__))

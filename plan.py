@@ -10,6 +10,7 @@ python plan.py --help                                                          #
 from omegaconf import DictConfig
 
 from ultrascale.cli import run_app
+from ultrascale.errors import ConfigError
 
 
 def main(cfg: DictConfig) -> list:
@@ -39,16 +40,20 @@ def main(cfg: DictConfig) -> list:
         print("dropped (commonest reasons):\n" + rejection_summary(cands))
     if fits:
         print("\nbest:\n  " + override_line(cfg, fits[0]))
-    else:
-        print("\nno layout fits: add nodes, enable search.offload, or lower data.seq_len / data.micro_batch")
     if cfg.output_json:
         write_json(cfg.output_json, cfg, arch, cands)
         print(f"wrote {cfg.output_json}")
     if cfg.plot:
         plot(cfg.plot, cfg, cands, cfg.top_n)
         print(f"wrote {cfg.plot}")
+    if not fits:
+        raise ConfigError(
+            f"no layout of {cfg.model.name} fits {cfg.cluster.nodes}x{cfg.cluster.gpus_per_node} x "
+            f"{cfg.cluster.gpu_memory_gib:g} GiB: add nodes (cluster.nodes), enable search.offload, or lower "
+            "data.seq_len / data.micro_batch"
+        )
     return cands
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_app("plan", main))
+    raise SystemExit(run_app("plan", main, help_text=__doc__))

@@ -12,12 +12,16 @@ import sys
 from omegaconf import OmegaConf
 
 from data_prep.config import register_configs
+from ultrascale.cli import help_if_asked
 from ultrascale.config.compose import compose
 from ultrascale.errors import UltrascaleError
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    register_configs()
+    if (rc := help_if_asked("data_prep", argv, __doc__)) is not None:
+        return rc
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     try:
         register_configs()

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from data_prep.config import register_configs
+from ultrascale.cli import help_if_asked
 from ultrascale.config.compose import compose
 from ultrascale.errors import UltrascaleError
 
@@ -32,8 +33,10 @@ def decode_samples(output_dir: str, n: int = 4, split: str = "train") -> list[st
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    register_configs()
+    if (rc := help_if_asked("data_prep_show", argv, __doc__)) is not None:
+        return rc
     try:
-        register_configs()
         cfg = compose(argv, config_name="data_prep_show")
         texts = decode_samples(cfg.output_dir, cfg.n, cfg.split)
     except UltrascaleError as e:

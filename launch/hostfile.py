@@ -73,6 +73,28 @@ def hostfile_text(hosts: list[str], slots: int) -> str:
     return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 
+_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own grammar (deepspeed.launcher.runner._parse_hostfile)
+
+
+def read_hostfile(path: str | Path) -> dict[str, int]:
+    """{host: slots} of a DeepSpeed hostfile, or one error naming the line DeepSpeed would reject with a traceback."""
+    path = Path(path)
+    pool: dict[str, int] = {}
+    for n, raw in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            raise ConfigError(f"{path} line {n}: {line[:80]!r} is not 'HOST slots=N': fix or remove the line")
+        if m.group(1) in pool:
+            raise ConfigError(f"{path} line {n}: host {m.group(1)!r} appears twice: each node gets one line")
+        pool[m.group(1)] = int(m.group(2))
+    if not pool:
+        raise ConfigError(f"{path} names no hosts: write one 'HOST slots=N' line per node")
+    return pool
+
+
 def write_hostfile(path: str | Path, hosts: list[str], slots: int) -> Path:
     path = Path(path)
     path.write_text(hostfile_text(hosts, slots))

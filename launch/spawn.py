@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from launch.hostfile import read_hostfile
 from ultrascale.config.compose import PROJECT_ROOT, resolve_path
 from ultrascale.dist import free_port
 from ultrascale.errors import ConfigError
@@ -58,6 +59,11 @@ def launcher_argv(cfg: DictConfig, script: str, args: list[str], port: int | Non
             hostfile = resolve_path(lc.hostfile)
             if not hostfile.is_file():
                 raise ConfigError(f"launcher.hostfile={lc.hostfile}: no such file ({hostfile})")
+            hosts = read_hostfile(hostfile)
+            if len(hosts) < lc.nnodes:
+                raise ConfigError(
+                    f"launcher.nnodes={lc.nnodes} but {hostfile} names {len(hosts)} host(s): add hosts or lower nnodes"
+                )
             cmd += ["--hostfile", str(hostfile), "--num_nodes", str(lc.nnodes)]
         return [*cmd, "--num_gpus", str(lc.nproc_per_node), "--master_port", str(port), script, *args]
     if lc.name == "torchrun":

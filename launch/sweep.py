@@ -34,7 +34,8 @@ class SweepRecorder(Callback):
     """Remembers the sweep directory in the driver process (where the summary is written at the end)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        ACTIVE["dir"] = resolve_path(config.hydra.sweep.dir)
+        # Hydra makes a relative sweep dir under the current directory (not the project root, unlike output_dir)
+        ACTIVE["dir"] = Path(config.hydra.sweep.dir).absolute()
 
 
 def group_name(sweep_dir: str | Path) -> str:
@@ -132,11 +133,18 @@ def report(sweep_dir: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("usage: python -m launch.sweep SWEEP_DIR   (a Hydra -m output directory)", file=sys.stderr)
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("sweep_dir", help="a Hydra -m output directory (hydra.sweep.dir), e.g. multirun/DATE/TIME")
+    args = parser.parse_args(argv)
+    if not Path(args.sweep_dir).is_dir():
+        print(f"error: sweep directory {args.sweep_dir} does not exist: pass the hydra.sweep.dir of a -m run",
+              file=sys.stderr)  # fmt: skip
         return 2
-    print(report(argv[0]))
+    print(report(args.sweep_dir))
     return 0
 
 

@@ -189,7 +189,7 @@ def test_multirun_inside_a_launcher_is_refused(monkeypatch, capsys):
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert run_app("train", lambda cfg: pytest.fail("must not run"), ["-m", "optim.lr=1e-4,3e-4"]) == 2
+    assert run_app("train", lambda cfg: pytest.fail("must not run"), "", ["-m", "optim.lr=1e-4,3e-4"]) == 2
     err = capsys.readouterr().err
     assert "error: -m inside a multi-rank launcher" in err and "launcher=deepspeed" in err
 

@@ -41,7 +41,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complet
 def test_prints_table_and_best_line(result) -> None:
     proc, _, _ = result
     assert "tok/s" in proc.stdout and "bottleneck" in proc.stdout
-    assert "python train.py model=tiny parallel.tp=" in proc.stdout
+    assert "python train.py model=tiny precision=bf16 parallel.tp=" in proc.stdout
 
 
 def test_json_has_every_layout_with_terms_or_reason(result) -> None:

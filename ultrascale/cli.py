@@ -16,6 +16,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -75,8 +76,11 @@ def _drive(cfg: DictConfig, args: list[str]) -> int:
         return 0
     rc = spawn(cfg, sys.argv[0], args)
     if rc != 0:
-        print(f"error: {cfg.launcher.name} exited with code {rc}; per-rank logs in {cfg.output_dir}/logs/",
-              file=sys.stderr, flush=True)  # fmt: skip
+        from ultrascale.config.compose import resolve_path
+
+        out = resolve_path(cfg.output_dir)
+        where = out / "logs" if (out / "logs").is_dir() else out / "launcher.log"  # the ranks may never have started
+        print(f"error: {cfg.launcher.name} exited with code {rc}; see {where}", file=sys.stderr, flush=True)
     return rc
 
 
@@ -155,26 +159,78 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
     return 0
 
 
-def _help(config_name: str, argv: list[str], help_text: str) -> int:
-    """Groups, options and every key with its composed value and schema docstring."""
+HELP_FLAGS = ("--help", "-h")
+
+
+def help_if_asked(
+    config_name: str | None, argv: list[str], help_text: str, cfg: DictConfig | None = None
+) -> int | None:
+    """``--help``: the tool's docstring, its groups and every key with its composed value, range and docstring.
+
+    Returns the exit code when help was asked for (None otherwise), so every entry point, Hydra-composed or
+    not, answers ``--help`` the same way. ``cfg`` is for tools whose config is not a ``conf/`` root.
+    """
+    if not any(a in HELP_FLAGS for a in argv):
+        return None
     from ultrascale.config.compose import compose
     from ultrascale.config.describe import describe
 
     try:
-        print(describe(compose(argv, config_name), help_text))
+        rest = [a for a in argv if a not in HELP_FLAGS]
+        print(describe(cfg if cfg is not None else compose(rest, config_name), help_text, config_name))
     except UltrascaleError as e:
         return _report(e)
     return 0
 
 
-def run_app(
-    config_name: str, main: Callable[[DictConfig], Any], argv: list[str] | None = None, help_text: str | None = None
-) -> int:
+def _split_config_dirs(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without Hydra's ``--config-dir DIR`` / ``-cd DIR`` / ``--config-dir=DIR``, the dirs)."""
+    rest, dirs, it = [], [], iter(argv)
+    for a in it:
+        if a in ("--config-dir", "-cd"):
+            dirs.append(next(it, ""))
+        elif a.startswith("--config-dir="):
+            dirs.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+    return rest, dirs
+
+
+def check_config_dirs(dirs: list[str], syntax: bool) -> None:
+    """A user's config directory must exist; with ``syntax`` every YAML in it must parse (before a sweep starts
+    under Hydra's own error reporting): a syntax error is one line naming the file, line and column."""
+    import yaml
+
+    for d in dirs:
+        root = Path(d)
+        if not root.is_dir():
+            raise ConfigError(f"--config-dir {d}: no such directory (it holds your own recipes or group options)")
+        for f in sorted(root.rglob("*.yaml")) if syntax else []:
+            try:
+                yaml.safe_load(f.read_text())
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+                raise ConfigError(f"{f}{where}: {problem}: fix the YAML syntax") from None
+
+
+def _hydra_keys(argv: list[str]) -> list[str]:
+    return [a for a in argv if _key(a).startswith(("hydra.", "hydra/"))]
+
+
+def run_app(config_name: str, main: Callable[[DictConfig], Any], help_text: str, argv: list[str] | None = None) -> int:
     configure_env()
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
-    if help_text and ("--help" in argv or "-h" in argv):
-        return _help(config_name, [a for a in argv if a not in ("--help", "-h")], help_text)
-    if any(a.split("=", 1)[0] in HYDRA_FLAGS for a in argv):
+    rest, config_dirs = _split_config_dirs(argv)
+    hydra_mode = any(a.split("=", 1)[0] in HYDRA_FLAGS for a in rest)
+    try:
+        check_config_dirs(config_dirs, syntax=hydra_mode)
+    except ConfigError as e:
+        return _report(e)
+    if (rc := help_if_asked(config_name, argv, help_text)) is not None:
+        return rc
+    if hydra_mode:
         if any(a in ("-m", "--multirun") for a in argv) and "WORLD_SIZE" in os.environ:
             return _report(
                 ConfigError(
@@ -188,7 +244,12 @@ def run_app(
     from ultrascale.dist import shutdown
 
     try:
-        cfg = compose(argv, config_name)
+        if _hydra_keys(rest):
+            raise ConfigError(
+                f"{_hydra_keys(rest)[0]}: a single run does not use Hydra's job directory or settings (they apply to "
+                "-m sweeps, e.g. hydra.sweep.dir=DIR); the run directory is output_dir: use output_dir=DIR"
+            )
+        cfg = compose(rest, config_name, config_dirs=config_dirs)
         if "launcher" in cfg:
             from launch.spawn import is_driver
 

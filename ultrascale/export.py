@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ultrascale.config.fields import num
 from ultrascale.errors import CheckpointError, ConfigError, UltrascaleError
 
 log = logging.getLogger("ultrascale")
@@ -60,7 +61,7 @@ class ExportConfig:
     """Training run directory (config.yaml + checkpoints/)."""
     out: str = "???"
     """Output HF model directory (created; must be empty or absent unless overwrite=true)."""
-    step: int | None = None
+    step: int | None = num(None, ge=0)
     """Checkpoint step to export; None = ``checkpoints/latest``."""
     dtype: str = "auto"
     """``auto`` (the training precision), fp32, bf16 or fp16."""
@@ -362,8 +363,12 @@ def _architecture(hf) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ultrascale.cli import help_if_asked
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
+    if (rc := help_if_asked(None, argv, __doc__, cfg=OmegaConf.structured(ExportConfig))) is not None:
+        return rc
     try:
         try:
             args = OmegaConf.merge(OmegaConf.structured(ExportConfig), OmegaConf.from_dotlist(argv))

@@ -57,13 +57,21 @@ def _one_line(exc: BaseException, overrides: list[str], config_name: str = "trai
     return "; ".join(lines[:3]) or f"could not compose config from overrides {overrides}"
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
-    """Compose ``conf/<config_name>.yaml`` with overrides; raise ConfigError with one line on failure."""
+def compose(
+    overrides: list[str] | None = None, config_name: str = "train", config_dirs: list[str] | None = None
+) -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with overrides; raise ConfigError with one line on failure.
+
+    ``config_dirs`` are searched too (Hydra's ``--config-dir``): a user's own recipes and group options.
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     overrides = list(overrides or [])
+    if config_dirs:
+        paths = ",".join(f"file://{Path(d).resolve()}" for d in config_dirs)
+        overrides.append(f"hydra.searchpath=[{paths}]")
     register_configs()
     GlobalHydra.instance().clear()
     try:

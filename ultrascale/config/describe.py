@@ -15,8 +15,8 @@ from functools import cache
 
 from omegaconf import DictConfig, OmegaConf
 
-from ultrascale.config import schema
 from ultrascale.config.compose import CONF_DIR
+from ultrascale.config.fields import range_of
 
 
 @cache
@@ -37,44 +37,55 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _walk(cls: type, node: DictConfig, prefix: str, lines: list[str]) -> None:
+def walk_keys(cls: type, node: DictConfig | None, prefix: str, lines: list[str]) -> None:
+    """One line per key of dataclass ``cls`` (recursively): its composed value, then its docstring and range."""
     docs = field_docs(cls)
-    hints = {f.name: f for f in dataclasses.fields(cls)}
-    for name, f in hints.items():
-        key = f"{prefix}{name}"
-        value = node.get(name) if node is not None else None
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        value = node.get(f.name) if node is not None else None
         sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
         if sub is not None and dataclasses.is_dataclass(sub):
-            _walk(type(sub()), value, key + ".", lines)
+            _walk_section(type(sub()), value, key, lines)
             continue
         shown = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
-        lines.append(f"  {key} = {shown!r}")
-        if name in docs:
-            lines.extend("      " + ln for ln in textwrap.wrap(docs[name], 96))
+        bound = range_of(f)
+        lines.append(f"  {key} = {shown!r}" + (f"   ({bound})" if bound else ""))
+        if f.name in docs:
+            lines.extend("      " + ln for ln in textwrap.wrap(docs[f.name], 96))
 
 
-def group_options() -> dict[str, list[str]]:
+def _walk_section(cls: type, node: DictConfig | None, key: str, lines: list[str]) -> None:
+    if "." not in key:
+        lines.append(f"\n[{key}]")
+    walk_keys(cls, node, key + ".", lines)
+
+
+def group_options(config_name: str) -> dict[str, list[str]]:
+    """The config groups ``conf/<config_name>.yaml`` composes (its defaults list), each with its options."""
+    path = CONF_DIR / f"{config_name}.yaml"
+    defaults = OmegaConf.load(path).get("defaults", []) if path.exists() else []
     groups = {}
-    for d in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"):
-        opts = sorted(p.stem for p in d.glob("*.yaml"))
+    for entry in defaults:
+        if not isinstance(entry, DictConfig):
+            continue
+        name = next(iter(entry)).split("@")[0]
+        if name.startswith("override ") or not (CONF_DIR / name).is_dir():
+            continue
+        opts = sorted(p.stem for p in (CONF_DIR / name).glob("*.yaml"))
         if opts:
-            groups[d.name] = opts
+            groups[name] = opts
     return groups
 
 
-def describe(cfg: DictConfig, header: str) -> str:
-    lines = [header.rstrip(), "", "Config groups (choose with group=option):"]
-    for g, opts in group_options().items():
-        lines.append(f"  {g:<10} {', '.join(opts)}")
+def describe(cfg: DictConfig, header: str, config_name: str | None = None) -> str:
+    """The ``--help`` of any tool whose config is composed on a dataclass schema: its docstring, its groups,
+    then every key with the value these overrides compose to, its range and its docstring."""
+    lines = [header.rstrip()]
+    groups = group_options(config_name) if config_name else {}
+    if groups:
+        lines += ["", "Config groups (choose with group=option):"]
+        width = max(len(g) for g in groups)
+        lines += [f"  {g:<{width}}  {', '.join(opts)}" for g, opts in groups.items()]
     lines += ["", "Keys (override with key=value; values below are the ones these overrides compose to):"]
-    for f in dataclasses.fields(schema.RootConfig):
-        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-        if sub is not None and dataclasses.is_dataclass(sub):
-            lines.append(f"\n[{f.name}]")
-            _walk(type(sub), cfg.get(f.name), f"{f.name}.", lines)
-        else:
-            lines.append(f"\n  {f.name} = {cfg.get(f.name)!r}")
-            doc = field_docs(schema.RootConfig).get(f.name)
-            if doc:
-                lines.extend("      " + ln for ln in textwrap.wrap(doc, 96))
+    walk_keys(OmegaConf.get_type(cfg), cfg, "", lines)
     return "\n".join(lines)

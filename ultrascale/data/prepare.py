@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from ultrascale import dist
 from ultrascale.config.compose import resolve_path
-from ultrascale.data.shards import MANIFEST
+from ultrascale.data.shards import MANIFEST, load_manifest, open_split
 from ultrascale.errors import DataError, UltrascaleError
 
 log = logging.getLogger("ultrascale")
@@ -43,3 +43,44 @@ def ensure_prepared(data: DictConfig) -> Path:
     if error:
         raise DataError(error)
     return path
+
+
+def check_prepared(data: DictConfig, model_vocab: int) -> str:
+    """Read-only: does ``data.path`` fit this run (or will it be prepared)? One line saying what it holds.
+
+    Run before anything is written (and again after on-demand preparation), so a missing, corrupt or
+    mismatched dataset fails with its file named, not after the run directory and checkpoints exist. With
+    ``data.verify_checksums`` every shard is hashed here, once.
+    """
+    path = resolve_path(data.path)
+    if not (path / MANIFEST).exists():
+        if not data.prepare_if_missing:
+            raise DataError(
+                f"data.path={path} has no {MANIFEST}: run `python -m data_prep output_dir={path}` first "
+                "(or set data.prepare_if_missing=true to prepare it on rank 0)"
+            )
+        source = str(data.prepare_source)
+        if source != "stdlib" and not resolve_path(source).is_dir():
+            raise DataError(
+                f"data.prepare_source={source} is not a directory: data.path={path} would be prepared from it; "
+                "use stdlib or a directory of source files"
+            )
+        return f"{path}: not prepared yet; rank 0 prepares it from {source} (data.prepare_if_missing)"
+    manifest = load_manifest(path)
+    seq_len, vocab = int(manifest["seq_len"]), int(manifest["vocab_size"])
+    if seq_len != data.seq_len:
+        raise DataError(
+            f"data.seq_len={data.seq_len} but {path} was packed with seq_len={seq_len}: "
+            f"set data.seq_len={seq_len} or re-run data prep"
+        )
+    if vocab > model_vocab:  # token ids past the embedding table would crash deep inside the forward
+        raise DataError(
+            f"{path} was tokenized with {vocab} tokens but model.config.vocab_size={model_vocab}: set "
+            f"model.config.vocab_size={vocab} (or larger) or prepare the data with a smaller tokenizer"
+        )
+    n = {s: len(open_split(path, s, verify=data.verify_checksums)) for s in ("train", "validation")}
+    checked = ", every shard's sha256 checked" if data.verify_checksums else ""
+    return (
+        f"{path}: {n['train']:,} train / {n['validation']:,} validation samples of {seq_len} tokens, "
+        f"vocab {vocab}{checked}"
+    )

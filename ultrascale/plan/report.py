@@ -53,8 +53,18 @@ def rejection_summary(cands: list[Candidate], limit: int = 6) -> str:
 
 
 def override_line(cfg: DictConfig, best: Candidate) -> str:
-    """A ready command: the model and the winning layout as Hydra overrides for train.py."""
-    return f"python train.py model={cfg.model.name} " + " ".join(best.overrides)
+    """A ready command that runs what was planned: the model, the layout, the precision, the sequence length
+    and the world (the launcher: one node spawns deepspeed, several go through Slurm)."""
+    c = cfg.cluster
+    if c.nodes > 1:
+        launcher = f"launcher=slurm launcher.nnodes={c.nodes} launcher.nproc_per_node={c.gpus_per_node}"
+    else:
+        launcher = f"launcher=deepspeed launcher.nproc_per_node={c.gpus_per_node}"
+    return (
+        f"python train.py model={cfg.model.name} precision={cfg.precision.dtype} "
+        + " ".join(best.overrides)
+        + f" {launcher}"
+    )
 
 
 def header(cfg: DictConfig, arch: Arch) -> str:

@@ -12,7 +12,6 @@ Needs root for the sandbox (kernel namespaces), as eval.py's HumanEval does.
 from __future__ import annotations
 
 import logging
-import sys
 
 from omegaconf import DictConfig
 
@@ -27,32 +26,6 @@ def main(cfg: DictConfig) -> dict:
     return SSDRun(cfg).run()
 
 
-def describe(argv: list[str]) -> str:
-    """``--help``: the presets, then every key with its composed value and the schema docstring under it."""
-    from ultrascale.config.compose import CONF_DIR, compose
-    from ultrascale.config.describe import _walk
-    from ultrascale.ssd.config import SSDConfig
-
-    lines = [
-        __doc__.strip(),
-        "",
-        "Presets (ssd=NAME): " + ", ".join(sorted(p.stem for p in (CONF_DIR / "ssd").glob("*.yaml"))),
-    ]
-    lines += ["", "Keys (override with key=value):"]
-    _walk(SSDConfig, compose(argv, "ssd"), "", lines)
-    return "\n".join(lines)
-
-
 if __name__ == "__main__":
     register_ssd_configs()
-    args = sys.argv[1:]
-    if "--help" in args or "-h" in args:
-        from ultrascale.errors import UltrascaleError
-
-        try:
-            print(describe([a for a in args if a not in ("--help", "-h")]))
-        except UltrascaleError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-        raise SystemExit(0)
-    raise SystemExit(run_app("ssd", main))
+    raise SystemExit(run_app("ssd", main, help_text=__doc__))

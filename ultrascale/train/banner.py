@@ -72,7 +72,7 @@ def banner(
     return "\n".join(lines)
 
 
-def dry_run_report(cfg: DictConfig, topo: Topology, ds_config: dict) -> str:
+def dry_run_report(cfg: DictConfig, topo: Topology, ds_config: dict, found: dict[str, str]) -> str:
     """Everything needed to sanity-check a run before booking GPUs, computed without building weights."""
     from ultrascale.model.build import build_hf_config, count_params
     from ultrascale.plan.flops import train_flops_per_token
@@ -91,6 +91,8 @@ def dry_run_report(cfg: DictConfig, topo: Topology, ds_config: dict) -> str:
         "== batch ==",
         _batch_line(cfg, topo),
         f"model FLOPs per step {flops:.3e}  ({flops / tokens:.3e} per token)",
+        "== checked before start ==",
+        *(f"{k:<10} {v}" for k, v in found.items()),
         "== DeepSpeed JSON ==",
         json.dumps(ds_config, indent=2),
     ]

@@ -211,9 +211,15 @@ def to_universal(tag_dir: str | os.PathLike) -> Path:
     return dst
 
 
+USAGE = "usage: python -m ultrascale.train.checkpoint to_universal RUN_DIR/checkpoints/step_XXXXXXXX"
+
+
 if __name__ == "__main__":
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        print(f"{USAGE}\n\n{to_universal.__doc__} Resume from it with train.universal_checkpoint=true.")
+        sys.exit(0)
     if len(sys.argv) != 3 or sys.argv[1] != "to_universal":
-        sys.exit("usage: python -m ultrascale.train.checkpoint to_universal RUN_DIR/checkpoints/step_XXXXXXXX")
+        sys.exit(USAGE)
     try:
         print(to_universal(sys.argv[2]))
     except CheckpointError as e:

@@ -30,9 +30,8 @@ from ultrascale.config.compose import resolve_path
 from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.topology import Topology
 from ultrascale.data.loader import TRACE_ENV, Batch, StepBatches, eval_batches
-from ultrascale.data.prepare import ensure_prepared
+from ultrascale.data.prepare import check_prepared, ensure_prepared
 from ultrascale.data.shards import load_manifest, open_split
-from ultrascale.errors import DataError
 from ultrascale.model import sequence
 from ultrascale.model.build import build_hf_config
 from ultrascale.model.moe import MoEStats, is_moe
@@ -47,6 +46,7 @@ from ultrascale.train.loggers import MetricLogger, read_metrics
 from ultrascale.train.metrics import device_peak_flops, memory_gb, throughput
 from ultrascale.train.optim import apply_lr
 from ultrascale.train.plot import plot_curves
+from ultrascale.train.preflight import humaneval_tokenizer, preflight
 from ultrascale.train.profiler import StepProfiler
 from ultrascale.train.stability import (
     FaultInjector,
@@ -97,8 +97,9 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, topo: Topology, out: Path):
+    def __init__(self, cfg: DictConfig, topo: Topology, out: Path, data_checked: bool = False):
         self.cfg = cfg
+        self.data_checked = data_checked
         self.topo = topo
         self.out = out
         self.ckpt_dir = out / "checkpoints"
@@ -109,21 +110,11 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.data_path = ensure_prepared(cfg.data)
-        manifest = load_manifest(self.data_path)
-        self.train_split = open_split(self.data_path, "train", verify=cfg.data.verify_checksums)
-        self.val_split = open_split(self.data_path, "validation", verify=cfg.data.verify_checksums)
-        if self.train_split.seq_len != cfg.data.seq_len:
-            raise DataError(
-                f"data.seq_len={cfg.data.seq_len} but {self.data_path} was packed with "
-                f"seq_len={self.train_split.seq_len}: set data.seq_len={self.train_split.seq_len} or re-run data prep"
-            )
-        data_vocab, model_vocab = int(manifest["vocab_size"]), build_hf_config(cfg.model).vocab_size
-        if data_vocab > model_vocab:  # token ids past the embedding table would crash deep inside the forward
-            raise DataError(
-                f"{self.data_path} was tokenized with {data_vocab} tokens but model.config.vocab_size={model_vocab}: "
-                f"set model.config.vocab_size={data_vocab} (or larger) or prepare the data with a smaller tokenizer"
-            )
-        self.manifest = manifest
+        if not self.data_checked:  # prepared just now, after the preflight
+            check_prepared(cfg.data, build_hf_config(cfg.model).vocab_size)
+        self.manifest = load_manifest(self.data_path)
+        self.train_split = open_split(self.data_path, "train", verify=False)  # hashed by check_prepared
+        self.val_split = open_split(self.data_path, "validation", verify=False)
         self.engine, self.info = build_engine(cfg, self.topo, self.ds_config)
         self.gate = self.info.gate
         # A plain torch optimizer under ZeRO-0 fp32 has no DeepSpeed wrapper to refuse a non-finite update.
@@ -136,7 +127,7 @@ class Trainer:
         self.moe = MoEStats(self.engine.module, cfg.parallel.moe) if is_moe(self.engine.module) else None
         self.doc_mask, _ = document_masking(cfg, self.topo)
         self.flat = self.doc_mask and str(cfg.model.attn_implementation).startswith("flash")
-        self.eos = int(manifest["eos_token_id"])
+        self.eos = int(self.manifest["eos_token_id"])
         self.batches = StepBatches(
             self.train_split, cfg.data.micro_batch, cfg.data.global_batch, self.dp_rank, self.topo.dp,
             cfg.train.seed, eos_id=self.eos, document_masking=self.doc_mask,
@@ -181,17 +172,9 @@ class Trainer:
             from transformers import AutoTokenizer
 
             from ultrascale.errors import UltrascaleError
-            from ultrascale.eval.sandbox import check_available
 
-            tok_dir = self.data_path / str(self.manifest["tokenizer"])
-            try:
-                check_available()
-                if not (tok_dir / "tokenizer.json").exists():
-                    raise DataError(
-                        f"train.eval_humaneval={n} needs a tokenizer, but {self.data_path} has none at {tok_dir} "
-                        "(byte-level data?): prepare data with data_prep or set train.eval_humaneval=0"
-                    )
-                tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+            try:  # the sandbox was checked before the run started; the data may have been prepared since
+                tokenizer = AutoTokenizer.from_pretrained(str(humaneval_tokenizer(self.data_path, n)))
             except UltrascaleError as e:
                 error = e
         error = dist.broadcast_object(error)
@@ -530,12 +513,13 @@ def _write_report(out: Path) -> Path | None:
 def run(cfg: DictConfig, topo: Topology) -> dict | None:
     """Train (or dry-run) with an already-validated config. Collective: every rank calls it."""
     out = resolve_path(cfg.output_dir)
+    found = preflight(cfg)  # read-only, on every rank: nothing is written for a run that cannot start
     if cfg.dry_run:
         if dist.is_rank0():
-            print(dry_run_report(cfg, topo, build_ds_config(cfg, topo)))
+            print(dry_run_report(cfg, topo, build_ds_config(cfg, topo), found.notes))
         return None
     dist.init_distributed()
-    trainer = Trainer(cfg, topo, out)
+    trainer = Trainer(cfg, topo, out, data_checked=found.data_checked)
     _prepare_run_dir(cfg, out, trainer.ds_config)
     dist.setup_logging(str(out / "logs" / f"rank{dist.rank():05d}.log"))
     trainer.setup()
