@@ -6,9 +6,12 @@ with it, so a misspelt key fails at compose time with its full name.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 
 @dataclass
@@ -133,7 +136,8 @@ class TokenizerConfig:
     """Trained vocabulary size, special tokens included. Must not exceed the model's vocab_size."""
     min_frequency: int = 2
     train_max_bytes: int = 50_000_000
-    """Cap on text fed to the BPE trainer (a prefix of the train split in doc-id order)."""
+    """Cap on text (characters) fed to the BPE trainer: the train split's documents in (bucket, id) order, a
+    seeded sample, streamed. The trainer's memory and time follow this cap, not the corpus."""
 
 
 @dataclass
@@ -165,11 +169,13 @@ class SplitConfig:
 @dataclass
 class ExecutorConfig:
     type: str = "local"
-    """``local`` (datatrove LocalPipelineExecutor), ``slurm`` or ``ray``: only the map stages move."""
+    """``local`` (datatrove LocalPipelineExecutor), ``slurm`` (one sbatch array job per stage, each depending on
+    the one before) or ``ray``. Every stage runs on it; the output does not depend on which."""
     tasks: int = 1
-    """Map-stage shards. Output does not depend on it (the reduce sorts documents by id)."""
+    """Tasks per stage: the map shards the input files; the partitioned stages split ``buckets`` (or the
+    output shards) into ``tasks`` ranges; single steps run one. The output does not depend on it."""
     workers: int = 1
-    """Processes running map tasks at once (local). 1 runs them in this process."""
+    """Processes running a stage's tasks at once (local). 1 runs them in this process."""
     progress: bool = True
     """tqdm bars over files per map task."""
     partition: str = "cpu"
@@ -177,6 +183,11 @@ class ExecutorConfig:
     time: str = "04:00:00"
     """Slurm time limit per task."""
     cpus_per_task: int = 1
+    mem_per_cpu_gb: int = 2
+    """Slurm memory per CPU: a task holds one bucket, so size buckets (not this) to the corpus."""
+    submit: bool = True
+    """Slurm: submit the chain with sbatch. false (or no sbatch on PATH) writes each stage's script and
+    ``_work/slurm/submit.sh``, which submits them in order with their dependencies."""
 
 
 @dataclass
@@ -186,7 +197,12 @@ class DataPrepConfig:
     output_dir: str = "data/stdlib"
     """Where shards, manifest.json, report.md and tokenizer/ go. Re-running resumes from ``_work/``."""
     seed: int = 0
-    """Seeds file sampling, FIM, the split order and the shuffle: same seed, same bytes."""
+    """Seeds file sampling, the document buckets, FIM, the split order and the shuffle: same seed, same bytes."""
+    buckets: int = 32
+    """Hash partitions every stage after the map works in: documents by a seeded hash of their id, dedup
+    keys by key, repositories by key range. Tasks own ranges of buckets, so the output depends on this and
+    not on ``executor.tasks``; a process holds about one bucket, so raise it with the corpus (a few hundred
+    MB of text per bucket)."""
     keep_work: bool = True
     """Keep ``_work/`` (stage checkpoints) after success, so a config change re-runs only what it must."""
     source: SourceConfig = field(default_factory=SourceConfig)
@@ -211,6 +227,24 @@ class ShowConfig:
     n: int = 4
     """Samples to decode; -1 decodes all."""
     split: str = "train"
+
+
+# Keys that change where or how fast the output is made, not what it is.
+_NOT_HASHED = ("output_dir", "executor", "keep_work")
+
+
+def to_cfg(cfg) -> DataPrepConfig:
+    """Accept a DictConfig, a dict or a DataPrepConfig; always return the typed dataclass."""
+    if isinstance(cfg, DataPrepConfig):
+        return cfg
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataPrepConfig), cfg))
+
+
+def config_hash(cfg: DataPrepConfig) -> str:
+    d = OmegaConf.to_container(OmegaConf.structured(cfg))
+    for k in _NOT_HASHED:
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def register_configs() -> None:

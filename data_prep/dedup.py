@@ -1,11 +1,19 @@
-"""Exact dedup (content hash) and near dedup (MinHash LSH), vectorised with numpy.
+"""Exact dedup keys (content hash) and near dedup (MinHash + LSH), vectorised with numpy.
 
-MinHash: a document's word 5-gram shingles are hashed once (xxh64, 32-bit), then all 256 permutations are
-applied as one ``(a * h + b) mod p`` matrix operation and reduced with ``min`` - no per-shingle Python
-loop over permutations (the cost that dominates ``datasketch.MinHash.update``). LSH: the signature is cut
-into ``bands`` x ``rows``; documents sharing any band bucket are candidates, confirmed by their estimated
-Jaccard (share of equal signature slots) >= threshold, and merged with union-find. The lowest id in each
-cluster is kept, so the result does not depend on input order.
+The pipeline splits near dedup the way datatrove's ``MinhashDedup*`` steps do, so no process needs every
+signature: per document bucket, :class:`MinHasher` signs each document and :func:`band_keys` cuts the
+signature into LSH band keys; per key partition, :func:`candidate_pairs` finds documents sharing a band key
+and :func:`confirm` keeps the pairs whose estimated Jaccard (share of equal slots) reaches the threshold;
+one small step, :func:`clusters`, joins the confirmed pairs and keeps the lowest id of each cluster, so the
+result does not depend on input order or partitioning. :func:`near_duplicates` runs all of it in memory.
+
+Why our own code and not datatrove's steps or datasketch: ``make bench-data-scale`` times the three on the
+same texts (data_prep/README.md has the figures). The cost of a signature is shingling plus the
+shingles x permutations product. Here shingling has no per-n-gram Python: a document's UTF-8 bytes are
+split into words, each word hashed by a polynomial over its bytes and each n-gram by a polynomial over its
+words, all numpy; the permutations are datasketch's ``affine32`` scheme (MurmurHash3 finaliser, then
+``a * h + b`` in uint32 with ``a`` odd, a bijection), one uint32 multiply-add-min per shingle and slot
+instead of a 64-bit ``% (2**61 - 1)``.
 """
 
 from __future__ import annotations
@@ -14,51 +22,101 @@ import hashlib
 import re
 
 import numpy as np
-import xxhash
 
-_MERSENNE = np.uint64((1 << 61) - 1)
-_MAX32 = np.uint64(0xFFFFFFFF)
 _WORD = re.compile(r"\w+")
+# A word is a maximal run of ASCII letters, digits, '_' or any non-ASCII byte (UTF-8 letters of other
+# scripts stay whole). Code is almost all ASCII, where this is exactly regex ``\w+``.
+_IS_WORD = np.zeros(256, dtype=bool)
+for _c in b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_":
+    _IS_WORD[_c] = True
+_IS_WORD[0x80:] = True
+
+_P = np.uint64(0x100000001B3)  # odd multipliers: byte -> word and word -> n-gram polynomials (mod 2**64)
+_Q = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
+_S33, _S32 = np.uint64(33), np.uint64(32)
 
 
 def content_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def permutations(num_perm: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.RandomState(seed)
-    a = rng.randint(1, (1 << 32) - 1, size=num_perm, dtype=np.uint64)
-    b = rng.randint(0, (1 << 32) - 1, size=num_perm, dtype=np.uint64)
-    return a, b
+def fmix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser: a bijection that spreads every input bit over the output."""
+    x = x ^ (x >> _S33)
+    x = x * _M1
+    x = x ^ (x >> _S33)
+    x = x * _M2
+    return x ^ (x >> _S33)
+
+
+class _Powers:
+    """``base ** i`` and ``base ** -i`` mod 2**64 for i < n, grown on demand (one table per process)."""
+
+    def __init__(self, base: np.uint64):
+        self.base = base
+        self.inv = np.uint64(pow(int(base), -1, 1 << 64))
+        self.fwd = self.bwd = np.ones(1, dtype=np.uint64)
+
+    def upto(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.fwd) < n:
+            size = max(n, 2 * len(self.fwd))
+            fwd, bwd = np.full(size, self.base, dtype=np.uint64), np.full(size, self.inv, dtype=np.uint64)
+            fwd[0] = bwd[0] = 1
+            self.fwd, self.bwd = np.cumprod(fwd, dtype=np.uint64), np.cumprod(bwd, dtype=np.uint64)
+        return self.fwd, self.bwd
+
+
+_BYTE_POW = _Powers(_P)
 
 
 def shingle_hashes(text: str, ngram: int) -> np.ndarray:
-    """32-bit hashes of the distinct word n-grams (a short file is one shingle)."""
-    words = _WORD.findall(text)
-    if len(words) < ngram:
-        grams = {" ".join(words)}
-    else:
-        grams = {" ".join(words[i : i + ngram]) for i in range(len(words) - ngram + 1)}
-    h = xxhash.xxh32_intdigest
-    return np.fromiter((h(g.encode()) for g in grams), dtype=np.uint64, count=len(grams))
+    """Distinct 64-bit hashes of the document's word n-grams (a document shorter than n words is one shingle)."""
+    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    edge = np.diff(_IS_WORD[raw].astype(np.int8), prepend=np.int8(0), append=np.int8(0))
+    starts, ends = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)
+    fwd, bwd = _BYTE_POW.upto(len(raw) + 1)
+    with np.errstate(over="ignore"):
+        prefix = np.zeros(len(raw) + 1, dtype=np.uint64)
+        np.cumsum((raw.astype(np.uint64) + np.uint64(1)) * fwd[: len(raw)], out=prefix[1:])
+        words = fmix64((prefix[ends] - prefix[starts]) * bwd[starts])  # hash of bytes[start:end], position-free
+        n = len(words)
+        if n < ngram:  # the whole (short) document is one shingle
+            grams = np.array([np.sum(words * _Q ** np.arange(n, dtype=np.uint64))], dtype=np.uint64)
+        else:
+            grams = words[: n - ngram + 1].copy()
+            q = np.uint64(1)
+            for k in range(1, ngram):
+                q = q * _Q
+                grams += words[k : n - ngram + 1 + k] * q
+    return np.unique(fmix64(grams))
 
 
-def minhash(text: str, ngram: int, a: np.ndarray, b: np.ndarray, chunk: int = 4096) -> np.ndarray:
-    """uint32 signature of ``len(a)`` slots. (a*h+b) stays < 2^64: a, h, b are all < 2^32."""
-    hv = shingle_hashes(text, ngram)
-    sig = np.full(len(a), _MAX32, dtype=np.uint64)
-    for i in range(0, len(hv), chunk):
-        ph = (hv[i : i + chunk, None] * a[None, :] + b[None, :]) % _MERSENNE & _MAX32
-        np.minimum(sig, ph.min(axis=0), out=sig)
-    return sig.astype(np.uint32)
+class MinHasher:
+    """``num_perm``-slot uint32 MinHash signatures of word ``ngram`` shingles (same ``seed``, same signatures)."""
+
+    def __init__(self, num_perm: int = 256, ngram: int = 5, seed: int = 1, chunk: int = 2048):
+        rng = np.random.default_rng(seed)
+        self.a = rng.integers(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32) | np.uint32(1)
+        self.b = rng.integers(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
+        self.num_perm, self.ngram, self.chunk = num_perm, ngram, chunk
+
+    def signature(self, text: str) -> np.ndarray:
+        h = (shingle_hashes(text, self.ngram) >> _S32).astype(np.uint32)
+        sig = np.full(self.num_perm, np.iinfo(np.uint32).max, dtype=np.uint32)
+        for i in range(0, len(h), self.chunk):
+            np.minimum(sig, (h[i : i + self.chunk, None] * self.a + self.b).min(axis=0), out=sig)
+        return sig
+
+    def signatures(self, texts: list[str]) -> np.ndarray:
+        out = np.empty((len(texts), self.num_perm), dtype=np.uint32)
+        for i, t in enumerate(texts):
+            out[i] = self.signature(t)
+        return out
 
 
 def signatures(texts: list[str], num_perm: int = 256, ngram: int = 5, seed: int = 1) -> np.ndarray:
-    a, b = permutations(num_perm, seed)
-    out = np.empty((len(texts), num_perm), dtype=np.uint32)
-    for i, t in enumerate(texts):
-        out[i] = minhash(t, ngram, a, b)
-    return out
+    return MinHasher(num_perm, ngram, seed).signatures(texts)
 
 
 def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
@@ -75,14 +133,45 @@ def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
     return best
 
 
-def near_duplicates(sigs: np.ndarray, threshold: float, bands: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Return (keep mask, cluster root index per doc). Rows of ``sigs`` must be in the keep-priority order."""
-    n, num_perm = sigs.shape
-    if bands is None:
-        bands, rows = optimal_bands(threshold, num_perm)
-    else:
-        rows = num_perm // bands
-    parent = np.arange(n)
+def bands_rows(threshold: float, num_perm: int, bands: int | None) -> tuple[int, int]:
+    return optimal_bands(threshold, num_perm) if bands is None else (bands, num_perm // bands)
+
+
+def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """uint64 [n, bands]: band j's ``rows`` slots hashed together (equal slots, equal key), band index mixed in."""
+    n = len(sigs)
+    coef = fmix64(np.arange(1, rows + 1, dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        block = sigs[:, : bands * rows].reshape(n, bands, rows).astype(np.uint64)
+        keys = (block * coef).sum(axis=2, dtype=np.uint64)
+        return fmix64(keys ^ (np.arange(bands, dtype=np.uint64) * _Q))
+
+
+def candidate_pairs(kind: np.ndarray, key: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Pairs (first, other) of refs sharing (kind, key): every member of a group paired with its lowest ref.
+
+    ``ref`` identifies a document (``bucket << 32 | row``); pairs come back as int64 [m, 2], each once.
+    """
+    if len(ref) < 2:
+        return np.empty((0, 2), dtype=np.int64)
+    order = np.lexsort((ref, key, kind))
+    k, h, r = kind[order], key[order], ref[order]
+    new = np.ones(len(r), dtype=bool)
+    new[1:] = (k[1:] != k[:-1]) | (h[1:] != h[:-1])
+    first = np.maximum.accumulate(np.where(new, np.arange(len(r)), 0))
+    pairs = np.stack([r[first], r], axis=1)[~new]
+    pairs = pairs[pairs[:, 0] != pairs[:, 1]]
+    return np.unique(pairs, axis=0) if len(pairs) else pairs.reshape(0, 2)
+
+
+def confirm(sig_a: np.ndarray, sig_b: np.ndarray, threshold: float) -> np.ndarray:
+    """Mask of pairs whose estimated Jaccard (share of equal signature slots) is at least ``threshold``."""
+    return np.mean(sig_a == sig_b, axis=1) >= threshold
+
+
+def clusters(pairs: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Union-find over ``pairs`` (indices into ``rank``); each index's cluster root is its lowest-``rank`` member."""
+    parent = np.arange(len(rank))
 
     def find(i: int) -> int:
         while parent[i] != i:
@@ -90,26 +179,22 @@ def near_duplicates(sigs: np.ndarray, threshold: float, bands: int | None = None
             i = parent[i]
         return i
 
-    checked: set[tuple[int, int]] = set()
-    for band in range(bands):
-        block = np.ascontiguousarray(sigs[:, band * rows : (band + 1) * rows])
-        keys = block.view(np.dtype((np.void, block.dtype.itemsize * rows))).ravel()
-        _, inv, cnt = np.unique(keys, return_inverse=True, return_counts=True)
-        dup = np.flatnonzero(cnt[inv] > 1)  # docs whose bucket in this band has company
-        if not len(dup):
-            continue
-        order = dup[np.argsort(inv[dup], kind="stable")]
-        groups = np.split(order, np.flatnonzero(np.diff(inv[order])) + 1)
-        for members in groups:
-            first = members[0]
-            for j in members[1:]:
-                pair = (int(first), int(j))
-                if pair in checked:
-                    continue
-                checked.add(pair)
-                if np.mean(sigs[first] == sigs[j]) >= threshold:
-                    ri, rj = find(first), find(j)
-                    if ri != rj:
-                        parent[max(ri, rj)] = min(ri, rj)
-    roots = np.array([find(i) for i in range(n)])
+    for i, j in pairs.tolist():
+        ri, rj = find(i), find(j)
+        if ri != rj:
+            lo, hi = (ri, rj) if rank[ri] < rank[rj] else (rj, ri)
+            parent[hi] = lo
+    return np.array([find(i) for i in range(len(rank))], dtype=np.int64)
+
+
+def near_duplicates(sigs: np.ndarray, threshold: float, bands: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Return (keep mask, cluster root index per doc) for one in-memory set; rows must be in keep-priority order."""
+    n, num_perm = sigs.shape
+    b, r = bands_rows(threshold, num_perm, bands)
+    keys = band_keys(sigs, b, r)
+    kind = np.repeat(np.arange(b, dtype=np.int64)[None, :], n, axis=0).ravel()
+    ref = np.repeat(np.arange(n, dtype=np.int64), b)
+    pairs = candidate_pairs(kind, keys.ravel(), ref)
+    pairs = pairs[confirm(sigs[pairs[:, 0]], sigs[pairs[:, 1]], threshold)]
+    roots = clusters(pairs, np.arange(n))
     return roots == np.arange(n), roots

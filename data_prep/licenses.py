@@ -8,7 +8,6 @@ it never needs a network or a large model.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 
 SPDX_HEADER = re.compile(r"SPDX-License-Identifier:\s*([A-Za-z0-9.+\-]+(?:\s+(?:OR|AND|WITH)\s+[A-Za-z0-9.+\-]+)*)")
 
@@ -51,24 +50,17 @@ def spdx_ids(expr: str) -> list[str]:
     return [t for t in re.split(r"\s+(?:OR|AND|WITH)\s+|[()]", expr) if t.strip()]
 
 
-def repo_decisions(docs: list[dict], allow: list[str], unknown: str) -> dict[str, tuple[bool, str]]:
-    """repo -> (keep, reason). Every license seen in a repo must be allowed (an ``OR`` needs one allowed id)."""
-    allowed = {a.lower() for a in allow}
-    seen: dict[str, set[str]] = defaultdict(set)
-    for d in docs:
-        seen[d["repo"]]
-        if d.get("license"):
-            seen[d["repo"]].add(d["license"])
-    out = {}
-    for repo, lics in seen.items():
-        if not lics:
-            out[repo] = (unknown == "keep", "unknown")
-            continue
-        bad = []
-        for expr in sorted(lics):
-            ids = spdx_ids(expr)
-            ok = any(i.lower() in allowed for i in ids) if " OR " in expr else all(i.lower() in allowed for i in ids)
-            if not ok:
-                bad.append(expr)
-        out[repo] = (not bad, ",".join(bad) if bad else ",".join(sorted(lics)))
-    return out
+def decide(lics: set[str], allowed: set[str], unknown: str) -> tuple[bool, str]:
+    """(keep, reason) for a repository whose files carry the license expressions ``lics`` (lower-case ``allowed``).
+
+    Every expression must be allowed (an ``OR`` needs one allowed id); no license at all follows ``unknown``.
+    """
+    if not lics:
+        return unknown == "keep", "unknown"
+    bad = []
+    for expr in sorted(lics):
+        ids = spdx_ids(expr)
+        ok = any(i.lower() in allowed for i in ids) if " OR " in expr else all(i.lower() in allowed for i in ids)
+        if not ok:
+            bad.append(expr)
+    return not bad, ",".join(bad) if bad else ",".join(sorted(lics))

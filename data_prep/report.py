@@ -4,17 +4,44 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from data_prep.work import WHERE
+from ultrascale.atomic import atomic_write_text
+
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f}"
 
 
-def write_report(out: Path, manifest: dict, details: dict, seconds: float) -> None:
+def _where_it_ran(records: dict[str, list[dict]]) -> tuple[list[str], float]:
+    """The per-stage table (tasks, units, task-seconds, peak RSS of its processes) and the wall span."""
+    lines = [
+        "## Where it ran",
+        "",
+        "| stage | partitioned over | tasks | units | task-seconds | peak RSS per process (MB) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    starts, ends = [], []
+    for stage, recs in records.items():
+        if not recs:
+            continue
+        starts += [r["start"] for r in recs]
+        ends += [r["end"] for r in recs]
+        lines.append(
+            f"| {stage} | {WHERE[stage]} | {len({(r['world'], r['rank']) for r in recs})} | "
+            f"{sum(len(r['units']) for r in recs)} | {sum(r['seconds'] for r in recs):.1f} | "
+            f"{max(r['peak_rss_mb'] for r in recs):.0f} |"
+        )
+    return lines, (max(ends) - min(starts)) if starts else 0.0
+
+
+def write_report(out: Path, manifest: dict, details: dict, records: dict[str, list[dict]]) -> None:
+    where, wall = _where_it_ran(records)
     lines = [
         f"# Data prep report: `{out}`",
         "",
         f"Config hash `{manifest['config_hash']}`, seed {manifest['seed']}, seq_len {manifest['seq_len']}, "
-        f"vocab {manifest['vocab_size']}, reduce phase {seconds:.1f} s.",
+        f"vocab {manifest['vocab_size']}, {manifest['buckets']} buckets; stages ran {wall:.1f} s "
+        "(first task start to last task end, this run and any it resumed).",
         "",
         "## Stages",
         "",
@@ -62,4 +89,5 @@ def write_report(out: Path, manifest: dict, details: dict, seconds: float) -> No
         lines += ["", "## Licenses kept", "", ", ".join(f"{k}: {v}" for k, v in lic.items())]
     if manifest.get("bad_input"):
         lines += ["", "## Bad input skipped", "", ", ".join(f"{k}: {v}" for k, v in manifest["bad_input"].items())]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    lines += ["", *where]
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")

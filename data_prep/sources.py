@@ -204,6 +204,8 @@ def _row_doc(cfg: DataPrepConfig, row: dict, doc_id: str, ext_map: dict[str, str
     path = path if isinstance(path, str) else doc_id
     repo = row.get(cfg.source.repo_column)
     lic = row.get(cfg.source.license_column)
+    if isinstance(lic, list | tuple):  # The Stack's ``detected_licenses``: every license found in the repository
+        lic = " AND ".join(str(x) for x in lic) or None
     return {
         "id": doc_id,
         "text": text,
@@ -216,9 +218,17 @@ def _row_doc(cfg: DataPrepConfig, row: dict, doc_id: str, ext_map: dict[str, str
 
 
 def iter_jsonl(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: Counter) -> Iterator[dict]:
+    """One file: every task scans it and parses its lines (``lineno % world``). A directory: whole files per task.
+
+    Ids are ``<file>:<line>`` with the file relative to ``input``, so two files with one name cannot collide.
+    """
     ext_map = extension_map(cfg)
-    files = sorted(p for p in path.rglob("*.jsonl*")) if path.is_dir() else [path]
-    for fp in files:
+    if path.is_dir():
+        files = sorted(path.rglob("*.jsonl*"))[rank::world]
+        names, mine = [str(f.relative_to(path)) for f in files], lambda lineno: True
+    else:
+        files, names, mine = [path], [path.name], lambda lineno: (lineno - 1) % world == rank
+    for fp, name in zip(files, names):
         opener = gzip.open if fp.name.endswith(".gz") else open
         with opener(fp, "rt", encoding="utf-8", errors="strict") as f:
             lineno = 0
@@ -227,13 +237,13 @@ def iter_jsonl(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: C
                     line = f.readline()
                 except UnicodeDecodeError:
                     lineno += 1
-                    if (lineno - 1) % world == rank:
+                    if mine(lineno):
                         _bad_line(cfg, fp, lineno, "not UTF-8", counts)
                     continue
                 if not line:
                     break
                 lineno += 1
-                if (lineno - 1) % world != rank or not line.strip():
+                if not mine(lineno) or not line.strip():
                     continue
                 counts["read_in"] += 1
                 try:
@@ -243,7 +253,7 @@ def iter_jsonl(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: C
                 except ValueError as e:
                     _bad_line(cfg, fp, lineno, str(e), counts)
                     continue
-                doc = _row_doc(cfg, row, f"{fp.name}:{lineno:09d}", ext_map)
+                doc = _row_doc(cfg, row, f"{name}:{lineno:09d}", ext_map)
                 if doc is None:
                     _bad_line(cfg, fp, lineno, f"no string column {cfg.source.content_column!r}", counts)
                     continue
@@ -258,28 +268,44 @@ def _bad_line(cfg: DataPrepConfig, fp: Path, lineno: int, why: str, counts: Coun
 
 
 def iter_parquet(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: Counter) -> Iterator[dict]:
-    import pyarrow.parquet as pq
+    """Parquet through datatrove's ``ParquetReader``: whole files per task (its ``get_shard``), read in batches.
 
+    A directory of Parquet files (The Stack's layout: content, path, repository name, licenses per row) is
+    the input that scales: no task reads another's files. Ids are ``<file>:<row>`` with the file relative
+    to ``input`` (the row counts the file's documents with text).
+    """
+    import pyarrow.parquet as pq
+    from datatrove.pipeline.readers import ParquetReader
+
+    folder, glob = (path, "**/*.parquet") if path.is_dir() else (path.parent, path.name)
     ext_map = extension_map(cfg)
-    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
-    for fp in files:
-        try:
-            table = pq.read_table(fp)
-        except Exception as e:
-            raise DataError(f"{fp}: not a readable Parquet file ({e})") from None
-        if cfg.source.content_column not in table.column_names:
-            raise DataError(
-                f"{fp} has no column {cfg.source.content_column!r} (has {table.column_names}): set source.content_column"
-            )
-        for i, row in enumerate(table.to_pylist()):
-            if i % world != rank:
-                continue
-            counts["read_in"] += 1
-            doc = _row_doc(cfg, row, f"{fp.name}:{i:09d}", ext_map)
-            if doc is None:
-                counts["malformed_row"] += 1
-                continue
-            yield doc
+    col = cfg.source.content_column
+
+    def adapter(reader, row: dict, source: str, index: int) -> dict:
+        counts["read_in"] += 1
+        doc = _row_doc(cfg, row, f"{source}:{index:09d}", ext_map)
+        if doc is None:
+            counts["malformed_row"] += 1
+            return {"text": ""}  # no text: the reader skips it
+        if not doc["text"].strip():
+            counts["empty"] += 1
+            return {"text": ""}
+        text, doc_id = doc.pop("text"), doc.pop("id")
+        return {"text": text, "id": doc_id, "metadata": doc}
+
+    reader = ParquetReader(str(folder), glob_pattern=glob, adapter=adapter, text_key=col, batch_size=256)
+    reader._empty_warning = True  # rows without text are counted above, not warned about per file
+    shard = reader.data_folder.get_shard(rank, world, recursive=True, glob_pattern=glob) or []
+    for rel in shard:
+        with reader.data_folder.open(rel, "rb") as f:
+            try:
+                names = pq.read_schema(f).names
+            except Exception as e:
+                raise DataError(f"{folder / rel}: not a readable Parquet file ({e})") from None
+        if col not in names:
+            raise DataError(f"{folder / rel} has no column {col!r} (has {names}): set source.content_column")
+        for d in reader.read_file(rel):
+            yield {"id": d.id, "text": d.text, **{k: v for k, v in d.metadata.items() if k != "file_path"}}
 
 
 def iter_hf_disk(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: Counter) -> Iterator[dict]:

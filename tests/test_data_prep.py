@@ -108,17 +108,27 @@ def all_text(out: Path) -> str:
 
 def test_near_duplicate_with_small_edits_removed_distinct_kept(prepared):
     _, out, m = prepared
-    near = json.loads((out / "_work" / "02_near_dedup.json").read_text())["details"]["removed"]
+    near = near_removed(out)
     assert {r["id"] for r in near} == {"mathutils_fork/colorsys_fork.py"}
     assert near[0]["kept"] == "mathutils/colorsys.py"
     # bisect_vendored.py == bisect.py, badrepo/shlex_copy_ok.py == textutils/shlex.py
     assert m["stages"]["exact_dedup"]["dropped"]["duplicate"] == 2
-    kept = {d["id"] for d in read_docs(out, "04_decontam")}
+    kept = {d["id"] for d in read_docs(out)}
     assert {"mathutils/colorsys.py", "mathutils/bisect.py", "mathutils/numbers.py", "mathutils_fork/heapq.py"} <= kept
 
 
-def read_docs(out: Path, stage: str) -> list[dict]:
-    with gzip.open(out / "_work" / f"{stage}.jsonl.gz", "rt") as f:
+def read_docs(out: Path) -> list[dict]:
+    """The documents after decontamination (what is tokenized), from every bucket, in id order."""
+    docs = []
+    for path in sorted((out / "_work" / "05_clean").glob("b*.jsonl.gz")):
+        with gzip.open(path, "rt") as f:
+            docs += [json.loads(line) for line in f]
+    return sorted(docs, key=lambda d: d["id"])
+
+
+def near_removed(out: Path) -> list[dict]:
+    """The near-dedup removals ({id, kept}) the cluster step decided."""
+    with gzip.open(out / "_work" / "04_cluster" / "near_removed.jsonl.gz", "rt") as f:
         return [json.loads(line) for line in f]
 
 
@@ -130,7 +140,7 @@ def test_planted_secrets_and_emails_are_redacted(prepared):
     red = m["pii"]["redactions"]
     for kind in ("email", "ipv4", "ipv6", "key", "password", "private_key"):
         assert red.get(kind, 0) >= 1, kind
-    netrc = next(d for d in read_docs(out, "04_decontam") if d["id"] == "netutils/netrc.py")
+    netrc = next(d for d in read_docs(out) if d["id"] == "netutils/netrc.py")
     for placeholder in ("<EMAIL>", "<IP_ADDRESS>", "<KEY>", "<PASSWORD>", "<PRIVATE_KEY>"):
         assert placeholder in netrc["text"], placeholder
 
@@ -160,7 +170,7 @@ def test_split_by_repository_has_no_overlap(prepared):
     _, out, m = prepared
     split = json.loads((out / "repos.json").read_text())
     assert set(split.values()) == {"train", "validation"}
-    docs = read_docs(out, "04_decontam")
+    docs = read_docs(out)
     val_docs = [d for d in docs if split[d["repo"]] == "validation"]
     train_text = "\n".join(decode_samples(str(out), -1, "train"))
     for d in val_docs:  # no line of a validation file appears in train (lines long enough to be unique)

@@ -1,0 +1,128 @@
+"""The stage chain as datatrove pipeline steps: one :class:`Stage` per stage, run by any datatrove executor.
+
+A task of a stage owns a contiguous range of the stage's units (``store.shard_units``): the map's unit is
+its input shard; partitioned stages have ``buckets`` units; the pack stage one per output shard; single
+steps one. A task skips units already finished (their stats exist), runs the rest, and writes a record of
+its time and peak RSS. Task count and worker count therefore change how fast, never what.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from datatrove.pipeline.base import PipelineStep
+from loguru import logger
+
+from data_prep import doc_stages, split, tokens
+from data_prep.config import DataPrepConfig, to_cfg
+from data_prep.finalize import finalize_unit
+from data_prep.store import shard_units, write_json
+from data_prep.work import STAGES, Ctx, Work, crash_hook
+
+log = logging.getLogger("data_prep")
+if os.environ.get("DATA_PREP_QUIET_DATATROVE"):
+    # A local run prints one line per stage; datatrove's per-task console log (pipeline, stats) is for clusters.
+    logger.disable("datatrove")
+
+
+@dataclass(frozen=True)
+class Spec:
+    unit: Callable[[Ctx, int], dict]
+    units: Callable[[Ctx], int]
+    tasks: Callable[[DataPrepConfig], int]
+
+
+def _buckets(ctx: Ctx) -> int:
+    return ctx.cfg.buckets
+
+
+def _one(_) -> int:
+    return 1
+
+
+def _partitioned(cfg: DataPrepConfig) -> int:
+    return min(cfg.executor.tasks, cfg.buckets)
+
+
+def _all_tasks(cfg: DataPrepConfig) -> int:
+    return cfg.executor.tasks
+
+
+SPECS: dict[str, Spec] = {
+    "map": Spec(doc_stages.map_unit, lambda ctx: ctx.work.map_tasks, _all_tasks),
+    "license": Spec(doc_stages.license_unit, _buckets, _partitioned),
+    "signatures": Spec(doc_stages.signatures_unit, _buckets, _partitioned),
+    "near_dedup": Spec(doc_stages.near_dedup_unit, _buckets, _partitioned),
+    "cluster": Spec(doc_stages.cluster_unit, _one, _one),
+    "clean": Spec(doc_stages.clean_unit, _buckets, _partitioned),
+    "split": Spec(split.split_unit, _one, _one),
+    "tokenizer": Spec(tokens.tokenizer_unit, _one, _one),
+    "tokenize": Spec(tokens.tokenize_unit, _buckets, _partitioned),
+    "pack": Spec(tokens.pack_unit, lambda ctx: len(tokens.pack_units(ctx)), _all_tasks),
+    "finalize": Spec(finalize_unit, _one, _one),
+}
+assert tuple(SPECS) == STAGES
+
+
+def chain(cfg: DataPrepConfig) -> list[tuple[str, int]]:
+    """(stage, task count) in run order."""
+    return [(s, SPECS[s].tasks(cfg)) for s in STAGES]
+
+
+def stage_complete(cfg: DataPrepConfig, stage: str) -> bool:
+    ctx = Ctx(cfg, Work(cfg))
+    if stage == "pack" and not stage_complete(cfg, "tokenize"):
+        return False
+    return all(ctx.work.unit_done(stage, u) for u in range(SPECS[stage].units(ctx)))
+
+
+def run_task(stage: str, cfg: DataPrepConfig, rank: int, world: int, progress: bool = False) -> dict:
+    """Run task ``rank`` of ``world`` of ``stage``; returns its record (also written next to the stage's units)."""
+    spec, work = SPECS[stage], Work(cfg)
+    ctx = Ctx(cfg, work, rank, world, progress and stage == "map")
+    work.dir(stage).mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    mine = list(shard_units(spec.units(ctx), rank, world))
+    ran = []
+    for u in mine:
+        if work.unit_done(stage, u):
+            continue
+        write_json(work.unit_stats(stage, u), spec.unit(ctx, u))
+        ran.append(u)
+        if len(ran) == 1 and len(mine) > 1:
+            crash_hook(stage)  # a kill with this stage half done, for the resume tests
+    end = time.time()
+    record = {
+        "stage": stage,
+        "rank": rank,
+        "world": world,
+        "units": ran,
+        "start": start,
+        "end": end,
+        "seconds": end - start,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    write_json(work.dir(stage) / f"task_t{world}_r{rank:05d}.json", record)
+    log.info("%-10s task %d/%d: %d units in %.1f s", stage, rank + 1, world, len(ran), end - start)
+    return record
+
+
+class Stage(PipelineStep):
+    """One data_prep stage as a datatrove step: the executor gives it (rank, world_size), it does its units."""
+
+    type = "🏗 - DATA_PREP"
+
+    def __init__(self, stage: str, cfg: dict, progress: bool = False):
+        self.name = f"data_prep {stage}"
+        super().__init__()
+        self.stage, self.cfg_dict, self.progress = stage, cfg, progress
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        rec = run_task(self.stage, to_cfg(self.cfg_dict), rank, world_size, self.progress)
+        self.stat_update("units", value=len(rec["units"]))
+        yield from ()
