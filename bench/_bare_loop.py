@@ -29,6 +29,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from ultrascale.data.shards import open_split
+    from ultrascale.dist import shutdown
     from ultrascale.model.build import build_model
     from ultrascale.train.optim import lr_multiplier
 
@@ -71,8 +72,8 @@ def main() -> None:
             "losses": [round(float(x), 5) for x in per_step],
         }
         print(json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    engine.destroy()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
     from ultrascale.data.shards import open_split
+    from ultrascale.dist import shutdown
     from ultrascale.model.build import build_model
 
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
@@ -195,8 +196,7 @@ def main() -> None:
             ),
             flush=True,
         )
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

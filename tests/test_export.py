@@ -203,6 +203,7 @@ def _engine_logits(out: Path, run_dirs: list[Path]) -> None:
         if dist.is_rank0():
             torch.save(result, out / f"{run_dir.name}.pt")
         dist.barrier()
+        engine.destroy()
         del engine
     dist.shutdown()
 

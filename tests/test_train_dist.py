@@ -43,7 +43,8 @@ def test_zero_stage_trains_and_replicas_agree(zero, tiny_data, tmp_path):
     assert summary["replicas_agree"] is True and len(summary["param_digests"]) == 2
     ds = json.loads((out / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == int(zero[5])
-    assert (out / "logs" / "rank00000.log").exists() and (out / "logs" / "rank00001.log").exists()
+    for r in (0, 1):  # nothing is left for interpreter exit to destroy (a gloo group there can SIGABRT the rank)
+        assert "no gloo thread left" in (out / "logs" / f"rank0000{r}.log").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import transformers.models.llama.modeling_llama  # noqa: F401
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
+from ultrascale.dist import gloo_threads, shutdown
 from ultrascale.model.loss import install_fused_loss
 
 STEPS = 3
@@ -99,8 +100,9 @@ def main() -> None:
         for stage, tied, mode in scenarios:
             f.write(json.dumps(run(stage, tied, mode, rank)) + "\n")
             f.flush()
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # what train.py does: no process group may be left for interpreter exit to destroy
+    with open(f"{out_path}.{rank}.exit", "w") as f:
+        f.write(json.dumps({"gloo_threads_after_shutdown": gloo_threads()}) + "\n")
 
 
 if __name__ == "__main__":

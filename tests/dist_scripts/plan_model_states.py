@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ultrascale.config.compose import compose
 from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.validate import validate
+from ultrascale.dist import shutdown
 from ultrascale.plan.arch import hf_config, model_key
 
 
@@ -98,10 +99,9 @@ def main() -> None:
         row = {"scenario": scenario, "rank": rank, **measure(engine, int(cfg.zero.stage))}
         with open(f"{out_path}.{rank}", "a") as f:
             f.write(json.dumps(row) + "\n")
-        engine.destroy() if hasattr(engine, "destroy") else None
+        engine.destroy()
         del engine, model, optimizer
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

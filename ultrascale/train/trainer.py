@@ -470,6 +470,12 @@ class Trainer:
             fields.update(factor=float(self.cfg.stability.lr_cut_factor), until_step=self.stability.lr_cut_until + 1)
         self.metrics.event(done, verdict.action, **fields)
 
+    def close(self) -> None:
+        """Release the engine now: ZeRO-3's gradient hooks form a cycle through C++ autograd nodes that the
+        garbage collector cannot see, which would keep the engine and its process groups alive until exit."""
+        self.engine.destroy()
+        self.engine = self.gate = None
+
     def finish(self, summary: dict) -> None:
         if not dist.is_rank0():
             return
@@ -525,4 +531,5 @@ def run(cfg: DictConfig, topo: Topology) -> dict | None:
     trainer.setup()
     summary = trainer.fit()
     trainer.finish(summary)
+    trainer.close()
     return summary
