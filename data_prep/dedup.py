@@ -119,22 +119,23 @@ def signatures(texts: list[str], num_perm: int = 256, ngram: int = 5, seed: int 
     return MinHasher(num_perm, ngram, seed).signatures(texts)
 
 
-def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
-    """(bands, rows) minimising the false-positive + false-negative area of the LSH S-curve at threshold."""
-    xs = np.linspace(0, 1, 201)
-    best, best_err = (1, num_perm), float("inf")
-    for bands in range(1, num_perm + 1):
-        rows = num_perm // bands
-        p = 1 - (1 - xs**rows) ** bands
-        fp = np.trapezoid(np.where(xs < threshold, p, 0), xs)
-        fn = np.trapezoid(np.where(xs >= threshold, 1 - p, 0), xs)
-        if fp + fn < best_err:
-            best, best_err = (bands, rows), fp + fn
-    return best
+def recall_bands(threshold: float, num_perm: int, recall: float = 0.99) -> tuple[int, int]:
+    """(bands, rows): the most rows per band (fewest false candidates) for which a pair at ``threshold``
+    becomes a candidate with probability >= ``recall``.
+
+    Candidates are confirmed on the whole signature afterwards, so a false candidate costs one comparison
+    while a missed one is a duplicate kept: the LSH is tuned for recall. (Minimising the false-positive +
+    false-negative area instead picks 13 x 19 at 0.85, which finds a pair at the threshold 45 % of the time.)
+    """
+    for rows in range(num_perm, 0, -1):
+        bands = num_perm // rows
+        if 1 - (1 - threshold**rows) ** bands >= recall:
+            return bands, rows
+    return num_perm, 1
 
 
 def bands_rows(threshold: float, num_perm: int, bands: int | None) -> tuple[int, int]:
-    return optimal_bands(threshold, num_perm) if bands is None else (bands, num_perm // bands)
+    return recall_bands(threshold, num_perm) if bands is None else (bands, num_perm // bands)
 
 
 def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:

@@ -290,6 +290,7 @@ def cluster_unit(ctx: Ctx, unit: int) -> dict:
     removed["bucket"], removed["row"], removed["why"] = nodes[gone] >> 32, nodes[gone] & 0xFFFFFFFF, why[gone]
     removed.sort(order=["bucket", "row"])
     save_npy(work.dir("cluster") / "removed.npy", removed)
+    crash_hook("cluster")
     near = sorted(({"id": ids[i], "kept": ids[root[i]]} for i in np.flatnonzero(why == NEAR)), key=lambda r: r["id"])
     exact = sorted(
         ({"id": ids[i], "kept": ids[exact_root[i]]} for i in np.flatnonzero(why == EXACT)), key=lambda r: r["id"]

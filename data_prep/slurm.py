@@ -16,8 +16,6 @@ import shutil
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from data_prep.config import DataPrepConfig
 from data_prep.stages import Stage, chain
 from data_prep.work import Work
@@ -28,12 +26,11 @@ def build_chain(cfg: DataPrepConfig) -> list:
     from datatrove.executor import SlurmPipelineExecutor
 
     ex, work = cfg.executor, Work(cfg)
-    plain = OmegaConf.to_container(OmegaConf.structured(cfg))
     activate = Path(sys.prefix) / "bin" / "activate"
     execs, prev = [], None
     for stage, tasks in chain(cfg):
         prev = SlurmPipelineExecutor(
-            [Stage(stage, plain, False)],
+            [Stage(stage, cfg, False)],
             tasks=tasks,
             time=ex.time,
             partition=ex.partition,

@@ -87,15 +87,15 @@ def run_task(stage: str, cfg: DataPrepConfig, rank: int, world: int, progress: b
     ctx = Ctx(cfg, work, rank, world, progress and stage == "map")
     work.dir(stage).mkdir(parents=True, exist_ok=True)
     start = time.time()
-    mine = list(shard_units(spec.units(ctx), rank, world))
+    n = spec.units(ctx)
     ran = []
-    for u in mine:
+    for u in shard_units(n, rank, world):
         if work.unit_done(stage, u):
             continue
         write_json(work.unit_stats(stage, u), spec.unit(ctx, u))
         ran.append(u)
-        if len(ran) == 1 and len(mine) > 1:
-            crash_hook(stage)  # a kill with this stage half done, for the resume tests
+        if len(ran) == 1 and n > 1:
+            crash_hook(stage)  # a kill with this stage part done (single steps have their own hook inside)
     end = time.time()
     record = {
         "stage": stage,
@@ -106,6 +106,7 @@ def run_task(stage: str, cfg: DataPrepConfig, rank: int, world: int, progress: b
         "end": end,
         "seconds": end - start,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "pid": os.getpid(),
     }
     write_json(work.dir(stage) / f"task_t{world}_r{rank:05d}.json", record)
     log.info("%-10s task %d/%d: %d units in %.1f s", stage, rank + 1, world, len(ran), end - start)
@@ -117,12 +118,12 @@ class Stage(PipelineStep):
 
     type = "🏗 - DATA_PREP"
 
-    def __init__(self, stage: str, cfg: dict, progress: bool = False):
+    def __init__(self, stage: str, cfg: DataPrepConfig, progress: bool = False):
         self.name = f"data_prep {stage}"
         super().__init__()
-        self.stage, self.cfg_dict, self.progress = stage, cfg, progress
+        self.stage, self.cfg, self.progress = stage, to_cfg(cfg), progress  # the dataclass pickles as is
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
-        rec = run_task(self.stage, to_cfg(self.cfg_dict), rank, world_size, self.progress)
+        rec = run_task(self.stage, self.cfg, rank, world_size, self.progress)
         self.stat_update("units", value=len(rec["units"]))
         yield from ()

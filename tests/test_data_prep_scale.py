@@ -1,0 +1,256 @@
+"""data_prep at scale: any task count writes the same bytes, a kill in any stage resumes to them, and the
+Slurm chain (map, every reduce stage, the final merge) renders without sbatch and, replayed job by job, writes
+them too. Plus the pieces that make that true: the pointwise shuffle, the streamed split, the keyed runs.
+
+The reference is a run of test_data_prep's corpus with tasks=1 in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import dedup
+from data_prep.pipeline import run
+from data_prep.shuffle import permute
+from data_prep.store import RepoTable, part_range, read_run, repo_part, write_run, write_table
+from data_prep.work import STAGES
+from tests.test_data_prep import FIXTURE, _cli, cfg_for, make_corpus
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """test_data_prep's corpus (every kind of bad input, a planted secret and HumanEval solution), one task."""
+    root = tmp_path_factory.mktemp("dp_scale")
+    corpus = make_corpus(root)
+    return corpus, root / "out", run(cfg_for(corpus, root / "out"))
+
+
+def outputs(out: Path) -> dict[str, bytes]:
+    """Every file training or a person reads from a prepared dataset, by relative path."""
+    names = ["manifest.json", "repos.json", "decontamination.jsonl", "tokenizer/tokenizer.json"]
+    names += [str(p.relative_to(out)) for split in ("train", "validation") for p in sorted((out / split).glob("*.npy"))]
+    return {n: (out / n).read_bytes() for n in names}
+
+
+def test_four_tasks_on_two_workers_write_the_bytes_of_one_task(prepared, tmp_path):
+    corpus, ref, _ = prepared
+    out = tmp_path / "out"
+    m = run(cfg_for(corpus, out, "executor.tasks=4", "executor.workers=2"))
+    assert outputs(out) == outputs(ref)
+    assert m == json.loads((ref / "manifest.json").read_text())
+    records = [json.loads(p.read_text()) for p in (out / "_work" / "05_clean").glob("task_*.json")]
+    assert sorted(r["rank"] for r in records) == [0, 1, 2, 3]
+    assert os.getpid() not in {r["pid"] for r in records}  # the tasks ran in the pool's worker processes
+
+
+# Every stage, killed part way: half its units (or, for single steps, half its files) are on disk. Some kills
+# land in pool workers (workers=2). The resume uses another task count than the killed run.
+KILLS = [
+    ("map:1", 3, 2),
+    ("license", 3, 1),
+    ("signatures", 3, 1),
+    ("near_dedup", 3, 2),
+    ("cluster", 3, 1),
+    ("clean", 3, 2),
+    ("split", 3, 1),
+    ("tokenizer", 3, 1),
+    ("tokenize", 3, 1),
+    ("pack", 3, 2),
+    ("finalize", 3, 1),
+]
+
+
+def test_every_stage_has_a_kill_point():
+    assert {k.split(":")[0] for k, _, _ in KILLS} == set(STAGES)
+
+
+@pytest.mark.parametrize(("crash", "tasks", "workers"), KILLS, ids=[k for k, _, _ in KILLS])
+def test_kill_during_a_stage_resumes_to_the_same_bytes(prepared, tmp_path, crash, tasks, workers):
+    corpus, ref, _ = prepared
+    out = tmp_path / "out"
+    killed = _cli(corpus, out, crash, f"executor.tasks={tasks}", f"executor.workers={workers}")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (out / "manifest.json").exists()
+    stage = crash.split(":")[0]
+    work = out / "_work" / (f"00_map_t{tasks}" if stage == "map" else f"{STAGES.index(stage):02d}_{stage}")
+    assert work.exists(), f"the kill came before stage {stage} started"
+    done = _cli(corpus, out, None, "executor.tasks=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert outputs(out) == outputs(ref)
+
+
+# ------------------------------------------------------------------------------------------------ Slurm
+
+
+def _stack_parquet(root: Path) -> Path:
+    """The fixture corpus as The Stack lays it out: Parquet files of rows with content, path, repository, licenses."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = sorted(p for p in FIXTURE.rglob("*.py"))
+    rows = [
+        {
+            "content": p.read_text(),
+            "path": str(p.relative_to(FIXTURE)),
+            "repo_name": p.relative_to(FIXTURE).parts[0],
+            "detected_licenses": ["GPL-3.0-only"] if "gpl" in str(p) else ["MIT", "PSF-2.0"],
+        }
+        for p in files
+    ]
+    for i in range(3):
+        (root / f"part{i}").mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(rows[i::3]), root / f"part{i}" / f"train-{i:05d}.parquet")
+    return root
+
+
+def _fake_slurm_bin(tmp_path: Path) -> Path:
+    """``scontrol`` is all a job needs from Slurm here (datatrove expands the node list with it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
+    (bin_dir / "scontrol").chmod(stat.S_IRWXU)
+    return bin_dir
+
+
+def test_slurm_chain_renders_without_sbatch_and_replays_to_the_local_bytes(tmp_path, monkeypatch):
+    import dill
+
+    data = _stack_parquet(tmp_path / "stack")
+    cols = ["source.type=parquet", "source.repo_column=repo_name", "source.license_column=detected_licenses"]
+    ref = tmp_path / "local"
+    run(cfg_for(data, ref, *cols))
+    out = tmp_path / "slurm"
+    monkeypatch.setenv("PATH", f"{_fake_slurm_bin(tmp_path)}:{os.environ['PATH']}")
+    assert shutil.which("sbatch") is None
+    assert run(cfg_for(data, out, *cols, "executor.type=slurm", "executor.tasks=2", "executor.partition=cpu")) == {}
+
+    slurm = out / "_work" / "slurm"
+    lines = (slurm / "submit.sh").read_text().splitlines()
+    jobs = [ln for ln in lines if ln.startswith("J") and "merge_stats" not in ln]
+    assert len(jobs) == len(STAGES)
+    chain = []
+    for i, (stage, line) in enumerate(zip(STAGES, jobs)):
+        var, script = line.split("=", 1)[0], Path(re.search(r"(\S+\.sbatch)", line).group(1))
+        assert script.name.endswith(f"data_prep_{stage}.sbatch"), line
+        text = script.read_text()
+        tasks = 1 if stage in ("cluster", "split", "tokenizer", "finalize") else 2
+        assert f"#SBATCH --array=0-{tasks - 1}\n" in text and "#SBATCH --partition=cpu" in text
+        assert ("--dependency=afterok:$" + chain[-1][0] in line) if i else ("--dependency" not in line)
+        pik = text.split("launch_pickled_pipeline ")[1].split()[0]
+        chain.append((var, pik, tasks))
+    assert "manifest.json" not in os.listdir(out)
+
+    # Replay the chain job by job, each array task as Slurm would start it.
+    monkeypatch.setenv("SLURM_NODELIST", "localhost")
+    monkeypatch.setenv("RUN_OFFSET", "0")
+    for _, pik, tasks in chain:
+        for task in range(tasks):
+            monkeypatch.setenv("SLURM_ARRAY_TASK_ID", str(task))
+            with open(pik, "rb") as f:
+                dill.load(f).run()
+    assert outputs(out) == outputs(ref)
+    m = json.loads((ref / "manifest.json").read_text())
+    assert m["stages"]["license"]["dropped"] == {"GPL-3.0-only": 1}
+    assert m["stages"]["read"]["docs_in"] == len(list(FIXTURE.rglob("*.py")))
+
+
+# ------------------------------------------------------------------------------------------------ units
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
+def test_pointwise_shuffle_is_a_seeded_bijection(n):
+    p = permute(np.arange(n), n, seed=0, salt="train")
+    assert sorted(p.tolist()) == list(range(n))
+    halves = np.concatenate([permute(np.arange(n // 2), n, 0, "train"), permute(np.arange(n // 2, n), n, 0, "train")])
+    assert np.array_equal(halves, p)  # any slice of positions, evaluated alone, agrees
+    if n >= 64:
+        assert not np.array_equal(p, permute(np.arange(n), n, 1, "train"))
+        assert not np.array_equal(p, permute(np.arange(n), n, 0, "validation"))
+        assert abs(np.corrcoef(np.arange(n), p)[0, 1]) < 0.2
+
+
+def _split_in_memory(sizes: dict[str, int], fraction: float, seed: int) -> dict[str, str]:
+    """The split as the single-process pipeline computed it (its split_by_repo), kept here as the reference."""
+    import hashlib
+
+    total = sum(sizes.values())
+    order = sorted(sizes, key=lambda r: hashlib.sha1(f"{seed}:{r}".encode()).hexdigest())
+    target, val, out = fraction * total, 0, {}
+    for r in order:
+        if val < target and val + sizes[r] <= 1.5 * target:
+            out[r] = "validation"
+            val += sizes[r]
+        else:
+            out[r] = "train"
+    if fraction > 0 and not any(s == "validation" for s in out.values()) and len(order) > 1:
+        out[min(order, key=lambda r: sizes[r])] = "validation"
+    return out
+
+
+@pytest.mark.parametrize(("n_repos", "fraction", "buckets"), [(200, 0.05, 8), (40, 0.2, 3), (5, 0.01, 4), (2, 0.5, 1)])
+def test_streamed_split_equals_the_in_memory_split(tmp_path, n_repos, fraction, buckets):
+    from data_prep.config import to_cfg
+    from data_prep.split import split_unit
+    from data_prep.store import repo_key
+    from data_prep.work import Ctx, Work
+
+    rng = np.random.default_rng(n_repos)
+    sizes = {f"repo{i}": int(rng.pareto(1.2) * 1000) + 1 for i in range(n_repos)}
+    cfg = to_cfg(
+        {"output_dir": str(tmp_path), "buckets": buckets, "seed": 3, "split": {"validation_fraction": fraction}}
+    )
+    work = Work(cfg)
+    work.dir("clean").mkdir(parents=True)
+    (work.dir("split")).mkdir(parents=True)
+    for b in range(buckets):  # a repository's files are spread over buckets: split each size in parts
+        rows = [(repo_key(3, r), {"repo": r, "chars": s // buckets + (b < s % buckets)}) for r, s in sizes.items()]
+        write_run(work.bucket("clean", b, ".repos"), [x for x in rows if x[1]["chars"]])
+    split_unit(Ctx(cfg, work), 0)
+    assert json.loads((tmp_path / "repos.json").read_text()) == _split_in_memory(sizes, fraction, 3)
+    expected = json.dumps(_split_in_memory(sizes, fraction, 3), indent=2, sort_keys=True) + "\n"
+    assert (tmp_path / "repos.json").read_text() == expected
+
+
+def test_keyed_runs_read_by_range_and_tables_look_up_by_partition(tmp_path):
+    rng = np.random.default_rng(0)
+    keys = [int(k) * 2 + 1 for k in rng.integers(0, 2**63, size=500, dtype=np.int64)]
+    write_run(tmp_path / "run", [(k, {"k": str(k)}) for k in keys])
+    parts = 7
+    got = [kr for p in range(parts) for kr in read_run(tmp_path / "run", *part_range(p, parts))]
+    assert [k for k, _ in got] == sorted(keys) and all(r["k"] == str(k) for k, r in got)
+    for p in range(parts):
+        mine = sorted(k for k in keys if repo_part(k, parts) == p)
+        write_table(
+            tmp_path / f"t{p}", np.array(mine, dtype=np.uint64), np.array([k % 5 for k in mine], dtype=np.uint8)
+        )
+    table = RepoTable(lambda p: tmp_path / f"t{p}", parts)
+    assert table.lookup(keys).tolist() == [k % 5 for k in keys]
+    with pytest.raises(KeyError):
+        table.lookup([keys[0] + 1])
+
+
+def test_distributed_near_dedup_steps_equal_the_in_memory_run():
+    """Keys split over partitions and pairs joined at the end give the clusters of one in-memory pass."""
+    texts = [p.read_text() for p in sorted(FIXTURE.rglob("*.py"))]
+    texts += [t.replace("def ", "def  ", 2) + "\n# copy\n" for t in texts[:6]]
+    sigs = dedup.signatures(texts)
+    keep, roots = dedup.near_duplicates(sigs, 0.85)
+    bands, rows = dedup.bands_rows(0.85, 256, None)
+    keys = dedup.band_keys(sigs, bands, rows)
+    pairs = []
+    for part in range(5):
+        kind = np.broadcast_to(np.arange(bands), keys.shape).ravel()
+        ref = np.repeat(np.arange(len(texts)), bands)
+        sel = keys.ravel() % np.uint64(5) == part
+        cand = dedup.candidate_pairs(kind[sel], keys.ravel()[sel], ref[sel])
+        pairs.append(cand[dedup.confirm(sigs[cand[:, 0]], sigs[cand[:, 1]], 0.85)])
+    split_roots = dedup.clusters(np.concatenate(pairs), np.arange(len(texts)))
+    assert np.array_equal(split_roots, roots) and (~keep).sum() >= 6
