@@ -77,7 +77,7 @@ def map_unit(ctx: Ctx, rank: int) -> dict:
     repos: dict[str, set[str]] = defaultdict(set)
     n_read = n_kept = bytes_read = bytes_kept = 0
     with ExitStack() as stack:
-        for doc in iter_documents(cfg, rank, ctx.world, counts, ctx.progress):
+        for doc in iter_documents(cfg, rank, ctx.world, counts, ctx.progress, ctx.work.dir("map") / "files.json"):
             n_read += 1
             nb = nbytes(doc["text"])
             bytes_read += nb

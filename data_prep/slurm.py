@@ -32,6 +32,7 @@ def build_chain(cfg: DataPrepConfig) -> list:
         prev = SlurmPipelineExecutor(
             [Stage(stage, cfg, False)],
             tasks=tasks,
+            workers=ex.workers if ex.workers > 1 else -1,  # 1 means in-process locally, not one job at a time
             time=ex.time,
             partition=ex.partition,
             cpus_per_task=ex.cpus_per_task,

@@ -168,12 +168,32 @@ def read_text_file(path: Path, max_bytes: int, counts: Counter) -> str | None:
         return None
 
 
-def iter_dir(
-    cfg: DataPrepConfig, root: Path, rank: int, world: int, counts: Counter, progress: bool = False
-) -> Iterator[dict]:
-    walk: Counter = Counter()  # every task walks the same tree: only task 0 reports what the walk saw
+def _listing(cfg: DataPrepConfig, root: Path, cache: Path | None) -> tuple[list[str], dict[str, str], Counter]:
+    """The selected files, license map and walk counts; with ``cache``, the first task to finish the walk saves
+    them there and later tasks read them (tasks racing at the start walk once each and agree)."""
+    if cache is not None and cache.exists():
+        saved = json.loads(cache.read_text())
+        return saved["files"], saved["licenses"], Counter(saved["walk"])
+    walk: Counter = Counter()
     files, lic = select_files(cfg, root, walk)
-    if rank == 0:
+    if cache is not None:
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"files": files, "licenses": lic, "walk": walk}))
+        os.replace(tmp, cache)
+    return files, lic, walk
+
+
+def iter_dir(
+    cfg: DataPrepConfig,
+    root: Path,
+    rank: int,
+    world: int,
+    counts: Counter,
+    progress: bool = False,
+    listing: Path | None = None,
+) -> Iterator[dict]:
+    files, lic, walk = _listing(cfg, root, listing)
+    if rank == 0:  # every task sees the same walk: only task 0 reports it
         counts.update(walk)
     ext_map = extension_map(cfg)
     mine = files[rank::world]
@@ -329,13 +349,19 @@ def iter_hf_disk(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts:
 
 
 def iter_documents(
-    cfg: DataPrepConfig, rank: int = 0, world: int = 1, counts: Counter | None = None, progress: bool = False
+    cfg: DataPrepConfig,
+    rank: int = 0,
+    world: int = 1,
+    counts: Counter | None = None,
+    progress: bool = False,
+    listing: Path | None = None,
 ) -> Iterator[dict]:
-    """Documents of map task ``rank`` of ``world`` (files or rows modulo world)."""
+    """Documents of map task ``rank`` of ``world`` (files or rows modulo world, or whole files of a directory of
+    JSONL/Parquet). ``listing`` caches a directory input's walk for the other tasks."""
     counts = counts if counts is not None else Counter()
     kind, path = resolve_input(cfg)
     if kind == "dir":
-        yield from iter_dir(cfg, path, rank, world, counts, progress)
+        yield from iter_dir(cfg, path, rank, world, counts, progress, listing)
         return
     readers = {"jsonl": iter_jsonl, "parquet": iter_parquet, "hf_disk": iter_hf_disk}
     if kind not in readers:
