@@ -14,7 +14,7 @@ from ultrascale.errors import ConfigError
 
 
 def main(cfg: DictConfig) -> list:
-    from ultrascale.plan.arch import arch_from_cfg
+    from ultrascale.model.arch import arch_from_cfg
     from ultrascale.plan.cluster import resolve_cluster
     from ultrascale.plan.report import header, override_line, plot, rejection_summary, table, write_json
     from ultrascale.plan.search import plan

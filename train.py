@@ -17,8 +17,8 @@ def main(cfg: DictConfig) -> dict | None:
     from ultrascale.dist import planned_world_size
     from ultrascale.train.trainer import run
 
-    topo = validate(cfg, planned_world_size(cfg))  # every cross-group rule, before anything is built
-    return run(cfg, topo)
+    decisions = validate(cfg, planned_world_size(cfg))  # every rule, then what the run does, before anything is built
+    return run(cfg, decisions)
 
 
 if __name__ == "__main__":

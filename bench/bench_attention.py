@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def _data(a: argparse.Namespace, tmp: Path) -> tuple[Path, str]:
     if not a.data:
-        from train_overhead import _pick_data
+        from train_overhead import pick_data
 
-        return _pick_data("auto", 256, tmp)
+        return pick_data("auto", 256, tmp)
     from ultrascale.data.shards import load_manifest
     from ultrascale.errors import DataError
 

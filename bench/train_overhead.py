@@ -73,7 +73,7 @@ def _json_line(stdout: str) -> dict:
     return json.loads([ln for ln in stdout.splitlines() if ln.startswith('{"')][-1])
 
 
-def _pick_data(choice: str, seq_len: int, tmp: Path) -> tuple[Path, str]:
+def pick_data(choice: str, seq_len: int, tmp: Path) -> tuple[Path, str]:
     """(data dir, description): the prepared BPE stdlib corpus if usable, else the byte corpus."""
     stdlib = ROOT / "data" / "stdlib"
     why = None
@@ -290,7 +290,7 @@ def main() -> None:
     from tqdm import tqdm
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_train_"))
-    data, data_desc = _pick_data(a.data, a.seq_len, tmp)
+    data, data_desc = pick_data(a.data, a.seq_len, tmp)
     common = ["logger=none", f"zero={a.zero}", f"data.path={data}", f"data.seq_len={a.seq_len}",
               f"data.micro_batch={a.micro}", f"data.global_batch={a.micro * a.nproc * 2}", f"train.steps={a.steps}",
               "train.eval_interval=0", "train.checkpoint_interval=0", "optim.sched.warmup_steps=5",

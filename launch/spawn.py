@@ -17,10 +17,11 @@ from omegaconf import DictConfig
 
 from launch.hostfile import read_hostfile
 from ultrascale.config.compose import PROJECT_ROOT, resolve_path
+from ultrascale.config.schema import LauncherName
 from ultrascale.dist import free_port
 from ultrascale.errors import ConfigError
 
-SPAWNING = ("deepspeed", "torchrun")
+SPAWNING = (LauncherName.deepspeed, LauncherName.torchrun)
 STATUS_FILE = "job_status.json"
 
 
@@ -35,7 +36,7 @@ def is_driver(cfg: DictConfig) -> bool:
     """
     if "launcher" not in cfg or cfg.get("dry_run", False) or "WORLD_SIZE" in os.environ:
         return False
-    return cfg.launcher.name in (*SPAWNING, "slurm")
+    return cfg.launcher.name in (*SPAWNING, LauncherName.slurm)
 
 
 def _exe(name: str) -> str:

@@ -12,7 +12,6 @@ as run directory and one wandb group named after the sweep. Hydra's own launcher
 from __future__ import annotations
 
 import csv
-import json
 import math
 import re
 import sys
@@ -23,6 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.spawn import STATUS_FILE
 from ultrascale.config.compose import resolve_path
+from ultrascale.errors import DataError
+from ultrascale.jsonio import read_json
 
 SUMMARY_CSV = "sweep_summary.csv"
 COLUMNS = ["job", "overrides", "status", "final_loss", "eval_loss", "tokens_per_s", "mfu", "mem_gb", "run_dir"]
@@ -57,9 +58,10 @@ def job_extras(cfg: DictConfig, job_dir: str, sweep_dir: str, job_num: int) -> d
 
 
 def _read_json(path: Path) -> dict:
+    """A job's summary or status; a job still writing (or killed mid-write) is just not done yet."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json(path, {})
+    except DataError:
         return {}
 
 

@@ -22,10 +22,9 @@ import torch
 from ultrascale.config.compose import PROJECT_ROOT, compose
 from ultrascale.data.shards import write_samples
 from ultrascale.errors import ConfigError
-from ultrascale.eval.config import register_eval_configs
+from ultrascale.eval.config import check, register_eval_configs
 from ultrascale.eval.humaneval import check_program, generate, load_problems, truncate
 from ultrascale.eval.perplexity import perplexity
-from ultrascale.eval.run import check
 from ultrascale.eval.sandbox import SandboxUnavailable, check_available, run_many
 
 SEQ = 64
@@ -162,8 +161,10 @@ def test_eval_config_typos_and_bad_combinations_fail_with_the_key():
         check(_eval_cfg([]))
     with pytest.raises(ConfigError, match="n_samples"):
         check(_eval_cfg(["model_dir=x", "humaneval.k=[1,10]", "humaneval.n_samples=5", "humaneval.temperature=0.8"]))
-    with pytest.raises(ConfigError, match="unknown task"):
+    with pytest.raises(ConfigError, match=r"tasks.*'mmlu' is not one of \[perplexity, humaneval\]"):
         check(_eval_cfg(["model_dir=x", "tasks=[mmlu]"]))
+    with pytest.raises(ConfigError, match=r"dtype='fp8' is not one of \[fp32, bf16, fp16\]"):
+        _eval_cfg(["model_dir=x", "dtype=fp8"])
 
 
 @needs_sandbox

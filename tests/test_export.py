@@ -186,8 +186,9 @@ def _engine_logits(out: Path, run_dirs: list[Path]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for run_dir in run_dirs:
         cfg = OmegaConf.load(run_dir / "config.yaml")
-        topo = validate(cfg, dist.world_size())
-        engine, _ = build_engine(cfg, topo, build_ds_config(cfg, topo))
+        d = validate(cfg, dist.world_size())
+        topo = d.topo
+        engine, _ = build_engine(cfg, d, build_ds_config(cfg, d))
         tag_dir = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
         step, _ = checkpoint.load(engine, tag_dir, same_world=True)
         split = open_split(resolve_path(cfg.data.path), "validation")

@@ -80,11 +80,9 @@ def test_moe_stats_from_a_real_mixtral_forward():
     torch.manual_seed(0)
     model = MixtralForCausalLM(cfg)
     assert is_moe(model)
-    run_cfg = OmegaConf.create({"parallel": {"moe": {"aux_loss_coef": 0.05}}, "zero": {"stage": 1}})
-    from ultrascale.config.topology import Topology
-
-    desc = prepare_moe(model, run_cfg, Topology(world=1))
-    assert "4 experts, top-2" in desc
+    moe_cfg = OmegaConf.create({"aux_loss_coef": 0.05, "top_k": 2})
+    desc = prepare_moe(model, moe_cfg, "4 experts per layer, replicated", leaf_modules=False)
+    assert desc == "4 experts per layer, replicated, top-2, router aux loss x 0.05"
     stats = MoEStats(model, OmegaConf.create({"top_k": 2, "aux_loss_coef": 0.05, "capacity_factor": 1.0}))
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
     out = model(input_ids=ids, labels=ids)

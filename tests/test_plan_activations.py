@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ultrascale.plan.arch import arch_from_hf
+from ultrascale.model.arch import arch_from_hf
 from ultrascale.plan.memory import Layout, activation_bytes
 
 MODELS = {

@@ -7,8 +7,8 @@ import pytest
 from transformers import AutoConfig
 
 from ultrascale.config.compose import compose
-from ultrascale.plan.arch import arch_from_cfg, arch_from_hf
-from ultrascale.plan.flops import flops_per_token, train_flops_per_token
+from ultrascale.model.arch import arch_from_cfg, arch_from_hf
+from ultrascale.model.flops import flops_per_token, train_flops_per_token
 from ultrascale.plan.memory import Layout, model_state_bytes
 from ultrascale.plan.timing import bubble_fraction, step_time
 

@@ -60,7 +60,7 @@ def test_best_override_line_is_a_valid_train_config(result) -> None:
     _, doc, _ = result
     overrides = doc["best_command"].split()[2:]
     cfg = compose(overrides)
-    topo = validate(cfg, world_size=2)
+    topo = validate(cfg, world_size=2).topo
     assert topo.tp == doc["best"]["layout"]["tp"] and cfg.zero.stage == doc["best"]["layout"]["zero_stage"]
 
 

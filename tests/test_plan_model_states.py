@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import launch
 from ultrascale.config.compose import compose
-from ultrascale.plan.arch import arch_from_cfg
+from ultrascale.model.arch import arch_from_cfg
 from ultrascale.plan.memory import model_state_bytes
 from ultrascale.plan.search import layout_from_cfg
 

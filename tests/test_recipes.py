@@ -24,12 +24,26 @@ def test_there_are_recipes():
     assert {"cpu_smoke", "starcoder2_3b_zero2", "starcoder2_7b_zero3"} <= set(RECIPES)
 
 
+def _pretrained_stand_in(tmp_path: Path) -> Path:
+    """A config.json with SmolLM2-135M's shape (the recipe's header): validation reads the architecture from
+    ``model.pretrained_path``, whose weights are imported on the user's machine, not in CI."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                max_position_embeddings=8192).save_pretrained(tmp_path)  # fmt: skip
+    return tmp_path
+
+
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_resolves_to_golden(name):
+def test_recipe_resolves_to_golden(name, tmp_path):
     cfg = compose([f"recipe={name}"])
+    if cfg.model.pretrained_path:
+        cfg = compose([f"recipe={name}", f"model.pretrained_path={_pretrained_stand_in(tmp_path)}"])
     world = cfg.launcher.nproc_per_node * cfg.launcher.nnodes
-    topo = validate(cfg, world)
-    ds = build_ds_config(cfg, topo)
+    d = validate(cfg, world)
+    topo = d.topo
+    ds = build_ds_config(cfg, d)
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * topo.dp
     assert '"auto"' not in json.dumps(ds)  # no "auto" value (the key autoep_size is fine)
     path = GOLDEN / f"{name}.json"

@@ -113,8 +113,8 @@ def test_apply_lr_follows_the_step_and_keeps_each_groups_peak():
     )
     p1, p2 = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
     opt = torch.optim.AdamW([{"params": [p1], "lr": 1.0}, {"params": [p2], "lr": 0.5}])
-    assert apply_lr(opt, 4, cfg) == pytest.approx(0.5)
-    assert apply_lr(opt, 50, cfg, factor=0.5) == pytest.approx(0.5)
+    assert apply_lr(opt, 4, cfg.optim.sched, cfg.train.steps) == pytest.approx(0.5)
+    assert apply_lr(opt, 50, cfg.optim.sched, cfg.train.steps, factor=0.5) == pytest.approx(0.5)
     assert opt.param_groups[1]["lr"] == pytest.approx(0.25)
 
 

@@ -162,7 +162,7 @@ def test_fused_adamw_is_the_same_update_as_the_foreach_one():
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))]
     models.append(copy.deepcopy(models[0]))
-    opts = [build_optimizer(m, compose([f"optim.fused={f}"])) for m, f in zip(models, ("true", "false"))]
+    opts = [build_optimizer(m, compose([f"optim.fused={f}"]).optim) for m, f in zip(models, ("true", "false"))]
     assert opts[0].defaults["fused"] is True and not opts[1].defaults["fused"]
     x = torch.randn(32, 8)
     for _ in range(3):

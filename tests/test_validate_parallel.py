@@ -101,9 +101,10 @@ def test_parallel_rule_raises_one_clear_error(overrides, world, match):
 )
 def test_valid_layouts_pass_and_build_json(overrides, world, dp):
     cfg = compose(overrides)
-    topo = validate(cfg, world)
+    d = validate(cfg, world)
+    topo = d.topo
     assert topo.dp == dp
-    ds = build_ds_config(cfg, topo)
+    ds = build_ds_config(cfg, d)
     # with AutoTP, DeepSpeed counts every rank of a tp group as a replica in its batch check
     replicas = dp * topo.tp
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * replicas

@@ -44,6 +44,13 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def detect_backend() -> str:
+    """``nccl`` on a GPU machine (unless ``DS_ACCELERATOR=cpu``), ``gloo`` otherwise; no side effects."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu" or not has_gpu():
+        return "gloo"
+    return "nccl"
+
+
 def select_accelerator() -> str:
     """Pick DeepSpeed's accelerator + comm backend: CUDA/NCCL on GPUs, CPU/gloo otherwise (logged)."""
     if os.environ.get("DS_ACCELERATOR") == "cpu":
@@ -256,5 +263,5 @@ def planned_world_size(cfg) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     if cfg.dry_run:
-        return int(cfg.launcher.nproc_per_node) * int(cfg.launcher.nnodes)
+        return cfg.launcher.nproc_per_node * cfg.launcher.nnodes
     return 1

@@ -105,7 +105,8 @@ def parse_size(text: str | int) -> int:
 
 def resolve_tag_dir(run_dir: Path, step: int | None) -> tuple[Path, dict]:
     """The complete checkpoint to export and its meta; verified file by file like a resume would be."""
-    from ultrascale.train.checkpoint import LATEST, tag_for, verify
+    from ultrascale.rundir import LATEST
+    from ultrascale.train.checkpoint import tag_for, verify
 
     ckpt = run_dir / "checkpoints"
     if step is None:
@@ -264,7 +265,7 @@ def export(
 
     hf = build_hf_config(cfg.model)
     expected, tied = _hf_names(hf)
-    zero_stage = int(meta.get("zero_stage", cfg.zero.stage))
+    zero_stage = int(meta["zero_stage"])  # the run's record, saved with every checkpoint
     if zero_stage == 3:
         import deepspeed.utils.zero_to_fp32  # noqa: F401  imported before the baseline: code is not data
     mem = _Memory()  # from here on, memory is the checkpoint's tensors, not imports

@@ -21,7 +21,7 @@ from ultrascale.config.compose import compose
 from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.validate import validate
 from ultrascale.dist import shutdown
-from ultrascale.plan.arch import hf_config, model_key
+from ultrascale.model.build import build_hf_config
 
 
 class Tally:
@@ -84,10 +84,10 @@ def main() -> None:
     for scenario in scenarios:
         overrides = scenario.split()
         cfg = compose(overrides)
-        topo = validate(cfg, dist.get_world_size())
-        ds = build_ds_config(cfg, topo)
+        d = validate(cfg, dist.get_world_size())
+        ds = build_ds_config(cfg, d)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(hf_config(*model_key(cfg))).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(build_hf_config(cfg.model)).to(torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
         ids = torch.randint(0, 256, (cfg.data.micro_batch, cfg.data.seq_len))

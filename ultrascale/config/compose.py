@@ -47,6 +47,10 @@ def _one_line(exc: BaseException, overrides: list[str], config_name: str = "trai
         group = m.group(1).split("/")[0]
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) if (CONF_DIR / group).is_dir() else []
         return f"no config {m.group(1)!r}" + (f": choose one of {options}" if options else "")
+    choice = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", full)
+    if choice:
+        where = key.group(1) if key else "a key"
+        return f"{where}={choice.group(1)!r} is not one of [{choice.group(2)}]: pick one"
     if "Value '" in full and ("could not be converted" in full or "is not a valid" in full or "Invalid value" in full):
         val = re.search(r"Value '([^']*)'", full)
         typ = re.search(r"converted to (\w+)", full)

@@ -11,23 +11,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
-
-from ultrascale.config.topology import Topology
+from ultrascale.config.decide import Decisions
 
 
-def _zero_section(z: DictConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"stage": int(z.stage)}
-    if z.stage >= 1:
+def _zero_section(z: Any, stage: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"stage": stage}
+    if stage >= 1:
         out["overlap_comm"] = bool(z.overlap_comm)
         out["contiguous_gradients"] = bool(z.contiguous_gradients)
         out["reduce_bucket_size"] = int(z.reduce_bucket_size)
-    if z.stage in (1, 2):
+    if stage in (1, 2):
         out["allgather_bucket_size"] = int(z.allgather_bucket_size)
         out["reduce_scatter"] = bool(z.reduce_scatter)
         if z.round_robin_gradients:
             out["round_robin_gradients"] = True
-    if z.stage == 3:
+    if stage == 3:
         out.update(
             stage3_prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
             stage3_param_persistence_threshold=int(z.stage3_param_persistence_threshold),
@@ -48,13 +46,12 @@ def _zero_section(z: DictConfig) -> dict[str, Any]:
     return out
 
 
-def _optimizer_section(cfg: DictConfig) -> dict[str, Any] | None:
-    """DeepSpeed-side optimizers: offload needs DeepSpeedCPUAdam and Muon is DeepSpeed's own.
-
-    Otherwise return None: the trainer builds torch AdamW itself (with decay/no-decay groups) and
-    hands it to ``deepspeed.initialize``, which avoids JIT-compiling FusedAdam on first use.
-    """
+def _optimizer_section(cfg: Any, d: Decisions) -> dict[str, Any] | None:
+    """The optimizer DeepSpeed owns (``d.optimizer_owner``): Muon is DeepSpeed's own, offload needs
+    DeepSpeedCPUAdam. None when the trainer builds torch AdamW itself and hands it over."""
     o = cfg.optim
+    if d.optimizer_owner.value != "deepspeed":
+        return None
     if o.name == "muon":
         params: dict[str, Any] = {
             "lr": float(o.lr),
@@ -68,21 +65,20 @@ def _optimizer_section(cfg: DictConfig) -> dict[str, Any] | None:
         if o.torch_adam:  # the Adam half as torch AdamW: no FusedAdam JIT build (~1-2 min) on first use
             params["torch_adam"] = True
         return {"type": "muon", "params": params}
-    if cfg.zero.offload_optimizer != "none" or not o.torch_adam:
-        return {
-            "type": "AdamW",
-            "params": {
-                "lr": float(o.lr),
-                "betas": [float(b) for b in o.betas],
-                "eps": float(o.eps),
-                "weight_decay": float(o.weight_decay),
-            },
-        }
-    return None
+    return {
+        "type": "AdamW",
+        "params": {
+            "lr": float(o.lr),
+            "betas": [float(b) for b in o.betas],
+            "eps": float(o.eps),
+            "weight_decay": float(o.weight_decay),
+        },
+    }
 
 
-def build_ds_config(cfg: DictConfig, topo: Topology) -> dict[str, Any]:
-    """Return the DeepSpeed config dict for this run. Validation has already run."""
+def build_ds_config(cfg: Any, d: Decisions) -> dict[str, Any]:
+    """The DeepSpeed config dict for a validated config and its decisions (``validate`` returns them)."""
+    topo = d.topo
     mb, gb = int(cfg.data.micro_batch), int(cfg.data.global_batch)
     gas = topo.grad_accum(mb, gb)
     ds: dict[str, Any] = {
@@ -93,10 +89,8 @@ def build_ds_config(cfg: DictConfig, topo: Topology) -> dict[str, Any]:
         "gradient_accumulation_steps": gas,
         "gradient_clipping": float(cfg.optim.grad_clip),
         "steps_per_print": 10**9,  # we log ourselves; DeepSpeed's own print is noise
-        # Engine timers feed the step breakdown. Not with the pipeline engine: in DeepSpeed 0.19.8 its backward
-        # starts the same micro timer as the base engine's hook ("bwd_microstep timer has already been started").
-        "wall_clock_breakdown": bool(cfg.train.step_breakdown) and topo.pp == 1,
-        "zero_optimization": _zero_section(cfg.zero),
+        "wall_clock_breakdown": d.step_breakdown.on,  # engine timers feed the step breakdown
+        "zero_optimization": _zero_section(cfg.zero, d.zero_stage),
         "zero_allow_untested_optimizer": True,
         "seed": int(cfg.train.seed),
     }
@@ -113,7 +107,7 @@ def build_ds_config(cfg: DictConfig, topo: Topology) -> dict[str, Any]:
             "hysteresis": int(p.hysteresis),
             "min_loss_scale": float(p.min_loss_scale),
         }
-    opt = _optimizer_section(cfg)
+    opt = _optimizer_section(cfg, d)
     if opt is not None:
         ds["optimizer"] = opt
     if topo.tp > 1:

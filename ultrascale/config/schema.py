@@ -9,12 +9,75 @@ Each field's docstring says why it exists and what it requires.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from ultrascale.config.fields import num
+
+
+# Allowed choices are types: a value outside one fails at compose time with the key and the choices. StrEnum
+# members compare equal to their strings and print as them, so YAML, JSON and messages read the same.
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class OptimizerName(StrEnum):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class ScheduleName(StrEnum):
+    cosine = "cosine"
+    wsd = "wsd"
+    constant = "constant"
+
+
+class Offload(StrEnum):
+    none = "none"
+    cpu = "cpu"
+
+
+class AttnImplementation(StrEnum):
+    sdpa = "sdpa"
+    eager = "eager"
+    flash_attention_2 = "flash_attention_2"
+    flash_attention_3 = "flash_attention_3"
+
+
+class NonFinitePolicy(StrEnum):
+    skip = "skip"
+    rollback = "rollback"
+    stop = "stop"
+
+
+class SpikePolicy(StrEnum):
+    none = "none"
+    skip = "skip"
+    lr_cut = "lr_cut"
+    rollback = "rollback"
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class LauncherName(StrEnum):
+    local = "local"
+    deepspeed = "deepspeed"
+    torchrun = "torchrun"
+    slurm = "slurm"
+
+
+class NodeLauncher(StrEnum):
+    deepspeed = "deepspeed"
+    torchrun = "torchrun"
 
 
 @dataclass
@@ -30,7 +93,7 @@ class ModelConfig:
     pretrained_path: str | None = None
     """Local HF model directory to start from (fine-tune / continued pretraining). Never a hub id:
     there is no hub access at run time."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: AttnImplementation = AttnImplementation.sdpa
     """``sdpa`` (fused, no s^2 activation term), ``eager`` (reference), or ``flash_attention_2`` on GPU."""
     init_seed: int | None = num(None, ge=0)
     """Seed for weight init; defaults to ``train.seed`` so every rank builds identical weights."""
@@ -43,9 +106,9 @@ class ZeroConfig:
     stage: int = num(1, ge=0, le=3)
     """0 = plain DDP-style data parallel; 1 shards optimizer state; 2 also gradients; 3 also weights.
     Rule of thumb: the lowest stage that fits is the fastest."""
-    offload_optimizer: str = "none"
+    offload_optimizer: Offload = Offload.none
     """``none`` or ``cpu``: optimizer state and step on the host (ZeRO-Offload). Needs stage >= 1."""
-    offload_param: str = "none"
+    offload_param: Offload = Offload.none
     """``none`` or ``cpu``: parameters on the host between uses (ZeRO-Infinity style). Needs stage 3."""
     pin_memory: bool = False
     """Pinned host buffers speed up offload transfers on GPU; useless (and slow to allocate) on CPU."""
@@ -81,7 +144,7 @@ class ZeroConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: str = "fp32"
+    dtype: Precision = Precision.fp32
     """``fp32``, ``bf16`` (no loss scaling needed; the default on Ampere+), or ``fp16`` (dynamic loss scale)."""
     initial_scale_power: int = num(16, ge=0, le=32)
     """fp16 only: the dynamic loss scale starts at 2**this."""
@@ -95,7 +158,7 @@ class PrecisionConfig:
 
 @dataclass
 class SchedConfig:
-    name: str = "cosine"
+    name: ScheduleName = ScheduleName.cosine
     """``cosine`` (linear warmup then cosine to min_lr), ``wsd`` (warmup-stable-decay: flat, then a short
     decay, so a run can be extended or branched from any stable-phase checkpoint), or ``constant``."""
     warmup_steps: int = num(100, ge=0)
@@ -110,7 +173,7 @@ class SchedConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: OptimizerName = OptimizerName.adamw
     """``adamw`` or ``muon`` (DeepSpeed's MuonWithAuxAdam: Muon on 2-D hidden matrices, Adam on the rest;
     ZeRO stage <= 2 because Muon needs whole, unflattened matrices)."""
     lr: float = num(3e-4, gt=0)
@@ -175,7 +238,7 @@ class LoggerConfig:
     """TensorBoard event files under ``<output_dir>/tensorboard``."""
     wandb: bool = True
     """Weights & Biases run (rank 0 only)."""
-    wandb_mode: str = "offline"
+    wandb_mode: WandbMode = WandbMode.offline
     """``offline`` (default: no network needed; ``wandb sync`` later), ``online`` or ``disabled``."""
     wandb_project: str = "ultrascale"
     """wandb project name."""
@@ -211,12 +274,10 @@ class TrainConfig:
     """Load checkpoints in DeepSpeed universal format (resume on a different world size / parallel layout)."""
     compile: bool = True
     """``torch.compile`` the model through ``engine.compile()``: fused elementwise kernels (norms, RoPE, SwiGLU),
-    fewer passes over memory. On by default because a training run is long: on 2 CPU ranks the steady step
-    measured 1.02x (`make bench-levers`, tiny, 2 paired rounds) to ~1.07x (`make bench-train`: the ratio to HF
-    Trainer was 1.013 eager, 1.079 compiled) faster, and 1.06x for SmolLM2-135M. The price is a one-off
-    compile inside the first step (~10-35 s for the tiny model on CPU, logged), so a run of a minute or two
-    (the demo, tests, short SSD finetunes) sets it false. Falls back to eager, said in the banner, for
-    parallel.pp>1, tp/sp/ep>1, MoE and ZeRO-3."""
+    fewer passes over memory. On by default because a training run is long (1.040x per step, `python
+    bench/levers.py --levers compile`; history in bench/README.md); the price is a compile inside the first step
+    (~10-35 s for the tiny model on CPU, logged), so short runs (demo, tests, SSD finetunes) set it false. The
+    run's decisions turn it off, with the reason, for pp>1, tp/sp/ep>1, MoE and ZeRO-3."""
     fused_loss: bool = True
     """Compute the LM loss with a chunked linear cross-entropy (``ultrascale/model/loss.py``): the
     [tokens, vocab] logits never exist at once, which at a 49k vocabulary is the largest activation of a
@@ -227,10 +288,9 @@ class TrainConfig:
     attn_block_size: int | None = num(None, ge=0)
     """With ``model.attn_implementation=sdpa``: run causal attention in query blocks of this many tokens, each
     block attending only to keys up to its own end, so the tiles the causal mask forbids are never computed
-    (``ultrascale/model/attention.py``; same output as sdpa). Unset (auto): 64 on CPU, where it is measured
-    (tiny model, compiled: 1.065x fwd+bwd in `make bench-attention`, 1.035x per step through train.py), and HF's sdpa on GPU, where it is not measured yet and
-    ``flash_attention_2`` (varlen over documents) is the better choice anyway; a number forces it anywhere;
-    0 = off. Causal text decoders with pp=1 and sp=1; the banner says when it is off and why."""
+    (``ultrascale/model/attention.py``; same output as sdpa; 1.065x fwd+bwd compiled, `make bench-attention`).
+    Unset (auto): 64 on CPU, where it is measured, HF's sdpa on GPU, where it is not; a number forces it; 0 = off.
+    Causal text decoders with pp=1 and sp=1; the banner says when it is off and why."""
     step_breakdown: bool = True
     """Record where each step's time goes (data wait, forward, backward, communication, optimizer) from
     DeepSpeed's own engine timers (``wall_clock_breakdown``): host clocks on CPU, CUDA events on GPU."""
@@ -256,11 +316,11 @@ class StabilityConfig:
     ranks act identically. Each event is a row in metrics.jsonl (``event``), a console line, a wandb/TensorBoard
     point under ``stability/`` and an entry in the report."""
 
-    nonfinite: str = "skip"
+    nonfinite: NonFinitePolicy = NonFinitePolicy.skip
     """A NaN/inf loss or gradient norm: ``skip`` (no optimizer update; the data position still advances),
     ``rollback`` (reload the last checkpoint and skip the data since it) or ``stop`` (end with an error).
     The bad update is never applied in any case."""
-    spike: str = "skip"
+    spike: SpikePolicy = SpikePolicy.skip
     """A loss spike (see spike_zscore): ``none``, ``skip`` (drop this step's update), ``lr_cut`` (apply it with
     lr x lr_cut_factor and keep the cut for lr_cut_steps) or ``rollback`` (last checkpoint, skip the data
     window from it to the spike). ``skip`` needs parallel.pp=1 (the pipeline updates inside train_batch)."""
@@ -344,7 +404,7 @@ class SlurmConfig:
     """``#SBATCH --constraint`` node features (e.g. ``h100``); None accepts any node."""
     job_name: str | None = None
     """Job name in ``squeue``; None uses the run directory's name."""
-    node_launcher: str = "deepspeed"
+    node_launcher: NodeLauncher = NodeLauncher.deepspeed
     """Per-node launcher started by ``srun``: ``deepspeed`` (``--no_ssh --node_rank``) or ``torchrun``."""
     requeue: bool = True
     """Requeue the job when preempted or near the time limit; the run resumes from its latest checkpoint."""
@@ -358,7 +418,7 @@ class SlurmConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"
+    name: LauncherName = LauncherName.local
     """How a run is started: ``local`` (this process, or whatever launcher already started it),
     ``deepspeed``/``torchrun`` (spawn a multi-rank launcher for the run, or per Hydra ``-m`` job), or ``slurm``
     (write ``<output_dir>/sbatch.sh`` and submit it)."""

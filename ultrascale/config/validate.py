@@ -8,20 +8,14 @@ discard invalid layouts, so a layout it proposes is one ``train.py`` accepts.
 from __future__ import annotations
 
 import inspect
-import json
 from functools import cache
 from typing import Any
 
 from omegaconf import DictConfig
 
+from ultrascale.config.decide import Decisions, decide
 from ultrascale.config.topology import Topology
 from ultrascale.errors import ConfigError
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "wsd", "constant")
-OFFLOAD = ("none", "cpu")
-RESUME_MODES = ("auto", "never")
 
 
 @cache
@@ -45,11 +39,6 @@ def hf_config_keys(model_type: str) -> frozenset[str]:
     return frozenset(keys)
 
 
-def _choice(key: str, value: Any, allowed: tuple, fix: str | None = None) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}" + (f": {fix}" if fix else ""))
-
-
 def _train_tools(t: DictConfig) -> None:
     """The profiler window: a window that starts after the run ends would silently do nothing."""
     if t.profile_steps and t.profile_start >= t.steps:
@@ -59,20 +48,8 @@ def _train_tools(t: DictConfig) -> None:
         )
 
 
-def model_dims(cfg: DictConfig) -> dict[str, int]:
-    """Head count, kv heads and MLP width from the model group (for divisibility rules)."""
-    from omegaconf import OmegaConf
-
-    config = OmegaConf.to_container(cfg.model.config, resolve=True)
-    return dict(_model_dims(str(cfg.model.type), json.dumps(config, sort_keys=True)))
-
-
-@cache
-def _model_dims(model_type: str, config_json: str) -> dict[str, int]:
-    """Cached on the model group's contents: the planner validates thousands of layouts of one model."""
-    from transformers import AutoConfig
-
-    hf = AutoConfig.for_model(model_type, **json.loads(config_json))
+def model_dims(hf: Any) -> dict[str, int]:
+    """Head count, kv heads, MLP width, layers, experts and context of an HF config (for divisibility rules)."""
     heads = getattr(hf, "num_attention_heads", 1)
     return {
         "heads": heads,
@@ -143,41 +120,46 @@ def _parallel_combinations(cfg: DictConfig, topo: Topology, dims: dict[str, int]
             )
 
 
-def validate(cfg: DictConfig, world_size: int) -> Topology:
-    """Check the composed config against itself and the world size; return the rank topology.
+def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> Decisions:
+    """Check the composed config against itself and the world size; return what the run does.
 
     Single keys (types, ranges, unknown keys) were checked when the config was composed
-    (:mod:`ultrascale.config.fields`); these are the rules between keys.
+    (:mod:`ultrascale.config.fields`); these are the rules between keys, read against the run's
+    :class:`Decisions` (built here, once). ``backend`` (``gloo``/``nccl``) defaults to this machine's; the
+    planner passes its cluster's.
     """
-    p, z = cfg.parallel, cfg.zero
     _train_tools(cfg.train)
-    _choice("precision.dtype", cfg.precision.dtype, PRECISIONS, "use precision=fp32|bf16|fp16")
-    _choice("optim.name", cfg.optim.name, OPTIMIZERS, "use optim=adamw or optim=muon")
-    _choice("optim.sched.name", cfg.optim.sched.name, SCHEDULES)
-    _choice("zero.offload_optimizer", z.offload_optimizer, OFFLOAD)
-    _choice("zero.offload_param", z.offload_param, OFFLOAD)
-    if cfg.train.resume not in RESUME_MODES and not str(cfg.train.resume).strip():
+    if not str(cfg.train.resume).strip():
         raise ConfigError("train.resume is empty: use auto, never, or a checkpoint path")
-
     unknown = sorted(set(cfg.model.config) - hf_config_keys(cfg.model.type))
     if unknown:
         raise ConfigError(
             f"model.config has keys {unknown} that {cfg.model.type!r} configs do not know: check the spelling"
         )
+    topo = _topology(cfg, world_size)
+    from ultrascale.model.build import build_hf_config
 
-    # --- ZeRO / offload / optimizer ---
-    if z.offload_optimizer != "none" and z.stage == 0:
-        raise ConfigError("zero.offload_optimizer=cpu needs zero.stage>=1 (got 0): use zero=stage2_offload")
-    if z.offload_param != "none" and z.stage != 3:
-        raise ConfigError(f"zero.offload_param=cpu needs zero.stage=3 (got {z.stage}): use zero=stage3_offload")
-    if cfg.optim.name == "muon" and z.stage == 3:
-        raise ConfigError("optim=muon needs zero.stage<=2 (got 3): Muon needs whole matrices; use zero=stage2")
-    if cfg.optim.name == "muon" and z.offload_optimizer != "none":
-        raise ConfigError("optim=muon does not support zero.offload_optimizer=cpu: use zero=stage2")
-    if (z.zero_quantized_weights or z.zero_quantized_gradients) and z.stage != 3:
-        raise ConfigError(f"zero.zero_quantized_* (ZeRO++) needs zero.stage=3 (got {z.stage}): use zero=stage3")
+    if backend is None:
+        from ultrascale.dist import detect_backend
 
-    # --- topology ---
+        backend = detect_backend()
+    hf = build_hf_config(cfg.model)
+    d = decide(cfg, topo, hf, backend)
+    dims = model_dims(hf)
+    _zero_rules(cfg, d)
+    _parallel_combinations(cfg, topo, dims)
+    _layout_rules(cfg, d, dims)
+    if dims["max_pos"] and cfg.data.seq_len > dims["max_pos"]:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds model max_position_embeddings={dims['max_pos']}: "
+            "lower data.seq_len or raise model.config.max_position_embeddings"
+        )
+    return d
+
+
+def _topology(cfg: DictConfig, world_size: int) -> Topology:
+    """The layout the degrees give on ``world_size`` ranks, once they divide it and the batch divides dp."""
+    p = cfg.parallel
     model_par = p.tp * p.pp * p.sp
     if world_size % model_par:
         raise ConfigError(
@@ -191,12 +173,30 @@ def validate(cfg: DictConfig, world_size: int) -> Topology:
             f"data.global_batch={gb} is not divisible by data.micro_batch*dp={mb}*{topo.dp}={mb * topo.dp}: "
             f"use data.global_batch={max(1, round(gb / (mb * topo.dp))) * mb * topo.dp}"
         )
+    return topo
 
-    dims = model_dims(cfg)
-    _parallel_combinations(cfg, topo, dims)
+
+def _zero_rules(cfg: DictConfig, d: Decisions) -> None:
+    """ZeRO stage against offload, the optimizer and ZeRO++."""
+    z, stage = cfg.zero, d.zero_stage
+    if z.offload_optimizer != "none" and stage == 0:
+        raise ConfigError("zero.offload_optimizer=cpu needs zero.stage>=1 (got 0): use zero=stage2_offload")
+    if z.offload_param != "none" and stage != 3:
+        raise ConfigError(f"zero.offload_param=cpu needs zero.stage=3 (got {stage}): use zero=stage3_offload")
+    if cfg.optim.name == "muon" and stage == 3:
+        raise ConfigError("optim=muon needs zero.stage<=2 (got 3): Muon needs whole matrices; use zero=stage2")
+    if cfg.optim.name == "muon" and z.offload_optimizer != "none":
+        raise ConfigError("optim=muon does not support zero.offload_optimizer=cpu: use zero=stage2")
+    if (z.zero_quantized_weights or z.zero_quantized_gradients) and stage != 3:
+        raise ConfigError(f"zero.zero_quantized_* (ZeRO++) needs zero.stage=3 (got {stage}): use zero=stage3")
+
+
+def _layout_rules(cfg: DictConfig, d: Decisions, dims: dict[str, int]) -> None:
+    """Each parallel degree against the ZeRO stage and the model's shape."""
+    p, topo, stage = cfg.parallel, d.topo, d.zero_stage
     if p.pp > 1:
-        if z.stage > 1:
-            raise ConfigError(f"parallel.pp={p.pp} needs zero.stage<=1 (got {z.stage}): use zero=stage1")
+        if stage > 1:
+            raise ConfigError(f"parallel.pp={p.pp} needs zero.stage<=1 (got {stage}): use zero=stage1")
         if p.pp > dims["layers"]:
             raise ConfigError(f"parallel.pp={p.pp} exceeds the model's {dims['layers']} layers: lower parallel.pp")
         if p.sp > 1:
@@ -204,16 +204,13 @@ def validate(cfg: DictConfig, world_size: int) -> Topology:
         if cfg.optim.name == "muon":
             raise ConfigError("parallel.pp>1 with optim=muon is not supported: use optim=adamw")
     if p.tp > 1:
-        if z.stage > 2:
+        if stage > 2:
             raise ConfigError(
-                f"parallel.tp={p.tp} needs zero.stage<=2 (got {z.stage}): DeepSpeed AutoTP training "
+                f"parallel.tp={p.tp} needs zero.stage<=2 (got {stage}): DeepSpeed AutoTP training "
                 f"refuses ZeRO-3; use zero=stage2"
             )
-        for name, n in (
-            ("attention heads", dims["heads"]),
-            ("kv heads", dims["kv_heads"]),
-            ("intermediate_size", dims["intermediate"]),
-        ):
+        for name, n in (("attention heads", dims["heads"]), ("kv heads", dims["kv_heads"]),
+                        ("intermediate_size", dims["intermediate"])):  # fmt: skip
             if n and n % p.tp:
                 raise ConfigError(f"parallel.tp={p.tp} does not divide the model's {name} ({n}): pick a tp that does")
     if p.sp > 1:
@@ -237,9 +234,3 @@ def validate(cfg: DictConfig, world_size: int) -> Topology:
             raise ConfigError(
                 f"parallel.ep={p.ep} does not divide the model's {dims['experts']} experts: pick an ep that does"
             )
-    if dims["max_pos"] and cfg.data.seq_len > dims["max_pos"]:
-        raise ConfigError(
-            f"data.seq_len={cfg.data.seq_len} exceeds model max_position_embeddings={dims['max_pos']}: "
-            "lower data.seq_len or raise model.config.max_position_embeddings"
-        )
-    return topo

@@ -7,12 +7,22 @@ evaluating all 164 problems.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
 from ultrascale.config.fields import num
+from ultrascale.config.schema import Precision
+from ultrascale.errors import ConfigError
 
-TASKS = ("perplexity", "humaneval")
+
+class Task(StrEnum):
+    perplexity = "perplexity"
+    humaneval = "humaneval"
+
+
+TASKS = tuple(Task)
 
 
 @dataclass
@@ -67,16 +77,34 @@ class EvalConfig:
     """Any local HF model directory instead of a run (an export, an imported GGUF, ...)."""
     tokenizer_dir: str | None = None
     """Tokenizer directory; defaults to model_dir, or to the run's prepared-data tokenizer."""
-    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    tasks: list[Task] = field(default_factory=lambda: list(TASKS))
     """Which evaluations to run: any of ``perplexity``, ``humaneval``."""
     output_dir: str | None = None
     """Where eval_results.json goes; defaults to ``<run_dir>/eval/<tag>`` or ``<model_dir>/eval``."""
-    dtype: str = "fp32"
+    dtype: Precision = Precision.fp32
     """Evaluation precision: fp32 (exact, CPU-friendly), bf16 or fp16."""
     wandb: bool = True
     """Log the results to the run's wandb run (same id as training, offline unless configured)."""
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
     humaneval: HumanEvalConfig = field(default_factory=HumanEvalConfig)
+
+
+def check(cfg: Any) -> None:
+    """The rules between eval's keys, each failing with the key, the value and the fix."""
+    if bool(cfg.run_dir) == bool(cfg.model_dir):
+        raise ConfigError("give exactly one of run_dir=DIR (a training run) or model_dir=DIR (an HF model directory)")
+    he = cfg.humaneval
+    if "humaneval" in cfg.tasks:
+        if he.temperature <= 0 and he.n_samples != 1:
+            raise ConfigError(
+                f"humaneval.n_samples={he.n_samples} with temperature=0: greedy samples are identical; "
+                "set humaneval.temperature=0.8 (sampling) or n_samples=1"
+            )
+        too_big = [k for k in he.k if k > he.n_samples]
+        if too_big:
+            raise ConfigError(f"humaneval.k={list(he.k)} needs n_samples >= {max(too_big)}: raise humaneval.n_samples")
+    if "perplexity" in cfg.tasks and cfg.model_dir and not cfg.perplexity.data_path:
+        raise ConfigError("perplexity with model_dir= needs perplexity.data_path=DIR (a prepared dataset)")
 
 
 def register_eval_configs() -> None:

@@ -17,33 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError
-from ultrascale.eval.config import TASKS
+from ultrascale.eval.config import check
+from ultrascale.model.build import torch_dtype
 
 log = logging.getLogger("ultrascale")
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def check(cfg: DictConfig) -> None:
-    """Cross-key rules, each failing with the key, the value and the fix."""
-    if bool(cfg.run_dir) == bool(cfg.model_dir):
-        raise ConfigError("give exactly one of run_dir=DIR (a training run) or model_dir=DIR (an HF model directory)")
-    bad = [t for t in cfg.tasks if t not in TASKS]
-    if bad:
-        raise ConfigError(f"tasks={list(cfg.tasks)}: unknown task(s) {bad}; choose from {list(TASKS)}")
-    if cfg.dtype not in DTYPES:
-        raise ConfigError(f"dtype={cfg.dtype} is not one of {list(DTYPES)}")
-    he = cfg.humaneval
-    if "humaneval" in cfg.tasks:
-        if he.temperature <= 0 and he.n_samples != 1:
-            raise ConfigError(
-                f"humaneval.n_samples={he.n_samples} with temperature=0: greedy samples are identical; "
-                "set humaneval.temperature=0.8 (sampling) or n_samples=1"
-            )
-        too_big = [k for k in he.k if k > he.n_samples]
-        if too_big:
-            raise ConfigError(f"humaneval.k={list(he.k)} needs n_samples >= {max(too_big)}: raise humaneval.n_samples")
-    if "perplexity" in cfg.tasks and cfg.model_dir and not cfg.perplexity.data_path:
-        raise ConfigError("perplexity with model_dir= needs perplexity.data_path=DIR (a prepared dataset)")
 
 
 def _wandb_log(cfg: DictConfig, results: dict, out_dir: Path) -> None:
@@ -95,7 +72,6 @@ def table(results: dict) -> str:
 
 def run(cfg: DictConfig) -> dict:
     """Evaluate; write ``eval_results.json`` (and HumanEval samples) to the output dir; return the results."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ultrascale.data.shards import load_manifest
@@ -127,7 +103,7 @@ def run(cfg: DictConfig) -> dict:
             results["model"] = str(model_dir)
             out_dir = resolve_path(cfg.output_dir) if cfg.output_dir else model_dir / "eval"
             tok_dir = cfg.tokenizer_dir or model_dir
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, DTYPES[cfg.dtype]))
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(cfg.dtype))
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
         if "perplexity" in cfg.tasks:
             load_manifest(data_path)  # fail with the data error before loading anything heavier

@@ -5,14 +5,9 @@ fused CPU kernel computes every query x key tile, including the upper triangle t
 anyway. Cutting the queries into blocks of ``B`` and giving block ``i`` only keys ``[0, (i + 1) * B)``
 skips those tiles: with ``n`` blocks the attention does ``(n + 1) / 2n`` of the work (62.5 % at 4 blocks).
 Every key dropped is one the causal mask forbids, so the output is the same function of the inputs (the
-test compares it with HF's ``sdpa`` to float rounding). Measured with ``make bench-attention`` (tiny Llama,
-4 x 256 tokens of the BPE stdlib corpus, document masks, one thread, 60 paired micro-batches in one process):
-fwd+bwd 1.065x faster compiled (IQR 1.054-1.074) and 0.993x eager (0.973-1.023): eager only breaks even,
-because the per-block slicing and concatenation cost what the skipped tiles save until the compiler fuses
-them. SmolLM2-135M at its recipe's 2 x 256 tokens, eager: 1.012x (0.995-1.027; ``bench/bench_attention.py
---model-dir models/smollm2-135m --data data/stdlib_smollm2 --micro 2 --modes eager --steps 12``). Through
-``train.py`` on 2 ranks, where the step also holds the optimizer and the gradient reduction: 1.035x (6 paired
-rounds, 0.97-1.05; ``python bench/levers.py --levers attn_blocks --data data/stdlib --rounds 6``).
+test compares it with HF's ``sdpa`` to float rounding). ``make bench-attention``: fwd+bwd 1.065x faster
+compiled on the tiny model (eager only breaks even; the history, SmolLM2 and train.py figures are in
+bench/README.md).
 
 It is registered as its own HF attention implementation (``AttentionInterface``, with HF's SDPA mask
 builder) and set on the model by ``install_blocked_attention`` at train time, so the model's config still
@@ -103,19 +98,22 @@ def implementation_name(block: int) -> str:
     return name
 
 
+def blockable_reason(config, attn_implementation: str) -> str | None:
+    """Why a model cannot run the blocked attention (None: it can); asked by the run's decision and by
+    :func:`install_blocked_attention`, so the rule is stated once."""
+    if attn_implementation != "sdpa":
+        return f"model.attn_implementation={attn_implementation}; the blocks replace sdpa only"
+    if config.model_type not in CAUSAL_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not in the causal-mask list of ultrascale/model/attention.py"
+    return None
+
+
 def install_blocked_attention(model, block: int) -> tuple[bool, str]:
     """(installed?, why not / what): switch an ``sdpa`` causal decoder to the blocked implementation."""
     if block < 1:
         return False, f"off (train.attn_block_size={block})"
-    config = model.config
-    current = getattr(config, "_attn_implementation", None)
-    if current != "sdpa":
-        return False, f"off (model.attn_implementation={current}; the blocks replace sdpa only)"
-    if config.model_type not in CAUSAL_MODEL_TYPES:
-        return (
-            False,
-            f"off (model_type {config.model_type!r} is not in the causal-mask list of ultrascale/model/attention.py)",
-        )
-    name = implementation_name(block)
-    model.set_attn_implementation(name)
+    why = blockable_reason(model.config, getattr(model.config, "_attn_implementation", None))
+    if why:
+        return False, f"off ({why})"
+    model.set_attn_implementation(implementation_name(block))
     return True, f"causal SDPA in query blocks of {block} (upper-triangle tiles skipped; train.attn_block_size)"

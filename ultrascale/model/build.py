@@ -2,21 +2,42 @@
 
 from __future__ import annotations
 
+import copy
+import json
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError
 
 
-def build_hf_config(model_cfg: DictConfig):
-    """HF config from ``model.type`` + ``model.config`` overrides, or from ``model.pretrained_path``."""
+def build_hf_config(model_cfg) -> Any:
+    """HF config from ``model.type`` + ``model.config`` overrides, or from ``model.pretrained_path``.
+
+    Built once per distinct model group and copied out (callers such as the MoE setup write to it): the
+    planner validates thousands of layouts of one model.
+    """
+    from omegaconf import OmegaConf
+
+    overrides = model_cfg.config
+    if OmegaConf.is_config(overrides):
+        overrides = OmegaConf.to_container(overrides, resolve=True)
+    path = str(resolve_path(model_cfg.pretrained_path)) if model_cfg.pretrained_path else None
+    key = (str(model_cfg.type), json.dumps(overrides or {}, sort_keys=True), path)
+    return copy.deepcopy(_hf_config(*key))
+
+
+@cache
+def _hf_config(model_type: str, overrides_json: str, pretrained_path: str | None) -> Any:
     from transformers import AutoConfig
 
-    overrides = OmegaConf.to_container(model_cfg.config, resolve=True) if model_cfg.config else {}
-    if model_cfg.pretrained_path:
-        path = Path(model_cfg.pretrained_path)
+    overrides = json.loads(overrides_json)
+    if pretrained_path:
+        path = Path(pretrained_path)
         if not (path / "config.json").exists():
             raise ConfigError(
                 f"model.pretrained_path={path} has no config.json: point it at a local HF model directory"
@@ -25,21 +46,25 @@ def build_hf_config(model_cfg: DictConfig):
         for k, v in overrides.items():
             setattr(hf, k, v)
     else:
-        hf = AutoConfig.for_model(model_cfg.type, **overrides)
+        try:
+            hf = AutoConfig.for_model(model_type, **overrides)
+        except ValueError as e:
+            raise ConfigError(f"model.type={model_type!r} with model.config={overrides}: {e}") from None
     hf.use_cache = False  # training: the KV cache only costs memory
     return hf
 
 
-def build_model(model_cfg: DictConfig, seed: int, dtype: torch.dtype = torch.float32):
-    """Identical weights on every rank (same seed), built on CPU in ``dtype``."""
+def build_model(model_cfg, seed: int, hf_config: Any = None, dtype: torch.dtype = torch.float32):
+    """Identical weights on every rank (same seed), built on CPU in ``dtype`` from ``hf_config`` (built from
+    ``model_cfg`` when not given)."""
     from transformers import AutoModelForCausalLM
 
-    hf = build_hf_config(model_cfg)
+    hf = hf_config if hf_config is not None else build_hf_config(model_cfg)
     torch.manual_seed(model_cfg.init_seed if model_cfg.init_seed is not None else seed)
-    kwargs = {"attn_implementation": model_cfg.attn_implementation, "dtype": dtype}
+    kwargs = {"attn_implementation": str(model_cfg.attn_implementation), "dtype": dtype}
     if model_cfg.pretrained_path:
         model = AutoModelForCausalLM.from_pretrained(
-            str(model_cfg.pretrained_path), config=hf, local_files_only=True, **kwargs
+            str(resolve_path(model_cfg.pretrained_path)), config=hf, local_files_only=True, **kwargs
         )
     else:
         model = AutoModelForCausalLM.from_config(hf, **kwargs)

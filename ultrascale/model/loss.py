@@ -29,19 +29,11 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-# Default chunk: a byte budget for one chunk's fp32 logits (the only vocab-sized buffer; reused in place).
-# 32 MiB gives 170 tokens at a 49k vocab (SmolLM2/StarCoder) and 2,048 at the tiny model's 4k. Measured with
-# `bench/bench_loss.py --sweep` (2,048 x 49,152, h=576, fp32, one thread): peak memory is flat up to ~256
-# tokens (~190-240 MiB, dominated by the head's 108 MiB fp32 gradient) and then grows with the chunk
-# (324 MiB at 512, 514 at 1,024), while time showed no consistent trend from 64 to 1,024 on this shared
-# 2-core box (3.5-6.3 s, run-to-run noise of that size). On GPU (liger/cce take over there) the same
-# budget would still leave each chunk's GEMM ([170, h] x [h, 49k], ~10 GFLOP) large enough to be efficient.
 CHUNK_BUDGET_BYTES = 32 * 2**20
-# On CPU a chunk also has to stay small enough to be cache-friendly: a whole-batch chunk at the tiny model's
-# 4k vocab (2,048 tokens) made train.py 0.8x the plain path on 2 ranks, while 64-128 tokens made the tiny
-# model's whole fwd+bwd 1.2-1.3x faster than the plain path (4 x 256 tokens, one process, best of 7); at 49k,
-# 128 tokens was the fastest of 32..1,024 in a head+loss sweep. So CPU chunks are capped.
+"""A byte budget for one chunk's fp32 logits (the only vocab-sized buffer): 170 tokens at a 49k vocabulary.
+Peak memory is flat up to ~256 tokens at 2,048 x 49,152 (`python bench/bench_loss.py --sweep`; bench/README.md)."""
 CPU_MAX_CHUNK_TOKENS = 128
+"""On CPU a chunk must also stay cache-sized: 128 tokens was the fastest of 32..1,024 at 49k (bench/README.md)."""
 
 _IMPLS = ("auto", "chunked", "liger", "cce")
 
@@ -218,16 +210,29 @@ def linear_cross_entropy(
 # HF integration
 
 
-def _check_fusable(model) -> None:
-    """Raise ValueError unless ``model``'s loss is exactly cross-entropy of ``lm_head(last_hidden_state)``."""
-    config = model.config
+def fusable_reason(config) -> str | None:
+    """Why an HF config's loss cannot take the fused path (None: it can). The run's decision
+    (:mod:`ultrascale.config.decide`) and :func:`install_fused_loss` both ask this, so the rule is stated once."""
+    from ultrascale.model.moe import num_experts
+
+    if num_experts(config):
+        return "MoE: the forward adds the router loss"
     for key in _LOGIT_TRANSFORMS:
         value = getattr(config, key, None)
         if value is not None and value != 1:
-            raise ValueError(f"{config.model_type} sets {key}={value}, which changes the logits the loss sees")
+            return f"{config.model_type} sets {key}={value}, which changes the logits the loss sees"
     if config.model_type not in VERIFIED_MODEL_TYPES:
-        raise ValueError(f"model_type {config.model_type!r} is not verified to compute cross-entropy of its plain "
-                         f"lm_head output (verified: {', '.join(sorted(VERIFIED_MODEL_TYPES))})")  # fmt: skip
+        return (f"model_type {config.model_type!r} is not verified to compute cross-entropy of its plain "
+                f"lm_head output (verified: {', '.join(sorted(VERIFIED_MODEL_TYPES))})")  # fmt: skip
+    return None
+
+
+def _check_fusable(model) -> None:
+    """Raise ValueError unless ``model``'s loss is exactly cross-entropy of ``lm_head(last_hidden_state)``."""
+    config = model.config
+    why = fusable_reason(config)
+    if why:
+        raise ValueError(why)
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         raise ValueError(f"{config.model_type}'s output head is {type(head).__name__}"

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.distributed as tdist
-from omegaconf import DictConfig
-
-from ultrascale.config.topology import Topology
 
 log = logging.getLogger("ultrascale")
 
@@ -43,30 +41,29 @@ def _sparse_blocks(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
 
 
-def prepare_moe(model, cfg: DictConfig, topo: Topology) -> str:
-    """Turn on HF's router aux loss with our coefficient; under ZeRO-3 mark MoE blocks as leaf modules.
+def prepare_moe(model, moe_cfg: Any, where: str, leaf_modules: bool) -> str:
+    """Turn on HF's router aux loss with our coefficient; with ``leaf_modules`` (ZeRO-3, experts replicated)
+    mark the sparse-MoE blocks as ZeRO-3 leaf modules. Returns the banner line.
 
     ZeRO-3 gathers parameters module by module as forward hooks fire; inside an MoE block only the
     experts that received tokens run, so ranks would wait on different gathers and hang. As a leaf,
     the whole block is gathered at once on every rank.
     """
-    coef = float(cfg.parallel.moe.aux_loss_coef)
+    coef = float(moe_cfg.aux_loss_coef)
     model.config.output_router_logits = True
     model.config.router_aux_loss_coef = coef
     if hasattr(model, "router_aux_loss_coef"):  # HF copies it at __init__
         model.router_aux_loss_coef = coef
     leaf = ""
-    if int(cfg.zero.stage) == 3 and topo.ep == 1:
+    if leaf_modules:
         from deepspeed.utils import set_z3_leaf_modules
 
         classes = sorted({type(b) for b in _sparse_blocks(model)}, key=lambda c: c.__name__)
         if classes:
             set_z3_leaf_modules(model, classes)
             leaf = f", ZeRO-3 leaf modules: {[c.__name__ for c in classes]}"
-    e = num_experts(model.config)
-    k = int(getattr(model.config, "num_experts_per_tok", 0) or cfg.parallel.moe.top_k)
-    where = f"AutoEP ep={topo.ep}: {e // topo.ep} of {e} experts per rank" if topo.ep > 1 else "experts replicated"
-    return f"{e} experts, top-{k}, {where}, router aux loss x {coef:g}{leaf}"
+    k = int(getattr(model.config, "num_experts_per_tok", 0) or moe_cfg.top_k)
+    return f"{where}, top-{k}, router aux loss x {coef:g}{leaf}"
 
 
 def deferred_optimizer(optimizer: torch.optim.Optimizer):
@@ -137,7 +134,7 @@ def shard_report(module: torch.nn.Module, group=None) -> dict:
 class MoEStats:
     """Accumulates routing statistics over a step's micro-batches; ``flush`` reduces them over ranks."""
 
-    def __init__(self, model, moe_cfg: DictConfig):
+    def __init__(self, model, moe_cfg: Any):
         config = model.config
         self.num_experts = num_experts(config)
         self.top_k = int(getattr(config, "num_experts_per_tok", 0) or moe_cfg.top_k)

@@ -169,6 +169,8 @@ def build_pipeline(model, num_stages: int, partition_method: str, act_ckpt_inter
 def stage_summary(engine) -> str:
     """'stage 0/2: layers 0-3 (EmbedPipe, DecoderPipe x2), 1.2M params' for the banner."""
     module = engine.module
+    parts = module.partitions()  # every stage's [start, stop) layer boundaries
+    start, stop = parts[engine.stage_id], parts[engine.stage_id + 1]
     names = [type(f).__name__ if isinstance(f, nn.Module) else "TiedHead" for f in module.forward_funcs]
     counts: dict[str, int] = {}
     for n in names:
@@ -176,6 +178,6 @@ def stage_summary(engine) -> str:
     n_params = sum(p.numel() for p in module.parameters())
     kinds = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in counts.items())
     return (
-        f"stage {engine.stage_id}/{engine.num_stages}: layers {module._local_start}-{module._local_stop - 1} "
+        f"stage {engine.stage_id}/{engine.num_stages}: layers {start}-{stop - 1} "
         f"({kinds}), {n_params / 1e6:.2f}M params on this stage"
     )

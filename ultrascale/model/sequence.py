@@ -16,12 +16,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 from ultrascale.config.topology import Topology
 
 
-def enable_ulysses(model, cfg: DictConfig, topo: Topology):
+def enable_ulysses(model, attn_implementation: str, sp: int, micro_batch: int, seq_len: int):
     """Swap the model's attention for the Ulysses wrapper; returns the mpu for ``deepspeed.initialize``.
 
     The sp groups are consecutive ranks (rank // sp is the data-parallel index): see ``dp_rank``.
@@ -30,10 +29,10 @@ def enable_ulysses(model, cfg: DictConfig, topo: Topology):
 
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
-        core_attn_implementation=str(cfg.model.attn_implementation),
-        sequence_parallel_size=topo.sp,
-        micro_batch_size=int(cfg.data.micro_batch),
-        seq_length=int(cfg.data.seq_len),
+        core_attn_implementation=attn_implementation,
+        sequence_parallel_size=sp,
+        micro_batch_size=micro_batch,
+        seq_length=seq_len,
         seq_length_is_variable=False,  # packed shards: every batch is exactly seq_len
     )
 

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from ultrascale.errors import ConfigError
 
-TRAIN_FLOPS_PER_TOKEN = 6  # per parameter: forward 2 + backward 4 (the same convention as plan/flops.py)
+TRAIN_FLOPS_PER_TOKEN = 6  # per parameter: forward 2 + backward 4 (the same convention as model/flops.py)
 INFERENCE_FLOPS_PER_TOKEN = 2  # per parameter: forward only, prompt and generated tokens alike
 
 

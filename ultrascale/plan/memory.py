@@ -40,8 +40,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cache
 
-from ultrascale.plan.arch import Arch
-from ultrascale.plan.flops import attention_span
+from ultrascale.model.arch import Arch
+from ultrascale.model.flops import attention_span
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

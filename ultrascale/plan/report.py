@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ultrascale.plan.arch import Arch
+from ultrascale.model.arch import Arch
 from ultrascale.plan.budget import BudgetPlan, Point
 from ultrascale.plan.search import GIB, Candidate
 

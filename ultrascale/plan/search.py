@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from ultrascale.config.validate import validate
 from ultrascale.errors import ConfigError
-from ultrascale.plan.arch import Arch, arch_from_cfg
+from ultrascale.model.arch import Arch, arch_from_cfg
 from ultrascale.plan.memory import Layout, Memory, memory
 from ultrascale.plan.timing import Timing, step_time
 
@@ -119,7 +119,7 @@ def evaluate(
     dataclasses are optional speed-ups for the search loop: deep copies and DictConfig access dominate it."""
     cand = Candidate(layout=lay, overrides=layout_overrides(lay))
     try:
-        validate(_apply(scratch if scratch is not None else copy.deepcopy(cfg), lay), lay.world)
+        validate(_apply(scratch if scratch is not None else copy.deepcopy(cfg), lay), lay.world, backend="nccl")
     except ConfigError as e:
         cand.rejected = f"invalid: {e}"
         return cand

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ultrascale.plan.arch import Arch
-from ultrascale.plan.flops import flops_per_token
+from ultrascale.model.arch import Arch
+from ultrascale.model.flops import flops_per_token
 from ultrascale.plan.memory import DTYPE_BYTES, Layout, rank_params, zero_group
 
 CPU_ADAM_PARAMS_PER_S = 1.0e9

@@ -24,8 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ultrascale.report.load import Run, finite
+from ultrascale.train.parts import COMPUTE, MEASURED, OTHER, PARTS
 
-PARTS = ("data_wait_s", "fwd_s", "bwd_s", "comm_s", "opt_s", "other_s")
 LABELS = {
     "data_wait_s": "data wait",
     "fwd_s": "forward",
@@ -38,7 +38,6 @@ LABELS = {
     "warmup": "warm-up",
     "outside": "outside logged steps",
 }
-COMPUTE = ("fwd_s", "bwd_s")
 # Events drawn as markers and listed one by one (checkpoints and evals are counted and timed instead).
 MARKED = ("skip", "lr_cut", "rollback", "stop", "resume")
 # At most this many bins in the window search (O(bins^2)), so thousands of rows stay in milliseconds.
@@ -179,7 +178,7 @@ def _step_parts(row: dict) -> tuple[float, dict[str, float]] | None:
     step_s = _num(row.get("step_s"))
     if step_s is None or step_s <= 0:
         return None
-    parts = {p: _num(row.get(p)) or 0.0 for p in PARTS[:-1]}
+    parts = {p: _num(row.get(p)) or 0.0 for p in MEASURED}
     other = _num(row.get("other_s"))
     parts["other_s"] = other if other is not None else max(0.0, step_s - sum(parts.values()))
     return step_s, parts
@@ -347,7 +346,7 @@ def analyze(run: Run) -> Analysis:
     stalls: list[Stall] = []
     window_ticks = steady_ticks or steps
     for p in parts:
-        if p in COMPUTE or (p == "other_s" and not timed) or not steps:
+        if p in COMPUTE or (p == OTHER and not timed) or not steps:
             continue
         win = find_window(window_ticks, p)
         stalls.append(Stall(p, part_s[p], part_s[p] / denom, ref.frac[p], win))

@@ -19,11 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ultrascale.errors import DataError
-
-METRICS = "metrics.jsonl"
-# The checkpoint pointer and per-checkpoint meta, as ultrascale/train/checkpoint.py names them (not imported
-# from there: that module pulls in torch). The meta records the world size and topology of the saving run.
-_LATEST, _META = "latest", "ultrascale_meta.json"
+from ultrascale.rundir import LATEST, META, METRICS
 
 
 @dataclass
@@ -121,10 +117,10 @@ def _yaml(path: Path) -> dict:
 def _checkpoint_meta(run_dir: Path) -> dict:
     ckpt = run_dir / "checkpoints"
     try:
-        tag = (ckpt / _LATEST).read_text().strip()
+        tag = (ckpt / LATEST).read_text().strip()
     except (OSError, ValueError):
         return {}
-    return _json(ckpt / tag / _META) if tag else {}
+    return _json(ckpt / tag / META) if tag else {}
 
 
 def load_run(run_dir: str | Path) -> Run:

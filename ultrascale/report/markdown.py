@@ -34,7 +34,7 @@ def _what_ran(a: Analysis) -> list[list[str]]:
     if model:
         kind = run.cfg("model.type")
         rows.append(["model", f"{model}" + (f" ({kind})" if kind else "")])
-    stage = run.cfg("zero.stage", run.meta.get("zero_stage"))
+    stage = run.meta.get("zero_stage", run.cfg("zero.stage"))  # the checkpoint's record, else the config
     if stage is not None:
         off = [
             f"{w} offload to {run.cfg(f'zero.offload_{w}')}"

@@ -7,10 +7,28 @@ sampling at the default. Presets live in ``conf/ssd/`` (``ssd=tiny``, ``ssd=smol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
 from ultrascale.config.fields import num
+from ultrascale.config.schema import NodeLauncher, Precision
+from ultrascale.errors import ConfigError
+
+
+class Stage(StrEnum):
+    """A round's stages, in order: each resumes from the outputs of the ones before it."""
+
+    problems = "problems"
+    sample = "sample"
+    sft_data = "sft_data"
+    finetune = "finetune"
+    export = "export"
+    eval = "eval"
+
+
+STAGES = tuple(Stage)
 
 DENY_NAMES = [
     # Files, processes, the network, clocks, randomness and the interpreter: a problem must be a pure function
@@ -116,7 +134,7 @@ class SFTConfig:
 
 @dataclass
 class FinetuneConfig:
-    launcher: str = "torchrun"
+    launcher: NodeLauncher = NodeLauncher.torchrun
     """How ``train.py`` is started: ``torchrun`` or ``deepspeed`` (``train.py ... launcher=X`` spawns it)."""
     nproc: int = num(2, ge=1)
     """Ranks on this node (``launcher.nproc_per_node``)."""
@@ -140,7 +158,7 @@ class FinetuneConfig:
     checkpoint_interval: int = num(0, ge=0)
     """Checkpoint every N steps so a killed finetune resumes mid-way (0 = only at the end; each checkpoint of
     a 135M model with Adam state is ~1.6 GB and ~7 s on CPU)."""
-    export_dtype: str = "fp32"
+    export_dtype: Precision = Precision.fp32
     """dtype of the exported HF model: fp32, bf16 or fp16."""
 
 
@@ -175,19 +193,39 @@ class SSDConfig:
     """Where rounds, manifests and models go. Rerunning with the same directory continues where it stopped."""
     rounds: int = num(1, ge=1)
     """Sample -> execute -> filter -> finetune -> export -> eval cycles."""
-    stop_after: str | None = None
+    stop_after: Stage | None = None
     """Stop the run after this stage of the last round (``problems``, ``sample``, ``sft_data``, ``finetune``,
     ``export``): e.g. ``sample`` to look at pass rates before paying for a finetune. A rerun without it goes on."""
     threads: int | None = num(None, ge=1)
     """``torch.set_num_threads`` for sampling and HumanEval generation, which run in this one process (the
     finetune's ranks are separate processes); null keeps torch's default (``OMP_NUM_THREADS``)."""
-    dtype: str = "fp32"
+    dtype: Precision = Precision.fp32
     """Precision for sampling (fp32 is exact and not slower on CPUs without AMX)."""
     problems: ProblemsConfig = field(default_factory=ProblemsConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     eval: SSDEvalConfig = field(default_factory=SSDEvalConfig)
+
+
+def check(cfg: Any) -> None:
+    """The rules between SSD's keys: fail at start-up, not after an hour of sampling and finetuning."""
+    s, e, f = cfg.sample, cfg.eval, cfg.finetune
+    if s.temperature <= 0 and s.n > 1:
+        raise ConfigError(f"sample.n={s.n} with sample.temperature={s.temperature}: greedy samples are identical; "
+                          "sample at a temperature > 0 (e.g. 0.8)")  # fmt: skip
+    if e.passk_samples and max(e.passk_k) > e.passk_samples:
+        raise ConfigError(
+            f"eval.passk_k={list(e.passk_k)} needs eval.passk_samples >= {max(e.passk_k)}: raise passk_samples"
+        )
+    if e.passk_samples and e.temperature <= 0:
+        raise ConfigError(f"eval.temperature={e.temperature}: pass@k needs sampling (e.g. 0.8)")
+    per_step = f.micro_batch * f.nproc  # train.py would refuse it only after loading the model
+    if f.global_batch % per_step:
+        raise ConfigError(
+            f"finetune.global_batch={f.global_batch} is not a multiple of finetune.micro_batch x finetune.nproc "
+            f"= {per_step}: set finetune.global_batch={per_step * max(1, f.global_batch // per_step)}"
+        )
 
 
 def register_ssd_configs() -> None:

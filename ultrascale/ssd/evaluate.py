@@ -12,18 +12,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ultrascale.errors import ConfigError
-
-
-def check(cfg: DictConfig) -> None:
-    """Fail at start-up, not after an hour of sampling and finetuning."""
-    if cfg.passk_samples and max(cfg.passk_k) > cfg.passk_samples:
-        raise ConfigError(
-            f"eval.passk_k={list(cfg.passk_k)} needs eval.passk_samples >= {max(cfg.passk_k)}: raise passk_samples"
-        )
-    if cfg.passk_samples and cfg.temperature <= 0:
-        raise ConfigError(f"eval.temperature={cfg.temperature}: pass@k needs sampling (e.g. 0.8)")
-
 
 def humaneval(model_dir: Path, out_dir: Path, cfg: DictConfig) -> dict:
     """``{"greedy": {pass@1, problems, ...}, "sampled": {...} | None, "wall_s"}``; files land in ``out_dir``."""

@@ -19,26 +19,13 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ultrascale.config.compose import PROJECT_ROOT
-from ultrascale.errors import ConfigError, UltrascaleError
-from ultrascale.train.checkpoint import LATEST, tag_for
-
-LAUNCHERS = ("torchrun", "deepspeed")
+from ultrascale.errors import UltrascaleError
+from ultrascale.rundir import LATEST
+from ultrascale.train.checkpoint import tag_for
 
 
 class FinetuneFailed(UltrascaleError):
     """train.py exited non-zero; its own error line and per-rank logs say why."""
-
-
-def check(cfg: DictConfig) -> None:
-    """What train.py would refuse only after loading the model: say it before an hour of sampling."""
-    if cfg.launcher not in LAUNCHERS:
-        raise ConfigError(f"finetune.launcher={cfg.launcher} is not one of {list(LAUNCHERS)}")
-    per_step = cfg.micro_batch * cfg.nproc
-    if cfg.global_batch % per_step:
-        raise ConfigError(
-            f"finetune.global_batch={cfg.global_batch} is not a multiple of finetune.micro_batch x finetune.nproc "
-            f"= {per_step}: set finetune.global_batch={per_step * max(1, cfg.global_batch // per_step)}"
-        )
 
 
 def steps_for(rows: int, cfg: DictConfig) -> int:
@@ -50,7 +37,6 @@ def train_overrides(
     cfg: DictConfig, model_dir: Path, data_dir: Path, run_dir: Path, steps: int, seq_len: int
 ) -> list[str]:
     """The ``train.py`` command line after the script name: the user's overrides, then SSD's own."""
-    check(cfg)
     return [
         *cfg.train_overrides,
         "~model",

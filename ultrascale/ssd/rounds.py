@@ -32,13 +32,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ultrascale.atomic import atomic_write_text
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
+from ultrascale.jsonio import read_json, read_jsonl, write_json, write_jsonl
+from ultrascale.ssd.config import STAGES
 
 log = logging.getLogger("ultrascale")
 
-STAGES = ("problems", "sample", "sft_data", "finetune", "export", "eval")
 OUTPUTS = {
     "problems": ["problems.jsonl"],
     "sample": ["samples.jsonl", "kept.jsonl"],
@@ -52,22 +52,6 @@ the old ones (above all train_run/, whose checkpoints train.py would otherwise r
 REDO_ON_CHANGE = {"eval"}
 """Stages nothing else depends on: changed settings rerun them instead of refusing."""
 TOP = "ssd_manifest.json"
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def check_model_dir(path: Path, key: str) -> None:
@@ -85,7 +69,7 @@ class Round:
         self.dir = run.out / f"round_{index:02d}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.manifest_path = self.dir / "manifest.json"
-        self.manifest = _read_json(self.manifest_path) or {
+        self.manifest = read_json(self.manifest_path, {}) or {
             "round": index,
             "input_model": str(input_model),
             "stages": {},
@@ -129,7 +113,7 @@ class Round:
             "settings": self.settings(stage),
             **stats,
         }
-        _write_json(self.manifest_path, self.manifest)
+        write_json(self.manifest_path, self.manifest)
         self.run.record_round(self)
 
     def path(self, name: str) -> Path:
@@ -149,7 +133,7 @@ class Round:
                     shutil.rmtree(self.path(o))
                 else:
                     self.path(o).unlink(missing_ok=True)
-        _write_json(self.manifest_path, self.manifest)
+        write_json(self.manifest_path, self.manifest)
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -169,7 +153,7 @@ class SSDRun:
         self.out = resolve_path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.top_path = self.out / TOP
-        self.top = _read_json(self.top_path) or {"rounds": {}, "baseline": None}
+        self.top = read_json(self.top_path, {}) or {"rounds": {}, "baseline": None}
         self.top["config"] = OmegaConf.to_container(cfg, resolve=True)
 
     def record_round(self, rnd: Round) -> None:
@@ -183,7 +167,7 @@ class SSDRun:
             if s in stages:
                 entry[s] = {k: v for k, v in stages[s].items() if k not in ("settings", "done", "finished_at")}
         self.top["rounds"][f"{rnd.index:02d}"] = entry
-        _write_json(self.top_path, self.top)
+        write_json(self.top_path, self.top)
 
     def stage(self, rnd: Round, name: str, fn: Callable[[], dict]) -> None:
         if rnd.done(name):
@@ -206,7 +190,7 @@ class SSDRun:
             rnd.path("problems.jsonl.tmp").replace(rnd.path("problems.jsonl"))
             return {"count": len(read_jsonl(first)), "from": str(first)}
         problems, report = build(self.cfg.problems)
-        _write_jsonl(rnd.path("problems.jsonl"), problems)
+        write_jsonl(rnd.path("problems.jsonl"), problems)
         return {"count": len(problems), "report": report}
 
     def _sample(self, rnd: Round) -> dict:
@@ -215,8 +199,8 @@ class SSDRun:
         problems = read_jsonl(rnd.path("problems.jsonl"))
         completions, timing = generate_all(rnd.input_model, problems, self.cfg.sample, self.cfg.dtype)
         rows, stats = select(problems, completions, self.cfg.sample)
-        _write_jsonl(rnd.path("samples.jsonl"), rows)
-        _write_jsonl(rnd.path("kept.jsonl"), kept_records(problems, rows))
+        write_jsonl(rnd.path("samples.jsonl"), rows)
+        write_jsonl(rnd.path("kept.jsonl"), kept_records(problems, rows))
         return {**stats, **timing}
 
     def _sft(self, rnd: Round) -> dict:
@@ -246,7 +230,7 @@ class SSDRun:
             log.info(f"ssd: {run_dir} already holds step {steps}: not relaunching")
         else:
             run_train(args, rnd.path("finetune.log"))
-        summary = _read_json(run_dir / "summary.json")
+        summary = read_json(run_dir / "summary.json", {})
         keep = ("final_loss", "eval_loss", "tokens_per_s", "resumed_from")
         numbers = {k: summary[k] for k in keep if isinstance(summary.get(k), int | float) and math.isfinite(summary[k])}
         return {"steps": steps, "rows": rows, "command": "python train.py " + " ".join(args), **numbers}
@@ -260,7 +244,7 @@ class SSDRun:
         from ultrascale.ssd.evaluate import humaneval
 
         result = humaneval(rnd.path("model"), rnd.path("eval"), self.cfg.eval)
-        _write_json(rnd.path("eval.json"), result)
+        write_json(rnd.path("eval.json"), result)
         return _scores(result)
 
     def baseline(self, model: Path) -> None:
@@ -274,24 +258,16 @@ class SSDRun:
             return
         log.info(f"ssd: baseline eval of {model}: running")
         result = humaneval(model, self.out / "baseline" / "eval", self.cfg.eval)
-        _write_json(self.out / "baseline" / "eval.json", result)
+        write_json(self.out / "baseline" / "eval.json", result)
         self.top["baseline"] = {"model": str(model), "settings": settings, **_scores(result)}
-        _write_json(self.top_path, self.top)
+        write_json(self.top_path, self.top)
 
     def run(self) -> dict:
         from ultrascale.eval.sandbox import check_available
-        from ultrascale.ssd import evaluate, finetune
+        from ultrascale.ssd.config import check
 
         cfg = self.cfg
-        if cfg.stop_after is not None and cfg.stop_after not in STAGES:
-            raise ConfigError(f"stop_after={cfg.stop_after} is not one of {list(STAGES)}")
-        if cfg.sample.temperature <= 0 and cfg.sample.n > 1:
-            raise ConfigError(f"sample.n={cfg.sample.n} with sample.temperature={cfg.sample.temperature}: greedy "
-                              "samples are identical; sample at a temperature > 0 (e.g. 0.8)")  # fmt: skip
-        if cfg.dtype not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"dtype={cfg.dtype} is not one of fp32, bf16, fp16")
-        evaluate.check(cfg.eval)
-        finetune.check(cfg.finetune)
+        check(cfg)
         model = resolve_path(cfg.start_model)
         check_model_dir(model, "start_model")
         check_available()  # every stage but finetune runs model-written code: refuse before any work

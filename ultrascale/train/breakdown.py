@@ -26,7 +26,8 @@ import time
 import torch
 from deepspeed.utils.timer import BACKWARD_INNER_MICRO_TIMER, BACKWARD_REDUCE_MICRO_TIMER, STEP_MICRO_TIMER
 
-PARTS = ("data_wait_s", "fwd_s", "bwd_s", "comm_s", "opt_s")
+from ultrascale.train.parts import MEASURED, OTHER
+
 _ENGINE = {"bwd_s": BACKWARD_INNER_MICRO_TIMER, "comm_s": BACKWARD_REDUCE_MICRO_TIMER, "opt_s": STEP_MICRO_TIMER}
 
 
@@ -46,7 +47,7 @@ class StepBreakdown:
             engine.engine_timers.forward_timers = []  # timed by forward() below, outside any compiled region
 
     def start(self) -> None:
-        self.parts = dict.fromkeys(PARTS, 0.0)
+        self.parts = dict.fromkeys(MEASURED, 0.0)
         self._fwd = []
         self.t0 = time.perf_counter()
 
@@ -86,8 +87,8 @@ class StepBreakdown:
         step_s = time.perf_counter() - self.t0
         self.parts["fwd_s"] += sum(a.elapsed_time(b) for a, b in self._fwd) / 1000.0  # the step has synchronised
         row = {"step_s": step_s, "data_wait_s": self.parts["data_wait_s"]}
-        row.update({p: self.parts[p] for p in (PARTS[1:] if self.enabled else ("comm_s",))})
-        row["other_s"] = max(0.0, step_s - sum(row[p] for p in PARTS if p in row))
+        row.update({p: self.parts[p] for p in (MEASURED[1:] if self.enabled else ("comm_s",))})
+        row[OTHER] = max(0.0, step_s - sum(row[p] for p in MEASURED if p in row))
         row["data_wait"] = self.parts["data_wait_s"] / step_s if step_s > 0 else 0.0  # fraction, for the console
         return row
 

@@ -24,10 +24,9 @@ import torch
 from ultrascale import dist
 from ultrascale.atomic import atomic_write_text
 from ultrascale.errors import CheckpointError
+from ultrascale.rundir import LATEST, META
 
 log = logging.getLogger("ultrascale")
-META = "ultrascale_meta.json"
-LATEST = "latest"
 UNIVERSAL_SUFFIX = "_universal"
 ROLLBACKS = "rollbacks.json"
 """Rollbacks taken since each checkpoint, keyed by its tag: written when the rollback happens, not with the
@@ -77,6 +76,25 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0, client: d
             _prune(ckpt_dir, keep)
     dist.barrier()
     return tag_dir
+
+
+class Checkpointer:
+    """Owns when the run saves (every ``interval`` steps and at its last step) and what travels with it."""
+
+    def __init__(self, ckpt_dir: Path, interval: int, keep: int, meta: dict):
+        self.ckpt_dir, self.interval, self.keep, self.meta = ckpt_dir, int(interval), int(keep), meta
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step == last_step or bool(self.interval and step % self.interval == 0)
+
+    def save(self, engine, step: int, client: dict) -> Path:
+        """Collective. ``client`` is trainer state restored by :func:`load` (the data offset, stability)."""
+        meta = {**self.meta, "data_offset": client.get("data_offset", 0)}
+        return save(engine, self.ckpt_dir, step, meta, keep=self.keep, client=client)
+
+    def latest(self) -> Path | None:
+        pointer = self.ckpt_dir / LATEST
+        return self.ckpt_dir / pointer.read_text().strip() if pointer.exists() else None
 
 
 def _complete_tags(ckpt_dir: Path) -> list[str]:

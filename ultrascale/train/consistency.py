@@ -13,15 +13,16 @@ import torch
 import torch.distributed as tdist
 
 
-def param_digest(module: torch.nn.Module, zero_stage: int) -> str:
-    """Digest of the replicated parameters. Expert-parallel experts differ per rank by design: skipped."""
+def param_digest(module: torch.nn.Module) -> str:
+    """Digest of the replicated parameters (ZeRO-3 partitions gathered). Expert-parallel experts differ per
+    rank by design: skipped."""
     from deepspeed.moe.utils import is_moe_param
 
     h = hashlib.sha1()
     for name, p in module.named_parameters():
         if is_moe_param(p):
             continue
-        if zero_stage == 3 and hasattr(p, "ds_id"):
+        if hasattr(p, "ds_id"):  # a ZeRO-3 partition
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
@@ -33,9 +34,9 @@ def param_digest(module: torch.nn.Module, zero_stage: int) -> str:
     return h.hexdigest()[:16]
 
 
-def replicas_agree(module: torch.nn.Module, zero_stage: int, group=None) -> tuple[bool, list[str]]:
+def replicas_agree(module: torch.nn.Module, group=None) -> tuple[bool, list[str]]:
     """(all equal, every dp rank's digest). Collective over ``group`` (default: the world)."""
-    digest = param_digest(module, zero_stage)
+    digest = param_digest(module)
     if not tdist.is_initialized() or tdist.get_world_size(group) == 1:
         return True, [digest]
     digests: list[str] = [""] * tdist.get_world_size(group)

@@ -16,14 +16,15 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from ultrascale.jsonio import read_jsonl
+from ultrascale.train.parts import PARTS
 
 log = logging.getLogger("ultrascale")
 
 CONSOLE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "mem_gb", "data_wait")
-PERF_KEYS = {"tokens_per_s", "tflops", "mfu", "mem_gb", "step_s", "data_wait_s", "fwd_s", "bwd_s", "comm_s",
-             "opt_s", "other_s", "data_wait", "checkpoint_s"}  # fmt: skip
+PERF_KEYS = {"tokens_per_s", "tflops", "mfu", "mem_gb", "step_s", *PARTS, "data_wait", "checkpoint_s"}
 EVAL_KEYS = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl", "eval_s": "eval/seconds"}
 STABILITY_EVENTS = ("skip", "lr_cut", "rollback", "stop")
 
@@ -52,9 +53,11 @@ def _fmt(k: str, v: float) -> str:
 
 
 class MetricLogger:
-    def __init__(self, cfg: DictConfig, out_dir: Path, enabled: bool, ds_config: dict | None = None):
+    """``logger`` is the run's logger group; ``config`` the resolved config (wandb records it with the JSON)."""
+
+    def __init__(self, logger: Any, out_dir: Path, enabled: bool, config: dict, ds_config: dict | None = None):
         self.enabled = enabled
-        self.cfg = cfg.logger
+        self.cfg = logger
         self.jsonl = None
         self.tb = None
         self.wandb_run = None
@@ -70,16 +73,15 @@ class MetricLogger:
         if self.cfg.wandb and self.cfg.wandb_mode != "disabled":
             import wandb
 
-            os.environ.setdefault("WANDB_MODE", self.cfg.wandb_mode)
-            config = OmegaConf.to_container(cfg, resolve=True)
-            config["deepspeed"] = ds_config or {}
+            os.environ.setdefault("WANDB_MODE", str(self.cfg.wandb_mode))
+            config = {**config, "deepspeed": ds_config or {}}
             self.wandb_run = wandb.init(
                 project=self.cfg.wandb_project,
                 entity=self.cfg.wandb_entity,
                 group=self.cfg.wandb_group,
                 name=self.cfg.run_name or out_dir.name,
                 dir=str(out_dir),
-                mode=self.cfg.wandb_mode,
+                mode=str(self.cfg.wandb_mode),
                 config=config,
                 resume="allow",
                 id=_wandb_id(out_dir),
@@ -160,5 +162,4 @@ def _wandb_id(out_dir: Path) -> str:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(path)

@@ -10,9 +10,9 @@ step, an lr cut after a loss spike and a rollback then cannot knock the schedule
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool = True) -> list[dict]:
@@ -32,7 +32,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: 
     return groups
 
 
-def lr_multiplier(step: int, sched: DictConfig, total_steps: int) -> float:
+def lr_multiplier(step: int, sched: Any, total_steps: int) -> float:
     """Multiplier on the peak lr at optimizer step ``step`` (0-based: the first update uses step 0)."""
     total = int(sched.total_steps or total_steps)
     warmup = min(int(sched.warmup_steps), max(total - 1, 0))
@@ -54,18 +54,15 @@ def lr_multiplier(step: int, sched: DictConfig, total_steps: int) -> float:
     raise ValueError(f"unknown schedule {sched.name!r}")
 
 
-def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Optimizer | None:
-    """Torch AdamW with decay groups, unless DeepSpeed must own the optimizer (offload, Muon, FusedAdam)."""
-    o = cfg.optim
-    if o.name != "adamw" or cfg.zero.offload_optimizer != "none" or not o.torch_adam:
-        return None
+def build_optimizer(model: torch.nn.Module, optim: Any) -> torch.optim.Optimizer:
+    """Torch AdamW with decay groups (when the run's decisions say we own the optimizer)."""
     return torch.optim.AdamW(
-        param_groups(model, o.weight_decay, o.decay_embeddings),
-        lr=o.lr,
-        betas=tuple(o.betas),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        fused=bool(o.fused) or None,  # None lets torch pick its default (foreach) when fused is off
+        param_groups(model, optim.weight_decay, optim.decay_embeddings),
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        fused=bool(optim.fused) or None,  # None lets torch pick its default (foreach) when fused is off
     )
 
 
@@ -73,9 +70,9 @@ BASE_LR = "ultrascale_base_lr"
 """Param-group key holding the group's peak lr (groups may differ, e.g. Muon's matrices vs its Adam half)."""
 
 
-def apply_lr(optimizer: torch.optim.Optimizer, step: int, cfg: DictConfig, factor: float = 1.0) -> float:
+def apply_lr(optimizer: torch.optim.Optimizer, step: int, sched: Any, total_steps: int, factor: float = 1.0) -> float:
     """Set every param group's lr for optimizer step ``step``; returns the first group's (for logging)."""
-    mult = lr_multiplier(step, cfg.optim.sched, int(cfg.train.steps)) * factor
+    mult = lr_multiplier(step, sched, total_steps) * factor
     for g in optimizer.param_groups:
         g.setdefault(BASE_LR, g["lr"])
         g["lr"] = g[BASE_LR] * mult

@@ -40,7 +40,7 @@ def preflight(cfg: DictConfig) -> Preflight:
     ckpt_dir = resolve_path(cfg.output_dir) / "checkpoints"
     tag_dir = checkpoint.find_resume(ckpt_dir, str(cfg.train.resume), cfg.train.universal_checkpoint)
     found["resume"] = f"from {tag_dir}" if tag_dir else "fresh start (no checkpoint to resume)"
-    n = int(cfg.train.eval_humaneval)
+    n = cfg.train.eval_humaneval
     if n:
         from ultrascale.eval.sandbox import check_available
 

@@ -85,7 +85,7 @@ class StabilityMonitor:
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
-        self.detector = SpikeDetector(int(cfg.spike_window), int(cfg.spike_min_history), float(cfg.spike_min_rel_std))
+        self.detector = SpikeDetector(cfg.spike_window, cfg.spike_min_history, cfg.spike_min_rel_std)
         self.consecutive = 0
         self.rollbacks = 0
         self.skips = 0
@@ -98,7 +98,7 @@ class StabilityMonitor:
         if self.cfg.spike == "none":
             return Verdict()
         z = self.detector.zscore(loss)
-        if z is not None and z > float(self.cfg.spike_zscore):
+        if z is not None and z > self.cfg.spike_zscore:
             return Verdict(str(self.cfg.spike), "spike", z)
         return Verdict(zscore=z)
 
@@ -107,10 +107,10 @@ class StabilityMonitor:
         return Verdict(str(self.cfg.nonfinite), "nonfinite")
 
     def lr_factor(self, step: int) -> float:
-        return float(self.cfg.lr_cut_factor) if self.lr_cut_from <= step <= self.lr_cut_until else 1.0
+        return self.cfg.lr_cut_factor if self.lr_cut_from <= step <= self.lr_cut_until else 1.0
 
     def start_lr_cut(self, step: int) -> int:
-        self.lr_cut_from, self.lr_cut_until = step, step + int(self.cfg.lr_cut_steps) - 1
+        self.lr_cut_from, self.lr_cut_until = step, step + self.cfg.lr_cut_steps - 1
         return self.lr_cut_until
 
     def record(self, verdict: Verdict, loss: float, step: int) -> None:
@@ -132,13 +132,13 @@ class StabilityMonitor:
                 f"stability.nonfinite=stop: {what} at step {step}: the run is stopped before applying it; "
                 "resume from the last checkpoint after lowering optim.lr, or use stability.nonfinite=skip"
             )
-        if self.consecutive >= int(self.cfg.max_consecutive):
+        if self.consecutive >= self.cfg.max_consecutive:
             raise TrainingHealthError(
                 f"stability: {self.consecutive} bad steps in a row (last: {what} at step {step}, action "
                 f"{verdict.action}) reached stability.max_consecutive={self.cfg.max_consecutive}: the run is "
                 "persistently unhealthy; check the data and optim.lr, or raise stability.max_consecutive"
             )
-        if self.rollbacks > int(self.cfg.max_rollbacks):
+        if self.rollbacks > self.cfg.max_rollbacks:
             raise TrainingHealthError(
                 f"stability: {self.rollbacks} rollbacks (last at step {step}) exceed "
                 f"stability.max_rollbacks={self.cfg.max_rollbacks}: check the data and optim.lr"

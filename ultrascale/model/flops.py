@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ultrascale.plan.arch import Arch, arch_from_hf
+from ultrascale.model.arch import Arch, arch_from_hf
 
 
 def attention_span(arch: Arch, seq_len: int) -> int:

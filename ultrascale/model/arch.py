@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 _EXPERT = re.compile(r"\.experts\.")  # fused or per-expert routed weights; not shared_experts
@@ -125,14 +124,6 @@ def _census(hf: Any) -> dict[str, Any]:
 _ARCH_CACHE: dict[str, Arch] = {}
 
 
-@cache
-def hf_config(model_type: str, config_json: str) -> Any:
-    """The HF config for a model group (cached: search composes hundreds of layouts of one model)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(model_type, **json.loads(config_json))
-
-
 def _arch_from_hf(hf: Any) -> Arch:
     hidden = hf.hidden_size
     heads = hf.num_attention_heads
@@ -164,13 +155,8 @@ def arch_from_hf(hf: Any) -> Arch:
     return _ARCH_CACHE[key]
 
 
-def model_key(cfg: Any) -> tuple[str, str]:
-    """Hashable identity of a composed config's model group."""
-    from omegaconf import OmegaConf
-
-    return str(cfg.model.type), json.dumps(OmegaConf.to_container(cfg.model.config, resolve=True), sort_keys=True)
-
-
 def arch_from_cfg(cfg: Any) -> Arch:
-    """Arch for the ``model`` group of a composed config."""
-    return arch_from_hf(hf_config(*model_key(cfg)))
+    """Arch for the ``model`` group of a composed config (the HF config the trainer builds, built once)."""
+    from ultrascale.model.build import build_hf_config
+
+    return arch_from_hf(build_hf_config(cfg.model))

@@ -1,0 +1,187 @@
+"""What this run does, decided once: the layout, the ZeRO stage and every feature, each with its reason.
+
+Validation, the DeepSpeed JSON builder, the engine builder, the banner, the trainer and the planner all
+read the :class:`Decisions` record this module returns instead of re-deriving a rule from the config, so a
+feature's "why not" is written in exactly one place (here) and a setting reaches the code that acts on it
+by one road. Pure: no I/O and no ``torch.distributed``; the accelerator is an argument (``select_accelerator``
+tells it for this machine, the planner passes the cluster's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ultrascale.config.topology import Topology
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One feature: on or off, the value it runs with, and the reason, in words for the banner."""
+
+    on: bool
+    why: str
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class Decisions:
+    topo: Topology
+    """The layout: world, dp, tp, pp, sp, ep."""
+    zero_stage: int
+    """What ``zero_optimization.stage`` is (the one place a consumer reads it from)."""
+    zero3_init: Choice
+    """Build the model partitioned (transformers' ``HfDeepSpeedConfig`` -> ``deepspeed.zero.Init``)."""
+    optimizer_owner: Choice
+    """``value``: ``torch`` (we build AdamW with decay groups and hand it over) or ``deepspeed`` (the JSON's)."""
+    fused_loss: Choice
+    """``value``: chunk tokens (None: chosen from the vocabulary at install)."""
+    attention: Choice
+    """``value``: the query block size of the blocked causal SDPA when on."""
+    compile: Choice
+    document_masking: Choice
+    flat_batches: bool
+    """Feed each micro-batch as one row (varlen flash attention sees document boundaries that way)."""
+    step_breakdown: Choice
+    """DeepSpeed's engine timers (``wall_clock_breakdown``)."""
+    moe: Choice
+    """``value``: experts per MoE layer (0 for a dense model)."""
+    moe_leaf_modules: bool
+    """ZeRO-3 gathers each sparse-MoE block whole (set_z3_leaf_modules): experts replicated under ZeRO-3."""
+    hf_config: Any = field(compare=False, repr=False, default=None)
+    """The HF config the model is built from, built once."""
+
+    @property
+    def pipeline(self) -> bool:
+        return self.topo.pp > 1
+
+    def features(self) -> dict[str, Choice]:
+        """Every on/off feature by name, for the banner and the dry run."""
+        return {
+            "loss": self.fused_loss,
+            "attention": self.attention,
+            "compile": self.compile,
+            "packing": self.document_masking,
+            "timing": self.step_breakdown,
+            "zero3 init": self.zero3_init,
+            "optimizer": self.optimizer_owner,
+            "moe": self.moe,
+        }
+
+
+def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str) -> Decisions:
+    """The run's decisions from a validated config, its topology, the HF config and ``gloo``/``nccl``."""
+    from ultrascale.model.moe import num_experts
+
+    stage = cfg.zero.stage
+    experts = num_experts(hf_config)
+    attn = str(cfg.model.attn_implementation)
+    doc = _document_masking(cfg, topo, attn)
+    return Decisions(
+        topo=topo,
+        zero_stage=stage,
+        zero3_init=Choice(stage == 3, "ZeRO-3: every rank builds only its shard" if stage == 3 else f"ZeRO-{stage}"),
+        optimizer_owner=_optimizer_owner(cfg),
+        fused_loss=_fused_loss(cfg, topo, hf_config),
+        attention=_attention(cfg, topo, hf_config, attn, backend),
+        compile=_compile(cfg, topo, stage, experts),
+        document_masking=doc,
+        flat_batches=doc.on and attn.startswith("flash"),
+        step_breakdown=_step_breakdown(cfg, topo),
+        moe=Choice(experts > 0, _moe_why(experts, topo), experts),
+        moe_leaf_modules=experts > 0 and stage == 3 and topo.ep == 1,
+        hf_config=hf_config,
+    )
+
+
+def _optimizer_owner(cfg: Any) -> Choice:
+    o = cfg.optim
+    if o.name == "muon":
+        return Choice(True, "DeepSpeed's MuonWithAuxAdam (optim=muon)", "deepspeed")
+    if cfg.zero.offload_optimizer != "none":
+        return Choice(True, "DeepSpeedCPUAdam (zero.offload_optimizer=cpu: the step runs on the host)", "deepspeed")
+    if not o.torch_adam:
+        return Choice(True, "DeepSpeed's AdamW (optim.torch_adam=false)", "deepspeed")
+    fused = ", fused" if o.fused else ""
+    return Choice(True, f"torch AdamW{fused}, no decay on norms/biases", "torch")
+
+
+def _fused_loss(cfg: Any, topo: Topology, hf_config: Any) -> Choice:
+    if not cfg.train.fused_loss:
+        return Choice(False, "plain HF cross-entropy (train.fused_loss=false)")
+    if topo.pp > 1:
+        return Choice(False, "plain HF cross-entropy (the pipeline's last stage computes its own loss)")
+    if topo.sp > 1:
+        return Choice(False, "plain HF cross-entropy (sequence parallelism sums per-shard losses itself)")
+    if topo.tp > 1:
+        return Choice(False, "plain HF cross-entropy (AutoTP shards the LM head)")
+    from ultrascale.model.loss import fusable_reason
+
+    why = fusable_reason(hf_config)
+    if why:
+        return Choice(False, f"plain HF cross-entropy ({why})")
+    chunk = cfg.train.loss_chunk_tokens or None
+    return Choice(True, "chunked linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)", chunk)
+
+
+def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str) -> Choice:
+    block = cfg.train.attn_block_size
+    configured = f"HF {attn} as configured"
+    if block is None:
+        if backend != "gloo":
+            return Choice(False, f"{configured} (train.attn_block_size unset: the blocks are measured on CPU only)")
+        from ultrascale.model.attention import CPU_BLOCK
+
+        block = CPU_BLOCK
+    if not block:
+        return Choice(False, f"{configured} (train.attn_block_size=0)")
+    if topo.pp > 1:
+        return Choice(False, f"{configured} (the pipeline stages build their own masks; train.attn_block_size unused)")
+    if topo.sp > 1:
+        return Choice(False, f"{configured} (Ulysses wraps the attention core; train.attn_block_size unused)")
+    from ultrascale.model.attention import blockable_reason
+
+    why = blockable_reason(hf_config, attn)
+    if why:
+        return Choice(False, f"{configured} ({why})")
+    return Choice(True, f"causal SDPA in query blocks of {block} (upper-triangle tiles skipped)", block)
+
+
+def _compile(cfg: Any, topo: Topology, stage: int, experts: int) -> Choice:
+    if not cfg.train.compile:
+        return Choice(False, "off (train.compile=false)")
+    if topo.pp > 1:
+        return Choice(False, "off (not with the pipeline engine; eager)")
+    if topo.tp > 1 or topo.sp > 1 or topo.ep > 1:
+        return Choice(False, "off (not with AutoTP/Ulysses/AutoEP module rewrites; eager)")
+    if experts:
+        return Choice(False, "off (MoE routing is data-dependent; eager)")
+    if stage == 3:
+        return Choice(False, "off (ZeRO-3's per-module gather hooks would split the graph; eager)")
+    return Choice(True, "torch.compile (inductor) at the first step")
+
+
+def _document_masking(cfg: Any, topo: Topology, attn: str) -> Choice:
+    """Ulysses discards 4-D masks, so with sp>1 only flash attention keeps documents apart."""
+    if not cfg.data.document_masking:
+        return Choice(False, "off: packed rows are one text (data.document_masking=false)")
+    if topo.sp > 1 and not attn.startswith("flash"):
+        return Choice(False, f"off: Ulysses sp={topo.sp} drops {attn} masks (use flash_attention_2 for it)")
+    how = "varlen kernel, micro-batch as one row" if attn.startswith("flash") else f"{attn} block-diagonal mask"
+    return Choice(True, f"on: positions restart at EOS, no cross-document attention ({how})")
+
+
+def _step_breakdown(cfg: Any, topo: Topology) -> Choice:
+    if not cfg.train.step_breakdown:
+        return Choice(False, "off (train.step_breakdown=false): data wait and step time only")
+    if topo.pp > 1:  # DeepSpeed 0.19.8: the pipeline's backward restarts a micro timer the base engine started
+        return Choice(False, "data wait and step time only (the pipeline engine cannot run DeepSpeed's timers)")
+    return Choice(True, "on (DeepSpeed engine timers)")
+
+
+def _moe_why(experts: int, topo: Topology) -> str:
+    if not experts:
+        return "dense model"
+    if topo.ep > 1:
+        return f"AutoEP ep={topo.ep}: {experts // topo.ep} of {experts} experts per rank"
+    return f"{experts} experts per layer, replicated"

@@ -1,0 +1,88 @@
+"""Evaluation during training: held-out loss over every rank's share of the validation split, and greedy
+HumanEval on rank 0. The evaluator decides when it is due, so the training loop stays a loop."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from ultrascale import dist
+from ultrascale.data.loader import eval_batches
+from ultrascale.jsonio import write_jsonl
+
+
+def eager(compiled: bool):
+    """Evaluation and generation run eagerly: their shapes differ from training's and would recompile."""
+    return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
+
+
+class Evaluator:
+    """Held-out loss (token-weighted, all-reduced) every ``interval`` steps and at the last one, plus
+    HumanEval pass@1 on the first ``humaneval`` problems when a tokenizer is given (rank 0 generates)."""
+
+    def __init__(self, trainer: Any, interval: int, humaneval: int, tokenizer: Any, out: Path):
+        self.t, self.interval, self.humaneval, self.tokenizer, self.out = (
+            trainer,
+            int(interval),
+            humaneval,
+            tokenizer,
+            out,
+        )
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step == last_step or bool(self.interval and step % self.interval == 0)
+
+    @torch.no_grad()
+    def run(self, step: int) -> dict:
+        t, t0 = self.t, time.perf_counter()
+        t.engine.eval()
+        total = torch.zeros(2, dtype=torch.float64)  # sum of per-token losses, number of targets
+        data = t.cfg.data
+        with eager(t.decisions.compile.on):
+            for b in eval_batches(t.val_split, data.micro_batch, data.eval_batches, t.dp_rank, t.topo.dp, t.eos,
+                                  t.decisions.document_masking.on):  # fmt: skip
+                if t.decisions.pipeline:
+                    loss = t.engine.eval_batch(iter([t.pipe_inputs(b)]), num_micro_batches=1)
+                else:
+                    loss = t.loss(b.flattened() if t.decisions.flat_batches else b, train=False)[1]
+                total += torch.tensor([float(loss) * b.num_targets, b.num_targets], dtype=torch.float64)
+        t.engine.train()
+        if tdist.is_initialized() and tdist.get_world_size() > 1:
+            tdist.all_reduce(total)
+        loss = float(total[0] / total[1]) if total[1] else float("nan")
+        result = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        if self.humaneval:
+            result.update(self._humaneval(step))
+        t.breakdown.reset_engine_timers()
+        result["eval_s"] = time.perf_counter() - t0
+        return result
+
+    def _humaneval(self, step: int) -> dict:
+        """Greedy pass@1 generated on rank 0 (the others wait); every completion and how it ended in the
+        sandbox goes to ``humaneval/step_XXXXXXXX.jsonl``: what the model wrote is worth more than the number."""
+        score = None
+        if self.tokenizer is not None:
+            from ultrascale.eval.humaneval import evaluate
+            from ultrascale.train.checkpoint import tag_for
+
+            model = self.t.engine.module
+            use_cache, model.config.use_cache = model.config.use_cache, True  # generation wants its KV cache
+            try:
+                with eager(self.t.decisions.compile.on):
+                    res = evaluate(model, self.tokenizer, limit=self.humaneval,
+                                   max_new_tokens=self.t.cfg.train.eval_humaneval_max_new_tokens)  # fmt: skip
+                score = res["pass@1"]
+                samples = self.out / "humaneval" / f"{tag_for(step)}.jsonl"
+                samples.parent.mkdir(exist_ok=True)
+                write_jsonl(samples, res["samples"])
+            finally:
+                model.config.use_cache = use_cache
+                model.train()
+        score = dist.broadcast_object(score)
+        return {"humaneval_pass@1": score, "humaneval_problems": self.humaneval}

@@ -1,0 +1,12 @@
+"""The names of the parts a step's wall time is split into: the one list the trainer, the loggers and the
+comb report share (``ultrascale/train/breakdown.py`` says how each is measured).
+
+    data_wait_s + fwd_s + bwd_s + comm_s + opt_s + other_s = step_s
+"""
+
+MEASURED = ("data_wait_s", "fwd_s", "bwd_s", "comm_s", "opt_s")
+"""Timed directly (host clocks on CPU, CUDA events on GPU)."""
+OTHER = "other_s"
+"""The rest of the step's wall time: bookkeeping, waits and Python between the timed parts."""
+PARTS = (*MEASURED, OTHER)
+COMPUTE = ("fwd_s", "bwd_s")
