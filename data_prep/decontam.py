@@ -72,11 +72,19 @@ class Decontaminator:
             self.item_size.append(len(grams))
             for g in grams:
                 self.index[g].append(k)
+        # A document n-gram can be in the index only if its first and last words start and end an indexed
+        # one: testing two words per position, and joining only the survivors, is what makes matching cheap
+        # (building every n-gram string of a document was 3.8 s of 3.8 s on the stdlib).
+        self.first = {g.split(" ", 1)[0] for g in self.index}
+        self.last = {g.rsplit(" ", 1)[-1] for g in self.index}
 
     def match(self, text: str) -> tuple[str, float] | None:
         """(benchmark item id, overlap) of the best-matching item over the threshold, else None."""
         hits: Counter = Counter()
-        for g in ngrams(text, self.n):
+        w, n = _WORD.findall(text), self.n
+        first, last = self.first, self.last
+        cand = {" ".join(w[i : i + n]) for i, (a, b) in enumerate(zip(w, w[n - 1 :])) if a in first and b in last}
+        for g in cand:
             for k in self.index.get(g, ()):
                 hits[k] += 1
         best = None

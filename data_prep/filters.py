@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from data_prep.config import QualityConfig
 
+_ALNUM = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def alnum_count(text: str) -> int:
+    """``sum(c.isalnum() for c in text)``; ASCII text (almost all code) is counted in C: that loop was 88 %
+    of the map's filter time on the stdlib (1.86 of 2.12 s)."""
+    if text.isascii():
+        raw = text.encode("ascii")
+        return len(raw) - len(raw.translate(None, _ALNUM))
+    return sum(c.isalnum() for c in text)
+
 
 def quality_reason(text: str, q: QualityConfig) -> str | None:
     """Why ``text`` fails the quality filters, or None if it passes. Cheap checks first."""
@@ -17,7 +28,7 @@ def quality_reason(text: str, q: QualityConfig) -> str | None:
         return "max_line_length"
     if len(text) / len(lines) > q.max_mean_line_length:
         return "mean_line_length"
-    alnum = sum(c.isalnum() for c in text)
+    alnum = alnum_count(text)
     if alnum / max(len(text), 1) < q.min_alnum_fraction:
         return "alnum_fraction"
     head = "\n".join(lines[: q.autogen_header_lines]).lower()
