@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-parallel bench-export bench-levers bench-loss bench-attention clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,9 @@ bench-train: setup
 
 bench-data: setup
 	$(BIN)/python bench/bench_data.py --json bench/results/bench_data.json
+
+bench-data-scale: setup
+	$(BIN)/python bench/bench_data_scale.py --json bench/results/bench_data_scale.json
 
 bench-export: setup
 	$(BIN)/python bench/bench_export.py --json bench/results/bench_export.json
