@@ -439,9 +439,10 @@ def report(result: dict, scale: int) -> None:
     if runs:
         print(f"\ncores: {result['cores']}; corpora built in {result['corpus_build_s']:.0f} s")
         print(
-            "| corpus | docs | MB | tasks = buckets | workers | wall s | CPU s | speed-up | peak RSS, largest process (MB) |"
+            "| corpus | docs | MB | tasks = buckets | workers | wall s (best) | all rounds | CPU s | speed-up "
+            "| peak RSS, largest process (MB) |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
         for name in ("1x", f"{scale}x"):
             w1 = runs[f"{name} w1"]
             for workers in (1, 2):
