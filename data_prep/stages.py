@@ -25,7 +25,7 @@ from data_prep.store import shard_units, write_json
 from data_prep.work import STAGES, Ctx, Work, crash_hook
 
 log = logging.getLogger("data_prep")
-if os.environ.get("DATA_PREP_QUIET_DATATROVE"):
+if os.environ.get("DATA_PREP_QUIET_DATATROVE") == "1":
     # A local run prints one line per stage; datatrove's per-task console log (pipeline, stats) is for clusters.
     logger.disable("datatrove")
 
