@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 
 from data_prep.config import DataPrepConfig, config_hash, to_cfg
 from data_prep.sources import resolve_input
-from data_prep.stages import Stage, chain, stage_complete
+from data_prep.stages import SPECS, Stage, chain, stage_complete
 from data_prep.tokenizer import load_local
 from data_prep.work import Work
 from ultrascale.data.shards import MANIFEST
@@ -70,11 +70,12 @@ def _executor(cfg: DataPrepConfig, stage: str, tasks: int):
         return RayPipelineExecutor([step], tasks=tasks, workers=ex.workers, logging_dir=logs)  # -1: no limit
     from datatrove.executor import LocalPipelineExecutor
 
-    # workers > 1: every task runs in a pool process, single steps too, so this process stays small and the
-    # workers it forks start from it (fork: no re-import of the entry point per worker, ~0.2 s a stage
-    # against ~0.5-1 s with spawn/forkserver). One pool per stage: a stage's memory goes when it ends.
+    # workers > 1: every task runs in a pool process (the tokenizer's single task too; only the light single
+    # steps stay here), so this process stays small and the workers it forks start from it (fork: no
+    # re-import of the entry point per worker, ~0.2 s a stage against ~0.5-1 s with spawn/forkserver).
+    # One pool per stage: a stage's memory goes when it ends.
     wanted = tasks if ex.workers < 0 else ex.workers
-    workers = 1 if wanted == 1 else min(wanted, max(tasks, 2))
+    workers = 1 if wanted == 1 or SPECS[stage].light else min(wanted, max(tasks, 2))
     return LocalPipelineExecutor([step], tasks=tasks, workers=workers, logging_dir=logs, start_method="fork")
 
 
