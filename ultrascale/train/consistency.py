@@ -35,10 +35,17 @@ def param_digest(module: torch.nn.Module) -> str:
 
 
 def replicas_agree(module: torch.nn.Module, group=None) -> tuple[bool, list[str]]:
-    """(all equal, every dp rank's digest). Collective over ``group`` (default: the world)."""
+    """(every data-parallel group agrees, this rank's group's digests). Collective over the world.
+
+    Each rank compares its digest within ``group`` (its data-parallel replicas: under pp or tp those are
+    the ranks holding the same stage or shard), and the verdicts are all-reduced, so the answer covers every
+    group, not only rank 0's.
+    """
     digest = param_digest(module)
-    if not tdist.is_initialized() or tdist.get_world_size(group) == 1:
+    if not tdist.is_initialized() or tdist.get_world_size() == 1:
         return True, [digest]
     digests: list[str] = [""] * tdist.get_world_size(group)
     tdist.all_gather_object(digests, digest, group=group)
-    return all(d == digests[0] for d in digests), digests
+    agree = torch.tensor([int(all(d == digests[0] for d in digests))])
+    tdist.all_reduce(agree, op=tdist.ReduceOp.MIN)
+    return bool(agree.item()), digests

@@ -47,6 +47,45 @@ def device_peak_flops() -> tuple[float, str]:
     return measure_cpu_peak_flops(), "cpu (measured fp32 matmul)"
 
 
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class HostPeak:
+    """The rise of this process's resident memory over a window and its peak inside it (Linux).
+
+    The kernel's high-water mark (VmHWM) is reset on entry (``/proc/self/clear_refs``), so the peak is the
+    window's own, not the import's; elsewhere both figures are None. Construction is where a layout that
+    builds the whole model on every rank shows itself, so the engine builder measures it for the banner.
+    """
+
+    def __enter__(self) -> HostPeak:
+        self.base_kb = _status_kb("VmRSS") if os.path.exists("/proc/self/status") else 0
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.ok = bool(self.base_kb)
+        except OSError:
+            self.ok = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.peak_kb = _status_kb("VmHWM") if self.ok else 0
+        self.end_kb = _status_kb("VmRSS") if self.ok else 0
+
+    @property
+    def peak_rise_gb(self) -> float | None:
+        return (self.peak_kb - self.base_kb) / 2**20 if self.ok else None
+
+    @property
+    def end_rise_gb(self) -> float | None:
+        return (self.end_kb - self.base_kb) / 2**20 if self.ok else None
+
+
 def memory_gb() -> float:
     """Peak device memory on GPU; resident set size of this process on CPU."""
     if torch.cuda.is_available():

@@ -405,8 +405,9 @@ class Trainer:
     def _planted_failures(self, step: int) -> None:
         if step == int(os.environ.get(FAULT_ENV, -1)) and dist.is_rank0():
             os.kill(os.getpid(), signal.SIGKILL)
-        if step == self.start_step and self.rank == int(os.environ.get(RAISE_ENV, -1)):
-            raise RuntimeError(f"injected failure on rank {self.rank} at step {step} ({RAISE_ENV} set)")
+        raise_on = int(os.environ.get(RAISE_ENV, -1))
+        if step == self.start_step and self.rank == raise_on:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {step} ({RAISE_ENV}={raise_on})")
 
     def _progress_bar(self, steps: int):
         if not (dist.is_rank0() and sys.stderr.isatty()):
