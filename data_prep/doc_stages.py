@@ -363,9 +363,12 @@ def clean_unit(ctx: Ctx, b: int) -> dict:
             yield d
 
     write_jsonl_gz(work.bucket("clean", b, ".jsonl.gz"), kept_docs())
-    exact["dropped"] = {"duplicate": exact["docs_in"] - exact["docs_out"]}
-    near["dropped"] = {"near_duplicate": near["docs_in"] - near["docs_out"]}
-    dec_st["dropped"] = {"contaminated": len(contaminated)}
+    if cfg.exact_dedup.enabled:  # a stage that is off passes everything and reports no reasons
+        exact["dropped"] = {"duplicate": exact["docs_in"] - exact["docs_out"]}
+    if cfg.near_dedup.enabled:
+        near["dropped"] = {"near_duplicate": near["docs_in"] - near["docs_out"]}
+    if dc.enabled:
+        dec_st["dropped"] = {"contaminated": len(contaminated)}
     write_jsonl_gz(work.bucket("clean", b, ".decontam.jsonl.gz"), contaminated)
     write_run(
         work.bucket("clean", b, ".repos"), [(repo_key(cfg.seed, r), {"repo": r, "chars": n}) for r, n in sizes.items()]
