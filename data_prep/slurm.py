@@ -58,6 +58,11 @@ def render(execs: list, out_dir: Path) -> Path:
         name = m.group(1) if (m := re.search(r"--job-name=(\S+)", contents)) else "merge_stats"
         if "merge_stats" in contents and "launch_pickled_pipeline" not in contents:
             name = f"{name}_merge_stats"
+        # sbatch does not expand variables in #SBATCH lines: a dependency on a recorded job moves to the
+        # command line (datatrove writes the stats merge's dependency into its script).
+        moved = re.findall(r"^#SBATCH (--dependency=\S*\$J\d+\S*)\n", contents, flags=re.M)
+        contents = re.sub(r"^#SBATCH --dependency=\S*\$J\d+\S*\n", "", contents, flags=re.M)
+        args = (*args, *moved)
         script = out_dir / f"{len(calls):02d}_{name}.sbatch"
         script.write_text(contents)
         var = f"J{len(calls)}"

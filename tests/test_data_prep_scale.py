@@ -7,11 +7,13 @@ The reference is a run of test_data_prep's corpus with tasks=1 in one process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +149,21 @@ def test_slurm_chain_renders_without_sbatch_and_replays_to_the_local_bytes(tmp_p
         pik = text.split("launch_pickled_pipeline ")[1].split()[0]
         chain.append((var, pik, tasks))
     assert "manifest.json" not in os.listdir(out)
+    assert not [p.name for p in slurm.glob("*.sbatch") if "$J" in p.read_text()]  # sbatch does not expand those
+
+    # submit.sh, replayed against an sbatch that hands out job ids: each stage waits for the one before.
+    fake = tmp_path / "sbatch_bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/sbatch.log\nwc -l < {tmp_path}/sbatch.log\n')
+    (fake / "sbatch").chmod(stat.S_IRWXU)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    subprocess.run(["bash", str(slurm / "submit.sh")], env=env, check=True, capture_output=True)
+    calls = (tmp_path / "sbatch.log").read_text().splitlines()
+    stage_calls = [(i + 1, c) for i, c in enumerate(calls) if "merge_stats" not in c]
+    assert all(c.split()[-1].endswith(f"data_prep_{s}.sbatch") for s, (_, c) in zip(STAGES, stage_calls))
+    assert len(stage_calls) == len(STAGES)
+    for (prev_id, _), (_, call) in itertools.pairwise(stage_calls):
+        assert f"--dependency=afterok:{prev_id} " in call, call
 
     # Replay the chain job by job, each array task as Slurm would start it.
     monkeypatch.setenv("SLURM_NODELIST", "localhost")
