@@ -14,8 +14,9 @@ cache the kernel can drop. Both are measured and returned.
 
 Sources: ZeRO-0/1/2 keep the full (training-precision) weights in ``mp_rank_00_model_states.pt``;
 ZeRO-3 keeps only fp32 partitions in the optimizer files, gathered lazily via DeepSpeed's
-``GatheredTensor``; pipeline-parallel checkpoints keep one file per layer, mapped back to HF names.
-Tensor-parallel checkpoints are refused with a clear message for now.
+``GatheredTensor``; pipeline-parallel checkpoints keep one file per layer, mapped back to HF names;
+tensor-parallel (AutoTP) checkpoints keep one file per tp rank, and each sharded tensor is concatenated from
+the memory-mapped shards when it is written.
 """
 
 from __future__ import annotations
@@ -159,18 +160,54 @@ def _pipeline_tensors(tag_dir: Path, hf_config) -> dict[str, torch.Tensor]:
     return out
 
 
+class Lazy:
+    """A tensor read only when called: its shape and dtype are known up front (for the safetensors header)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, read: Callable[[], torch.Tensor]):
+        self.shape, self.dtype, self._read = tuple(shape), dtype, read
+
+    def __call__(self) -> torch.Tensor:
+        return self._read()
+
+
+def _tp_tensors(tag_dir: Path, tp: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, Lazy | torch.Tensor]:
+    """HF names for an AutoTP checkpoint: every tp rank's ``mp_rank_XX_model_states.pt`` holds its shard of each
+    Linear (column-parallel: split on dim 0; row-parallel: dim 1) and a copy of everything else. Each full
+    tensor is put together from the memory-mapped shards only when it is written, one at a time."""
+    parts = []
+    for r in range(tp):
+        path = tag_dir / f"mp_rank_{r:02d}_model_states.pt"
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing: the tensor-parallel checkpoint is incomplete (tp={tp})")
+        parts.append(dict(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["module"]))
+    out: dict[str, Lazy | torch.Tensor] = {}
+    for name, first in parts[0].items():
+        full = shapes.get(name)
+        if full is None or tuple(first.shape) == tuple(full):
+            out[name] = first  # replicated on every tp rank (or not a model tensor: left to the name check)
+            continue
+        dims = [d for d in range(first.dim()) if first.shape[d] * tp == full[d]]
+        if len(dims) != 1:
+            raise CheckpointError(f"{tag_dir}: cannot tell how {name} {tuple(first.shape)} is split over tp={tp} "
+                                  f"(full shape {tuple(full)})")  # fmt: skip
+        shards = [p[name] for p in parts]
+        out[name] = Lazy(full, first.dtype, lambda shards=shards, d=dims[0]: torch.cat(shards, dim=d))
+    return out
+
+
 def checkpoint_tensors(
-    tag_dir: Path, zero_stage: int, hf_config=None
+    tag_dir: Path, zero_stage: int, hf_config=None, tp: int = 1, shapes: dict | None = None
 ) -> dict[str, Callable[[], torch.Tensor] | torch.Tensor]:
-    """Name -> tensor (ZeRO 0-2, pipeline: memory-mapped) or lazy gatherer (ZeRO-3). Nothing is materialized."""
+    """Name -> tensor (ZeRO 0-2, pipeline: memory-mapped) or lazy reader (ZeRO-3, tensor parallel). Nothing is
+    materialized here."""
     if any(tag_dir.glob("layer_*-model_states.pt")):
         return _pipeline_tensors(tag_dir, hf_config)
+    if tp > 1:
+        return _tp_tensors(tag_dir, tp, shapes or {})
     if zero_stage <= 2:
         path = tag_dir / "mp_rank_00_model_states.pt"
         if not path.exists():
-            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete or tensor-parallel (mp_rank_01)")
-        if (tag_dir / "mp_rank_01_model_states.pt").exists():
-            raise CheckpointError(f"{tag_dir} is tensor-parallel (mp_rank_01_*): TP export is not supported yet")
+            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
         sd = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
         return dict(sd["module"])
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -180,7 +217,7 @@ def checkpoint_tensors(
 
 
 def _shape_dtype(entry) -> tuple[tuple[int, ...], torch.dtype]:
-    if isinstance(entry, torch.Tensor):
+    if isinstance(entry, torch.Tensor | Lazy):
         return tuple(entry.shape), entry.dtype
     gathered = entry.__self__  # GatheredTensor.contiguous bound method
     return tuple(gathered.shape), gathered.dtype
@@ -220,13 +257,13 @@ class SafetensorsShardWriter:
         self.f.close()
 
 
-def _hf_names(hf_config) -> tuple[set[str], set[str]]:
-    """The model's expected state-dict keys, and the tied ones HF leaves out of its files."""
+def _hf_names(hf_config) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The model's expected state-dict keys with their shapes, and the tied ones HF leaves out of its files."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    keys = set(model.state_dict().keys())
+    keys = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied: set[str] = set()
     if getattr(hf_config, "tie_word_embeddings", False):
         tk = getattr(model, "_tied_weights_keys", None) or {}
@@ -269,10 +306,11 @@ def export(
     if zero_stage == 3:
         import deepspeed.utils.zero_to_fp32  # noqa: F401  imported before the baseline: code is not data
     mem = _Memory()  # from here on, memory is the checkpoint's tensors, not imports
-    source = checkpoint_tensors(tag_dir, zero_stage, hf)
+    tp = int(meta.get("topology", {}).get("tp", 1))
+    source = checkpoint_tensors(tag_dir, zero_stage, hf, tp=tp, shapes=expected)
     names = [n for n in source if n not in tied]
-    missing = expected - tied - set(names)
-    extra = set(names) - expected
+    missing = set(expected) - tied - set(names)
+    extra = set(names) - set(expected)
     if missing or extra:
         raise CheckpointError(
             f"{tag_dir} does not match model {cfg.model.name!r}: missing {sorted(missing)[:5]}, unexpected "

@@ -55,19 +55,22 @@ def _hf_config(model_type: str, overrides_json: str, pretrained_path: str | None
 
 
 def build_model(model_cfg, seed: int, hf_config: Any = None, dtype: torch.dtype = torch.float32):
-    """Identical weights on every rank (same seed), built on CPU in ``dtype`` from ``hf_config`` (built from
-    ``model_cfg`` when not given)."""
+    """Built on CPU in ``dtype`` from ``hf_config`` (built from ``model_cfg`` when not given): a checkpoint's
+    weights, or weights keyed by ``(seed, parameter name)`` (:mod:`ultrascale.model.init`), which every rank
+    and every layout (whole, ZeRO-3 partitioned, pipeline stages) draws identically."""
     from transformers import AutoModelForCausalLM
 
     hf = hf_config if hf_config is not None else build_hf_config(model_cfg)
     torch.manual_seed(model_cfg.init_seed if model_cfg.init_seed is not None else seed)
     kwargs = {"attn_implementation": str(model_cfg.attn_implementation), "dtype": dtype}
     if model_cfg.pretrained_path:
-        model = AutoModelForCausalLM.from_pretrained(
+        return AutoModelForCausalLM.from_pretrained(
             str(resolve_path(model_cfg.pretrained_path)), config=hf, local_files_only=True, **kwargs
         )
-    else:
-        model = AutoModelForCausalLM.from_config(hf, **kwargs)
+    from ultrascale.model.init import init_model
+
+    model = AutoModelForCausalLM.from_config(hf, **kwargs)
+    init_model(model, model_cfg.init_seed if model_cfg.init_seed is not None else seed)  # layout-independent
     return model
 
 

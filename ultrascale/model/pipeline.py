@@ -1,27 +1,31 @@
-"""Any stock HF decoder-only causal LM -> a DeepSpeed ``PipelineModule``, with no model rewrite.
+"""Any stock HF decoder-only causal LM -> a DeepSpeed ``PipelineModule`` whose stages build only their own layers.
 
 HF decoders share one skeleton: ``model.embed_tokens`` -> ``model.layers[i]`` (each taking hidden states,
-a causal mask, position ids and the rotary ``(cos, sin)``) -> ``model.norm`` -> ``lm_head``. The pipeline
-layers below wrap those very modules, so the pipelined model computes the same function with the same
-weights as the unpipelined one (that is what the parity test checks). Between stages only tensors may
-travel, so every decoder layer receives ``(hidden, position_ids)`` and recomputes its rotary table and
-mask locally: both are cheap functions of the position ids, far cheaper than sending them.
-
-Weights: the whole HF model is built once per rank from ``train.seed`` (so init is bit-identical to the
-non-pipelined run), the stage keeps its own layers, and the rest is freed when this function returns.
-That costs one full fp32 copy in host memory at build time; for a from-scratch run of a model that does
-not fit in host memory, start from ``model.pretrained_path`` instead.
+a causal mask, position ids and the rotary ``(cos, sin)``) -> ``model.norm`` -> ``lm_head``. The model is
+first built on the ``meta`` device (shapes only, no memory); each ``LayerSpec`` then materializes one of its
+modules, and DeepSpeed calls only the specs of this rank's stage. A stage's weights are either initialized by
+``(train.seed, HF name)`` (:mod:`ultrascale.model.init`, so they equal the unpipelined model's) or read, tensor
+by tensor, from the ``model.pretrained_path`` safetensors named by its index: no rank ever holds another
+stage's layers. Between stages only tensors may travel, so every decoder layer receives ``(hidden,
+position_ids)`` and recomputes its rotary table and mask locally: both are cheap functions of the position ids,
+far cheaper than sending them.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ultrascale.errors import ConfigError
+from ultrascale.model.init import init_named_modules
 
 log = logging.getLogger("ultrascale")
 
@@ -39,12 +43,69 @@ def _mask_for(config, layer_idx: int, hidden: torch.Tensor, pos: torch.Tensor):
     return fn(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=pos)
 
 
+class SafetensorsWeights:
+    """Tensors of an HF checkpoint directory by name, read one at a time from the file the index names."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = model_dir
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            self.files = {k: model_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (model_dir / "model.safetensors").exists():
+            from safetensors import safe_open
+
+            with safe_open(model_dir / "model.safetensors", "pt") as f:
+                self.files = dict.fromkeys(f.keys(), model_dir / "model.safetensors")
+        else:
+            raise ConfigError(f"model.pretrained_path={model_dir} has no model.safetensors(.index.json): "
+                              "the pipeline reads safetensors checkpoints (export or re-save the model)")  # fmt: skip
+
+    def load_into(self, module: nn.Module, prefix: str) -> None:
+        """Copy ``prefix.<name>`` into each of ``module``'s persistent tensors (no other tensor is read)."""
+        from safetensors import safe_open
+
+        wanted = {f"{prefix}.{n}": t for n, t in module.state_dict(keep_vars=True).items()}
+        missing = [k for k in wanted if k not in self.files]
+        if missing:
+            raise ConfigError(
+                f"model.pretrained_path={self.dir} has no tensor {missing[0]!r} (a different architecture?)"
+            )
+        by_file: dict[Path, list[str]] = {}
+        for key in wanted:
+            by_file.setdefault(self.files[key], []).append(key)
+        with torch.no_grad():
+            for path, keys in by_file.items():
+                with safe_open(path, "pt") as f:
+                    for key in keys:
+                        wanted[key].copy_(f.get_tensor(key))
+
+
+@dataclass(frozen=True)
+class StageBuild:
+    """How a stage makes its modules out of the meta skeleton: materialized on CPU, then initialized by
+    ``(seed, HF name)`` with the model's own ``_init_weights``, or loaded from ``weights``. Buffers no checkpoint
+    holds (the rotary table) are always computed."""
+
+    init_fn: Callable[[nn.Module], None]
+    seed: int
+    weights: SafetensorsWeights | None = None
+
+    def make(self, meta: nn.Module, name: str) -> nn.Module:
+        module = copy.deepcopy(meta).to_empty(device="cpu")
+        names = ((f"{name}.{n}" if n else name, m) for n, m in module.named_modules())
+        if self.weights is None or not module.state_dict():
+            init_named_modules(names, self.init_fn, self.seed)
+        else:
+            self.weights.load_into(module, name)
+        return module
+
+
 class EmbedPipe(nn.Module):
     """Stage entry: token ids -> (hidden, position_ids). Also the tied LM head (see ``tied_head``)."""
 
-    def __init__(self, embed_tokens: nn.Embedding, dropout: float = 0.0):
+    def __init__(self, build: StageBuild, embed_tokens: nn.Embedding, dropout: float = 0.0):
         super().__init__()
-        self.embed_tokens = embed_tokens
+        self.embed_tokens = build.make(embed_tokens, "model.embed_tokens")
         self.dropout = dropout
 
     def forward(self, inputs):
@@ -67,10 +128,10 @@ def tied_head(embed: EmbedPipe, hidden: torch.Tensor) -> torch.Tensor:
 class DecoderPipe(nn.Module):
     """One HF decoder layer, speaking tensors only: (hidden, position_ids) in and out."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module, config, layer_idx: int):
+    def __init__(self, build: StageBuild, layer: nn.Module, rotary: nn.Module, config, layer_idx: int):
         super().__init__()
-        self.layer = layer
-        self.rotary = rotary  # buffers only (inv_freq); each stage recomputes cos/sin from position ids
+        self.layer = build.make(layer, f"model.layers.{layer_idx}")
+        self.rotary = build.make(rotary, "model.rotary_emb")  # buffers only (inv_freq): recomputed, never loaded
         self.config = config
         self.layer_idx = layer_idx
 
@@ -86,18 +147,18 @@ class DecoderPipe(nn.Module):
 
 
 class NormPipe(nn.Module):
-    def __init__(self, norm: nn.Module):
+    def __init__(self, build: StageBuild, norm: nn.Module):
         super().__init__()
-        self.norm = norm
+        self.norm = build.make(norm, "model.norm")
 
     def forward(self, inputs):
         return self.norm(inputs[0])
 
 
 class HeadPipe(nn.Module):
-    def __init__(self, lm_head: nn.Module):
+    def __init__(self, build: StageBuild, lm_head: nn.Module):
         super().__init__()
-        self.lm_head = lm_head
+        self.lm_head = build.make(lm_head, "lm_head")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -129,28 +190,49 @@ def _decoder_parts(model) -> tuple:
     return tuple(parts.values())
 
 
-def build_pipeline(model, num_stages: int, partition_method: str, act_ckpt_interval: int, topology=None):
-    """Wrap an HF causal LM as a PipelineModule. Collective (PipelineModule builds the process grid)."""
+def meta_skeleton(hf_config, attn_implementation: str) -> nn.Module:
+    """The HF model on the ``meta`` device: every module's shape and class, no memory, no initialization."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+
+
+def build_pipeline(
+    hf_config,
+    model_cfg,
+    seed: int,
+    num_stages: int,
+    partition_method: str,
+    act_ckpt_interval: int,
+    topology=None,
+):
+    """A PipelineModule whose stages build only their own layers. Collective (it builds the process grid)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-    embed, layers, norm, rotary, lm_head = _decoder_parts(model)
-    config = model.config
+    from ultrascale.config.compose import resolve_path
+
+    skel = meta_skeleton(hf_config, str(model_cfg.attn_implementation))
+    embed, layers, norm, rotary, lm_head = _decoder_parts(skel)
+    weights = SafetensorsWeights(resolve_path(model_cfg.pretrained_path)) if model_cfg.pretrained_path else None
+    build = StageBuild(skel._init_weights, model_cfg.init_seed if model_cfg.init_seed is not None else seed, weights)
+    config = skel.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     dropout = float(getattr(config, "embedding_dropout", 0.0) or 0.0)
     if tied:
-        specs = [TiedLayerSpec("embed", EmbedPipe, embed, dropout, tied_weight_attr="embed_tokens.weight")]
+        specs = [TiedLayerSpec("embed", EmbedPipe, build, embed, dropout, tied_weight_attr="embed_tokens.weight")]
     else:
-        specs = [LayerSpec(EmbedPipe, embed, dropout)]
-    specs += [LayerSpec(DecoderPipe, layer, rotary, config, i) for i, layer in enumerate(layers)]
-    specs.append(LayerSpec(NormPipe, norm))
+        specs = [LayerSpec(EmbedPipe, build, embed, dropout)]
+    specs += [LayerSpec(DecoderPipe, build, layer, rotary, config, i) for i, layer in enumerate(layers)]
+    specs.append(LayerSpec(NormPipe, build, norm))
     if tied:
         specs.append(
             TiedLayerSpec(
-                "embed", EmbedPipe, embed, dropout, forward_fn=tied_head, tied_weight_attr="embed_tokens.weight"
+                "embed", EmbedPipe, build, embed, dropout, forward_fn=tied_head, tied_weight_attr="embed_tokens.weight"
             )
         )
     else:
-        specs.append(LayerSpec(HeadPipe, lm_head))
+        specs.append(LayerSpec(HeadPipe, build, lm_head))
     if partition_method == "uniform":
         # DeepSpeed's "uniform" balances *all* layers, embeddings and head included; balancing the
         # decoder layers is what users mean, and is what type:DecoderPipe does.

@@ -14,7 +14,8 @@ import torch
 
 from ultrascale.config.decide import Decisions
 from ultrascale.errors import ConfigError
-from ultrascale.model.build import build_model
+from ultrascale.model.build import build_model, count_params
+from ultrascale.train.metrics import HostPeak
 from ultrascale.train.optim import build_optimizer, param_groups
 from ultrascale.train.stability import StepGate
 
@@ -28,6 +29,9 @@ class EngineInfo:
     n_params: int
     gate: StepGate | None = None
     extras: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    """Host RSS rise per rank: ``construct_peak_gb`` (building the model), ``setup_peak_gb`` (inside
+    ``deepspeed.initialize``), ``after_setup_gb`` (from before construction to the end of engine setup)."""
 
 
 def _enable_hf_zero3(ds_config: dict):
@@ -48,10 +52,8 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
     """Return (engine, EngineInfo). The model is built identically on every rank from train.seed."""
     import deepspeed
 
-    keep_alive = _enable_hf_zero3(ds_config) if d.zero3_init.on else None
-    model = build_model(cfg.model, seed=cfg.train.seed, hf_config=d.hf_config, dtype=torch.float32)
-    del keep_alive
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
+    with HostPeak() as built:
+        model, n_params = _construct(cfg, d, ds_config)
     model, mpu, extras = _wrap_for_parallel(model, cfg, d)
     if cfg.train.activation_checkpointing and not d.pipeline:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -59,9 +61,10 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
     _apply_attention(model, d)
     optimizer, params = _optimizer(model, cfg, d)
     # No lr_scheduler: the trainer sets each step's lr from the step number (optim.apply_lr).
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, model_parameters=params, config=ds_config, mpu=mpu
-    )
+    with HostPeak() as setup:
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=params, config=ds_config, mpu=mpu
+        )
     gate = StepGate(engine.basic_optimizer or engine.optimizer)
     if d.pipeline:
         from ultrascale.model.pipeline import stage_summary
@@ -69,7 +72,27 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
         extras["pipeline"] = stage_summary(engine)
     if d.compile.on:
         engine.compile()  # the compile itself happens at the first forward
-    return engine, EngineInfo(n_params, gate=gate, extras=extras)
+    memory = {"construct_peak_gb": built.peak_rise_gb, "setup_peak_gb": setup.peak_rise_gb,
+              "after_setup_gb": (setup.end_kb - built.base_kb) / 2**20 if built.ok and setup.ok else None}  # fmt: skip
+    if built.ok:
+        extras["memory"] = (f"host RSS per rank: +{memory['construct_peak_gb']:.2f} GB peak while the model was "
+                            f"built, +{memory['after_setup_gb']:.2f} GB after engine setup")  # fmt: skip
+    return engine, EngineInfo(n_params, gate=gate, extras=extras, memory=memory)
+
+
+def _construct(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, int]:
+    """(model, total parameters): a pipeline stage builds only its layers; ZeRO-3 builds partitioned."""
+    if d.pipeline:
+        from ultrascale.model.pipeline import build_pipeline
+
+        pc = cfg.parallel.pipeline
+        interval = pc.activation_checkpoint_interval or (1 if cfg.train.activation_checkpointing else 0)
+        model = build_pipeline(d.hf_config, cfg.model, cfg.train.seed, d.topo.pp, str(pc.partition_method), interval)
+        return model, count_params(cfg.model)["total"]
+    keep_alive = _enable_hf_zero3(ds_config) if d.zero3_init.on else None
+    model = build_model(cfg.model, seed=cfg.train.seed, hf_config=d.hf_config, dtype=torch.float32)
+    del keep_alive
+    return model, sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
 
 
 def _apply_loss(model, d: Decisions) -> None:
@@ -107,7 +130,8 @@ def _optimizer(model, cfg: Any, d: Decisions) -> tuple[Any, Any]:
 
 
 def _wrap_for_parallel(model, cfg: Any, d: Decisions):
-    """(model, mpu, banner extras): pipeline stages, Ulysses attention and MoE hooks, per the topology.
+    """(model, mpu, banner extras): Ulysses attention and MoE hooks, per the topology (pipeline stages are built
+    as stages from the start, see ``build_engine``).
 
     Tensor parallelism needs nothing here: DeepSpeed AutoTP shards the Linear layers inside
     ``deepspeed.initialize`` from the ``tensor_parallel`` JSON section (and remaps our optimizer).
@@ -117,13 +141,7 @@ def _wrap_for_parallel(model, cfg: Any, d: Decisions):
         from ultrascale.model.moe import prepare_moe
 
         extras["moe"] = prepare_moe(model, cfg.parallel.moe, d.moe.why, leaf_modules=d.moe_leaf_modules)
-    if topo.pp > 1:
-        from ultrascale.model.pipeline import build_pipeline
-
-        pc = cfg.parallel.pipeline
-        interval = int(pc.activation_checkpoint_interval) or (1 if cfg.train.activation_checkpointing else 0)
-        model = build_pipeline(model, topo.pp, str(pc.partition_method), interval)
-    elif topo.sp > 1:
+    if topo.sp > 1:
         from ultrascale.model.sequence import enable_ulysses
 
         mpu = enable_ulysses(model, str(cfg.model.attn_implementation), topo.sp, cfg.data.micro_batch, cfg.data.seq_len)
