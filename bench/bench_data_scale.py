@@ -178,13 +178,17 @@ def _read_gz(path: Path) -> list[dict]:
 def planted_scores(corpus: Path, out: Path, truth: dict) -> dict:
     """Recall on the planted copies and precision of every dedup removal, from the run's cluster decisions."""
     work = out / "_work"
+
+    def stage(name: str) -> Path:
+        return work / f"{STAGES.index(name):02d}_{name}"
+
     removed = {
         r["id"]: r["kept"]
         for name in ("exact_removed", "near_removed")
-        for r in _read_gz(work / "04_cluster" / f"{name}.jsonl.gz")
+        for r in _read_gz(stage("cluster") / f"{name}.jsonl.gz")
     }
     eligible = set()
-    for p in sorted((work / "02_signatures").glob("b*.ids.npy")):
+    for p in sorted(stage("signatures").glob("b*.ids.npy")):
         eligible.update(x.decode() for x in np.load(p).tolist())
 
     def rep(doc: str) -> str:

@@ -201,6 +201,15 @@ def signatures_unit(ctx: Ctx, b: int) -> dict:
     recs = np.concatenate(parts)
     recs.sort(order=["part", "kind", "key", "row"])
     save_npy(work.bucket("signatures", b, ".keys.npy"), recs)
+    # Repository sizes for the split: per repository here, per row for the cluster step to take off.
+    rkeys = [repo_key(cfg.seed, d["repo"]) for d in docs]
+    chars = [len(d["text"]) for d in docs]
+    save_npy(work.bucket("signatures", b, ".rkey.npy"), np.array(rkeys, dtype=np.uint64))
+    save_npy(work.bucket("signatures", b, ".chars.npy"), np.array(chars, dtype=np.int64))
+    sizes: dict[int, list] = {}
+    for d, key, n in zip(docs, rkeys, chars):
+        sizes.setdefault(key, [d["repo"], 0])[1] += n
+    write_run(work.bucket("signatures", b, ".repos"), [(k, {"repo": r, "chars": n}) for k, (r, n) in sizes.items()])
     return {"license": lic_stats, "kept_by_license": dict(by_license), "docs": len(docs)}
 
 
@@ -291,6 +300,14 @@ def cluster_unit(ctx: Ctx, unit: int) -> dict:
     removed.sort(order=["bucket", "row"])
     save_npy(work.dir("cluster") / "removed.npy", removed)
     crash_hook("cluster")
+    gone_refs = nodes[gone]
+    taken: Counter = Counter()
+    if len(gone_refs):
+        for key, n in zip(
+            _gather(ctx, ".rkey.npy", gone_refs).tolist(), _gather(ctx, ".chars.npy", gone_refs).tolist()
+        ):
+            taken[key] -= n
+    write_run(work.dir("cluster") / "removed_repos", [(k, {"chars": n}) for k, n in taken.items()])
     near = sorted(({"id": ids[i], "kept": ids[root[i]]} for i in np.flatnonzero(why == NEAR)), key=lambda r: r["id"])
     exact = sorted(
         ({"id": ids[i], "kept": ids[exact_root[i]]} for i in np.flatnonzero(why == EXACT)), key=lambda r: r["id"]
@@ -316,26 +333,39 @@ def near_removed(ctx: Ctx) -> list[dict]:
 # --------------------------------------------------------------------------------------------- clean
 
 
-def clean_unit(ctx: Ctx, b: int) -> dict:
-    """Bucket ``b``: drop the dedup removals, redact PII, drop contaminated files; count what each did.
-
-    Also writes the bucket's per-repository sizes (characters, keyed by repository) for the split.
-    """
-    cfg, work = ctx.cfg, ctx.work
-    removed = ctx.once("removed", lambda: load_npy(work.dir("cluster") / "removed.npy"))
+def removed_rows(ctx: Ctx, b: int) -> dict[int, int]:
+    """Row -> EXACT or NEAR for bucket ``b``'s documents the cluster step removed."""
+    removed = ctx.once("removed", lambda: load_npy(ctx.work.dir("cluster") / "removed.npy"))
     i, j = np.searchsorted(removed["bucket"], [b, b + 1])
-    gone = dict(zip(removed["row"][i:j].tolist(), removed["why"][i:j].tolist()))
-    dc = cfg.decontam
-    det = (
-        ctx.once("decontam", lambda: Decontaminator(list(dc.benchmarks), dc.mbpp_path, dc.ngram, dc.min_overlap))
-        if dc.enabled
-        else None
-    )
+    return dict(zip(removed["row"][i:j].tolist(), removed["why"][i:j].tolist()))
+
+
+def decontaminator(ctx: Ctx) -> Decontaminator | None:
+    dc = ctx.cfg.decontam
+    if not dc.enabled:
+        return None
+    return ctx.once("decontam", lambda: Decontaminator(list(dc.benchmarks), dc.mbpp_path, dc.ngram, dc.min_overlap))
+
+
+def clean_text(ctx: Ctx, text: str) -> tuple[str, Counter, tuple[str, float] | None]:
+    """(redacted text, redactions by kind, the benchmark item it contains or None): what clean does to a kept
+    document, and what the tokenizer's sample goes through too."""
+    counts: Counter = Counter()
+    if ctx.cfg.pii.enabled:
+        text, counts = pii.redact(text, list(ctx.cfg.pii.kinds))
+    det = decontaminator(ctx)
+    return text, counts, det.match(text) if det else None
+
+
+def clean_unit(ctx: Ctx, b: int) -> dict:
+    """Bucket ``b``: drop the dedup removals, redact PII, drop contaminated files; count what each did."""
+    cfg, work = ctx.cfg, ctx.work
+    gone = removed_rows(ctx, b)
+    det = decontaminator(ctx)
     exact, near, pii_st, dec_st = stage_stats(), stage_stats(), stage_stats(), stage_stats()
     redactions: Counter = Counter()
     docs_redacted = 0
     contaminated: list[dict] = []
-    sizes: Counter = Counter()
 
     def kept_docs():
         nonlocal docs_redacted
@@ -348,18 +378,15 @@ def clean_unit(ctx: Ctx, b: int) -> dict:
             add_stats(near, stage_stats(1, why != NEAR, nb, nb * (why != NEAR)))
             if why == NEAR:
                 continue
-            if cfg.pii.enabled:
-                d["text"], c = pii.redact(d["text"], list(cfg.pii.kinds))
-                redactions.update(c)
-                docs_redacted += bool(c)
+            d["text"], c, m = clean_text(ctx, d["text"])
+            redactions.update(c)
+            docs_redacted += bool(c)
             nb_out = nbytes(d["text"])
             add_stats(pii_st, stage_stats(1, 1, nb, nb_out))
-            m = det.match(d["text"]) if det else None
             add_stats(dec_st, stage_stats(1, m is None, nb_out, nb_out * (m is None)))
             if m:
                 contaminated.append({"id": d["id"], "repo": d["repo"], "benchmark_item": m[0], "overlap": m[1]})
                 continue
-            sizes[d["repo"]] += len(d["text"])
             yield d
 
     write_jsonl_gz(work.bucket("clean", b, ".jsonl.gz"), kept_docs())
@@ -367,12 +394,9 @@ def clean_unit(ctx: Ctx, b: int) -> dict:
         exact["dropped"] = {"duplicate": exact["docs_in"] - exact["docs_out"]}
     if cfg.near_dedup.enabled:
         near["dropped"] = {"near_duplicate": near["docs_in"] - near["docs_out"]}
-    if dc.enabled:
+    if det:
         dec_st["dropped"] = {"contaminated": len(contaminated)}
     write_jsonl_gz(work.bucket("clean", b, ".decontam.jsonl.gz"), contaminated)
-    write_run(
-        work.bucket("clean", b, ".repos"), [(repo_key(cfg.seed, r), {"repo": r, "chars": n}) for r, n in sizes.items()]
-    )
     return {
         "exact_dedup": exact,
         "near_dedup": near,

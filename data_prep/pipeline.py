@@ -8,9 +8,9 @@ Stages (each a datatrove step, :mod:`data_prep.stages`; what each unit does is i
     signatures  document buckets   license filter; content-hash and MinHash LSH band keys by key partition
     near_dedup  key partitions     documents sharing a key: exact pairs (sha256) and near pairs (Jaccard)
     cluster     one task           union of the pairs only; lowest id per cluster kept
-    clean       document buckets   drop duplicates, redact PII, decontaminate; repository sizes
     split       one task           train/validation by repository, streamed over the sizes in key order
-    tokenizer   one task           BPE on a bounded, seeded sample of train (or a local tokenizer)
+    clean       document buckets   drop duplicates, redact PII, decontaminate; one more task trains the
+                                   BPE meanwhile on a bounded, seeded sample of train (or copies a local one)
     tokenize    document buckets   FIM + tokens per split, one stream per bucket
     pack        output shards      seeded global shuffle evaluated per shard, packed samples, shards
     finalize    one task           manifest.json (last), report.md, decontamination.jsonl

@@ -1,9 +1,10 @@
 """The train/validation split by repository, streamed: no process holds the repository list.
 
 Repositories are taken in seeded-hash order (their 64-bit key) and fill validation up to
-``split.validation_fraction`` of the characters, skipping any that would overshoot 1.5x the target; if
-none fits, the smallest goes. Every clean bucket wrote its repositories' sizes sorted by key, so a k-way
-merge of those runs visits each repository once, in order, holding one row per bucket. Three passes over
+``split.validation_fraction`` of the characters after dedup, skipping any that would overshoot 1.5x the
+target; if none fits, the smallest goes. Every bucket wrote its repositories' sizes sorted by key, so a
+k-way merge of those runs visits each repository once, in order, holding one row per bucket. The split is
+decided after dedup and before PII and decontamination, so the tokenizer can train while clean runs. Three passes over
 the runs (totals, does any repository fit, then write) keep the decision identical to doing it in memory.
 The verdicts are written per repository partition (a table the tokenize stage looks repositories up in)
 and ``repos.json`` is merged from per-partition runs sorted by name.
@@ -27,17 +28,23 @@ SPLITS = ("train", "validation")
 
 
 def repos_in_order(ctx: Ctx) -> Iterator[tuple[int, str, int]]:
-    """(key, repository, characters) for every kept repository, in key order, summed over buckets."""
-    runs = [read_run(ctx.work.bucket("clean", b, ".repos")) for b in range(ctx.cfg.buckets)]
-    cur = None
-    for key, row in heapq.merge(*runs, key=lambda kr: (kr[0], kr[1]["repo"])):
-        if cur is not None and (cur[0], cur[1]) == (key, row["repo"]):
+    """(key, repository, characters) for every repository with a document left after dedup, in key order.
+
+    Each bucket's signatures stage wrote its repositories' sizes sorted by key, and the cluster step wrote
+    what the removed duplicates took off them (a negative size, no name); a k-way merge adds them up.
+    """
+    runs = [read_run(ctx.work.bucket("signatures", b, ".repos")) for b in range(ctx.cfg.buckets)]
+    runs.append(read_run(ctx.work.dir("cluster") / "removed_repos"))
+    cur: list | None = None
+    for key, row in heapq.merge(*runs, key=lambda kr: kr[0]):
+        if cur is not None and cur[0] == key:
+            cur[1] = cur[1] or row.get("repo")
             cur[2] += row["chars"]
             continue
-        if cur is not None:
+        if cur is not None and cur[2] > 0:
             yield cur[0], cur[1], cur[2]
-        cur = [key, row["repo"], row["chars"]]
-    if cur is not None:
+        cur = [key, row.get("repo"), row["chars"]]
+    if cur is not None and cur[2] > 0:
         yield cur[0], cur[1], cur[2]
 
 

@@ -35,6 +35,8 @@ class Spec:
     unit: Callable[[Ctx, int], dict]
     units: Callable[[Ctx], int]
     tasks: Callable[[DataPrepConfig], int]
+    assign: Callable[[int, int, int], range | list[int]] = shard_units
+    """(units, rank, world) -> the units task ``rank`` owns."""
     light: bool = False
     """One small task (pairs, repository sizes, stats): run locally in the orchestrating process even when
     there are workers, which saves starting a pool (~0.15 s) for a few ms of work."""
@@ -56,15 +58,28 @@ def _all_tasks(cfg: DataPrepConfig) -> int:
     return cfg.executor.tasks
 
 
+def _clean_unit(ctx: Ctx, u: int) -> dict:
+    """Units 0..buckets-1 clean their bucket; unit ``buckets`` trains the tokenizer."""
+    return tokens.tokenizer_unit(ctx, u) if u == ctx.cfg.buckets else doc_stages.clean_unit(ctx, u)
+
+
+def _clean_assign(n: int, rank: int, world: int) -> list[int]:
+    """Task 0 trains the tokenizer (the last unit) alone, first, so it overlaps the buckets' cleaning."""
+    if world == 1:
+        return [n - 1, *range(n - 1)]
+    return [n - 1] if rank == 0 else list(shard_units(n - 1, rank - 1, world - 1))
+
+
 SPECS: dict[str, Spec] = {
     "map": Spec(doc_stages.map_unit, lambda ctx: ctx.work.map_tasks, _all_tasks),
     "license": Spec(doc_stages.license_unit, _buckets, _partitioned),
     "signatures": Spec(doc_stages.signatures_unit, _buckets, _partitioned),
     "near_dedup": Spec(doc_stages.near_dedup_unit, _buckets, _partitioned),
     "cluster": Spec(doc_stages.cluster_unit, _one, _one, light=True),
-    "clean": Spec(doc_stages.clean_unit, _buckets, _partitioned),
     "split": Spec(split.split_unit, _one, _one, light=True),
-    "tokenizer": Spec(tokens.tokenizer_unit, _one, _one),
+    "clean": Spec(
+        _clean_unit, lambda ctx: ctx.cfg.buckets + 1, lambda cfg: _partitioned(cfg) + 1, assign=_clean_assign
+    ),
     "tokenize": Spec(tokens.tokenize_unit, _buckets, _partitioned),
     "pack": Spec(tokens.pack_unit, lambda ctx: len(tokens.pack_units(ctx)), _all_tasks),
     "finalize": Spec(finalize_unit, _one, _one, light=True),
@@ -92,7 +107,7 @@ def run_task(stage: str, cfg: DataPrepConfig, rank: int, world: int, progress: b
     start = time.time()
     n = spec.units(ctx)
     ran = []
-    for u in shard_units(n, rank, world):
+    for u in spec.assign(n, rank, world):
         if work.unit_done(stage, u):
             continue
         write_json(work.unit_stats(stage, u), spec.unit(ctx, u))

@@ -1,7 +1,8 @@
 """Tokenizer, tokenize and pack: from clean documents to the shuffled, packed shards training reads.
 
-- tokenizer (one task): trains a byte-level BPE on a bounded prefix of the train split, streamed in
-  (bucket, id) order; buckets are a seeded hash of the document id, so the prefix is a seeded sample.
+- tokenizer (one task of the clean stage): trains a byte-level BPE on a bounded prefix of the train split,
+  streamed in (bucket, id) order; buckets are a seeded hash of the document id, so the prefix is a seeded
+  sample.
 - tokenize (per document bucket): FIM at prep time and token ids per split, documents joined with EOS,
   appended to the bucket's token stream. Nothing is padded here.
 - pack (per output shard): the split's token stream is the buckets' streams end to end, cut every
@@ -17,11 +18,12 @@ import hashlib
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 
 import numpy as np
 
+from data_prep.doc_stages import clean_text, removed_rows
 from data_prep.pack import encode_docs
 from data_prep.shuffle import permute
 from data_prep.split import SPLITS, split_table
@@ -37,9 +39,9 @@ def _split_of(ctx: Ctx, docs: list[dict]) -> list[str]:
     return [SPLITS[v] for v in table.lookup([repo_key(ctx.cfg.seed, d["repo"]) for d in docs]).tolist()]
 
 
-def _chunks(ctx: Ctx, b: int, size: int) -> Iterator[list[dict]]:
+def _batched(docs: Iterable[dict], size: int) -> Iterator[list[dict]]:
     chunk: list[dict] = []
-    for d in read_jsonl_gz(ctx.work.bucket("clean", b, ".jsonl.gz")):
+    for d in docs:
         chunk.append(d)
         if len(chunk) == size:
             yield chunk
@@ -49,6 +51,12 @@ def _chunks(ctx: Ctx, b: int, size: int) -> Iterator[list[dict]]:
 
 
 def tokenizer_unit(ctx: Ctx, unit: int) -> dict:
+    """Train the BPE on the train split's first ``tokenizer.train_max_bytes`` characters in (bucket, id) order.
+
+    It runs as one task of the clean stage, beside the buckets' tasks: it takes documents after dedup and
+    gives each sampled one the same redaction and decontamination clean does, so it trains on exactly the
+    text clean writes, without waiting for it.
+    """
     cfg, work = ctx.cfg, ctx.work
     tok_dir = work.out / "tokenizer"
     used = {"docs": 0, "chars": 0}
@@ -60,16 +68,25 @@ def tokenizer_unit(ctx: Ctx, unit: int) -> dict:
         def train_texts() -> Iterator[str]:
             budget = cfg.tokenizer.train_max_bytes
             for b in range(cfg.buckets):
-                for chunk in _chunks(ctx, b, 256):
+                gone = removed_rows(ctx, b)
+                docs = (
+                    d
+                    for row, d in enumerate(read_jsonl_gz(work.bucket("signatures", b, ".jsonl.gz")))
+                    if row not in gone
+                )
+                for chunk in _batched(docs, 256):
                     for d, split in zip(chunk, _split_of(ctx, chunk)):
                         if split != "train":
+                            continue
+                        text, _, contaminated = clean_text(ctx, d["text"])
+                        if contaminated:
                             continue
                         if budget <= 0:
                             return
                         used["docs"] += 1
-                        used["chars"] += len(d["text"])
-                        budget -= len(d["text"])
-                        yield d["text"]
+                        used["chars"] += len(text)
+                        budget -= len(text)
+                        yield text
 
         tok = train_bpe(train_texts(), cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)
         crash_hook("tokenizer")
@@ -113,7 +130,7 @@ def tokenize_unit(ctx: Ctx, b: int) -> dict:
                 st["fim"][mode] += 1
             bufs[split] = []
 
-        for chunk in _chunks(ctx, b, batch):
+        for chunk in _batched(read_jsonl_gz(ctx.work.bucket("clean", b, ".jsonl.gz")), batch):
             for d, split in zip(chunk, _split_of(ctx, chunk)):
                 bufs[split].append(d)
                 if len(bufs[split]) == batch:

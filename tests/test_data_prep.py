@@ -117,10 +117,16 @@ def test_near_duplicate_with_small_edits_removed_distinct_kept(prepared):
     assert {"mathutils/colorsys.py", "mathutils/bisect.py", "mathutils/numbers.py", "mathutils_fork/heapq.py"} <= kept
 
 
+def stage_dir(out: Path, stage: str) -> Path:
+    from data_prep.work import STAGES
+
+    return out / "_work" / f"{STAGES.index(stage):02d}_{stage}"
+
+
 def read_docs(out: Path) -> list[dict]:
     """The documents after decontamination (what is tokenized), from every bucket, in id order."""
     docs = []
-    for path in sorted((out / "_work" / "05_clean").glob("b*.jsonl.gz")):
+    for path in sorted(stage_dir(out, "clean").glob("b*.jsonl.gz")):
         with gzip.open(path, "rt") as f:
             docs += [json.loads(line) for line in f]
     return sorted(docs, key=lambda d: d["id"])
@@ -128,7 +134,7 @@ def read_docs(out: Path) -> list[dict]:
 
 def near_removed(out: Path) -> list[dict]:
     """The near-dedup removals ({id, kept}) the cluster step decided."""
-    with gzip.open(out / "_work" / "04_cluster" / "near_removed.jsonl.gz", "rt") as f:
+    with gzip.open(stage_dir(out, "cluster") / "near_removed.jsonl.gz", "rt") as f:
         return [json.loads(line) for line in f]
 
 

@@ -48,7 +48,10 @@ def test_four_tasks_on_two_workers_write_the_bytes_of_one_task(prepared, tmp_pat
     m = run(cfg_for(corpus, out, "executor.tasks=4", "executor.workers=2"))
     assert outputs(out) == outputs(ref)
     assert m == json.loads((ref / "manifest.json").read_text())
-    records = [json.loads(p.read_text()) for p in (out / "_work" / "05_clean").glob("task_*.json")]
+    records = [
+        json.loads(p.read_text())
+        for p in (out / "_work" / f"{STAGES.index('tokenize'):02d}_tokenize").glob("task_*.json")
+    ]
     assert sorted(r["rank"] for r in records) == [0, 1, 2, 3]
     assert os.getpid() not in {r["pid"] for r in records}  # the tasks ran in the pool's worker processes
 
@@ -61,9 +64,9 @@ KILLS = [
     ("signatures", 3, 1),
     ("near_dedup", 3, 2),
     ("cluster", 3, 1),
-    ("clean", 3, 2),
     ("split", 3, 1),
-    ("tokenizer", 3, 1),
+    ("clean", 3, 2),
+    ("tokenizer", 3, 1),  # the clean stage's tokenizer task
     ("tokenize", 3, 1),
     ("pack", 3, 2),
     ("finalize", 3, 1),
@@ -71,7 +74,7 @@ KILLS = [
 
 
 def test_every_stage_has_a_kill_point():
-    assert {k.split(":")[0] for k, _, _ in KILLS} == set(STAGES)
+    assert {k.split(":")[0] for k, _, _ in KILLS} == {*STAGES, "tokenizer"}
 
 
 @pytest.mark.parametrize(("crash", "tasks", "workers"), KILLS, ids=[k for k, _, _ in KILLS])
@@ -81,7 +84,7 @@ def test_kill_during_a_stage_resumes_to_the_same_bytes(prepared, tmp_path, crash
     killed = _cli(corpus, out, crash, f"executor.tasks={tasks}", f"executor.workers={workers}")
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (out / "manifest.json").exists()
-    stage = crash.split(":")[0]
+    stage = {"tokenizer": "clean"}.get(crash.split(":")[0], crash.split(":")[0])
     work = out / "_work" / (f"00_map_t{tasks}" if stage == "map" else f"{STAGES.index(stage):02d}_{stage}")
     assert work.exists(), f"the kill came before stage {stage} started"
     done = _cli(corpus, out, None, "executor.tasks=2")
@@ -143,7 +146,7 @@ def test_slurm_chain_renders_without_sbatch_and_replays_to_the_local_bytes(tmp_p
         var, script = line.split("=", 1)[0], Path(re.search(r"(\S+\.sbatch)", line).group(1))
         assert script.name.endswith(f"data_prep_{stage}.sbatch"), line
         text = script.read_text()
-        tasks = 1 if stage in ("cluster", "split", "tokenizer", "finalize") else 2
+        tasks = {"cluster": 1, "split": 1, "finalize": 1, "clean": 3}.get(stage, 2)  # clean: + the tokenizer
         assert f"#SBATCH --array=0-{tasks - 1}\n" in text and "#SBATCH --partition=cpu" in text
         assert ("--dependency=afterok:$" + chain[-1][0] in line) if i else ("--dependency" not in line)
         pik = text.split("launch_pickled_pipeline ")[1].split()[0]
@@ -225,15 +228,19 @@ def test_streamed_split_equals_the_in_memory_split(tmp_path, n_repos, fraction, 
         {"output_dir": str(tmp_path), "buckets": buckets, "seed": 3, "split": {"validation_fraction": fraction}}
     )
     work = Work(cfg)
-    work.dir("clean").mkdir(parents=True)
-    (work.dir("split")).mkdir(parents=True)
+    for stage in ("signatures", "cluster", "split"):
+        work.dir(stage).mkdir(parents=True)
     for b in range(buckets):  # a repository's files are spread over buckets: split each size in parts
         rows = [(repo_key(3, r), {"repo": r, "chars": s // buckets + (b < s % buckets)}) for r, s in sizes.items()]
-        write_run(work.bucket("clean", b, ".repos"), [x for x in rows if x[1]["chars"]])
+        write_run(work.bucket("signatures", b, ".repos"), [x for x in rows if x[1]["chars"]])
+    # The cluster step takes off what the duplicates held: some of one repository, all of another.
+    taken = {"repo0": sizes["repo0"] // 2, "repo1": sizes["repo1"]} if n_repos > 2 else {}
+    write_run(work.dir("cluster") / "removed_repos", [(repo_key(3, r), {"chars": -n}) for r, n in taken.items()])
+    net = {r: n - taken.get(r, 0) for r, n in sizes.items() if n - taken.get(r, 0) > 0}
     split_unit(Ctx(cfg, work), 0)
-    assert json.loads((tmp_path / "repos.json").read_text()) == _split_in_memory(sizes, fraction, 3)
-    expected = json.dumps(_split_in_memory(sizes, fraction, 3), indent=2, sort_keys=True) + "\n"
-    assert (tmp_path / "repos.json").read_text() == expected
+    expected = _split_in_memory(net, fraction, 3)
+    assert json.loads((tmp_path / "repos.json").read_text()) == expected
+    assert (tmp_path / "repos.json").read_text() == json.dumps(expected, indent=2, sort_keys=True) + "\n"
 
 
 def test_keyed_runs_read_by_range_and_tables_look_up_by_partition(tmp_path):
