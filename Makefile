@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,9 @@ bench-loss: setup
 
 bench-attention: setup
 	$(BIN)/python bench/bench_attention.py --json bench/results/bench_attention.json
+
+bench-scale: setup
+	$(BIN)/python bench/scale_memory.py --json bench/results/scale_memory.json
 
 bench-parallel: setup
 	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json

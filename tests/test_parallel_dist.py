@@ -122,3 +122,21 @@ def test_expert_parallel_shards_experts_logs_balance_and_resumes(tiny_data, tmp_
     assert 0.0 <= row["moe/over_capacity_frac"] < 1.0
     resumed = _resume_from(run, 3, tmp_path / "ep_resumed", tiny_data, ep)
     _assert_close({s: resumed[s] for s in (4, 5, 6)}, {s: curve[s] for s in (4, 5, 6)}, 1e-6, "ep resume")
+
+
+def test_pipeline_stages_load_only_their_tensors_from_a_pretrained_model(tiny_data, tmp_path):
+    """model.pretrained_path under pp=2: each stage reads its own tensors from the safetensors (by the index),
+    and the pipelined model is the pretrained one: its first loss equals the unpipelined model's."""
+    from ultrascale.config.compose import compose
+    from ultrascale.model.build import build_model
+
+    cfg = compose([*BASE])
+    pretrained = tmp_path / "pretrained"
+    build_model(cfg.model, seed=4321).save_pretrained(pretrained, max_shard_size="200KB")  # several files + index
+    assert (pretrained / "model.safetensors.index.json").exists()
+    model = [f"model.pretrained_path={pretrained}", "train.steps=2"]
+    pp = losses(_run(tiny_data, tmp_path / "pp", [*model, "parallel=pp2"]))
+    whole = losses(_run(tiny_data, tmp_path / "whole", model, nproc=0, launcher="python"))
+    assert pp[1] == pytest.approx(whole[1], abs=1e-5), (pp, whole)
+    fresh = losses(_run(tiny_data, tmp_path / "fresh", ["train.steps=2"], nproc=0, launcher="python"))
+    assert abs(fresh[1] - whole[1]) > 1e-3  # the weights really came from the checkpoint (seed 4321, not 1234)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from functools import cache
@@ -54,24 +55,94 @@ def _hf_config(model_type: str, overrides_json: str, pretrained_path: str | None
     return hf
 
 
-def build_model(model_cfg, seed: int, hf_config: Any = None, dtype: torch.dtype = torch.float32):
+def build_model(
+    model_cfg, seed: int, hf_config: Any = None, dtype: torch.dtype = torch.float32, zero3: dict | None = None
+):
     """Built on CPU in ``dtype`` from ``hf_config`` (built from ``model_cfg`` when not given): a checkpoint's
     weights, or weights keyed by ``(seed, parameter name)`` (:mod:`ultrascale.model.init`), which every rank
-    and every layout (whole, ZeRO-3 partitioned, pipeline stages) draws identically."""
+    and every layout (whole, ZeRO-3 partitioned, pipeline stages) draws identically.
+
+    ``zero3`` (the run's DeepSpeed JSON at stage 3): the model is partitioned from its first byte. A new model is
+    built inside ``deepspeed.zero.Init`` without HF's initializer (which would gather every module whole on every
+    rank only for the weights to be drawn again), then each rank draws its own slices; a checkpoint is loaded by
+    transformers' ZeRO-3 loader (one checkpoint file and one module gathered at a time).
+    """
     from transformers import AutoModelForCausalLM
 
     hf = hf_config if hf_config is not None else build_hf_config(model_cfg)
     torch.manual_seed(model_cfg.init_seed if model_cfg.init_seed is not None else seed)
     kwargs = {"attn_implementation": str(model_cfg.attn_implementation), "dtype": dtype}
     if model_cfg.pretrained_path:
-        return AutoModelForCausalLM.from_pretrained(
-            str(resolve_path(model_cfg.pretrained_path)), config=hf, local_files_only=True, **kwargs
-        )
+        with _hf_zero3(zero3):
+            return AutoModelForCausalLM.from_pretrained(
+                str(resolve_path(model_cfg.pretrained_path)), config=hf, local_files_only=True, **kwargs
+            )
+    from transformers.initialization import no_init_weights
+
     from ultrascale.model.init import init_model
 
-    model = AutoModelForCausalLM.from_config(hf, **kwargs)
+    with no_init_weights(), _zero3_init(zero3, hf):  # drawn once, below, by name, identically on every rank
+        model = AutoModelForCausalLM.from_config(hf, **kwargs)
+    model.tie_weights()  # skipped with the init: a tied head must be the embedding before it is drawn
     init_model(model, model_cfg.init_seed if model_cfg.init_seed is not None else seed)  # layout-independent
     return model
+
+
+@contextlib.contextmanager
+def _hf_zero3(zero3: dict | None):
+    """transformers' own ZeRO-3 path (``HfDeepSpeedConfig``, held for the call: transformers keeps a weakref)."""
+    if zero3 is None:
+        yield
+        return
+    import torch._dynamo  # noqa: F401  (zero.Init patches tensor creation; dynamo must be imported first)
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep_alive = HfDeepSpeedConfig(zero3)
+    try:
+        yield
+    finally:
+        del keep_alive
+
+
+@contextlib.contextmanager
+def _zero3_init(zero3: dict | None, hf: Any):
+    """``deepspeed.zero.Init`` entered by us, with transformers told so (``set_zero3_state``): it then neither
+    enters its own nor gathers every module for its initializer afterwards."""
+    if zero3 is None:
+        yield
+        return
+    import deepspeed
+    import torch._dynamo  # noqa: F401  (zero.Init patches tensor creation: import before entering it)
+    from transformers.modeling_utils import set_zero3_state
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]  # import the model's module outside zero.Init, for the same reason
+    with _no_zero_init_broadcast(), deepspeed.zero.Init(config_dict_or_path=zero3), set_zero3_state():
+        yield
+
+
+@contextlib.contextmanager
+def _no_zero_init_broadcast():
+    """Under ``zero.Init`` DeepSpeed 0.19.8 broadcasts every parameter from rank 0 as it is created, so that ranks
+    agree on weights one process's RNG drew: the whole model through the network. Weights keyed by name are drawn
+    identically on every rank right after (:func:`ultrascale.model.init.init_model`), so here a new parameter is
+    only converted and partitioned."""
+    try:
+        from deepspeed.runtime.zero.partition_parameters import Init
+    except ImportError:
+        yield
+        return
+    original = Init._zero_init_param
+
+    def partition_only(self, param):
+        self._convert_to_deepspeed_param(param)
+        param.partition()
+
+    Init._zero_init_param = partition_only
+    try:
+        yield
+    finally:
+        Init._zero_init_param = original
 
 
 def count_params(model_cfg: DictConfig) -> dict[str, int]:

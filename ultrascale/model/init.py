@@ -44,7 +44,7 @@ def init_named_modules(
 
     A module whose parameters all belong to a module initialized before it (a tied LM head) is skipped, so a
     tied weight is drawn once, by its first owner. ``gather`` wraps each module's initialization (ZeRO-3:
-    ``GatheredParameters`` with rank 0 as the modifier, so one module at a time is whole on a rank).
+    :func:`zero3_local`, so one module at a time is whole on a rank).
     """
     seen: set[int] = set()
     done = 0
@@ -61,14 +61,37 @@ def init_named_modules(
     return done
 
 
-def zero3_gather(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
-    """Gather a module's ZeRO-3 partitions for its initialization; rank 0's values are kept (broadcast)."""
-    import deepspeed
+@contextlib.contextmanager
+def zero3_local(params: list[nn.Parameter]):
+    """Initialize a module's ZeRO-3 parameters without gathering them: every rank draws the whole tensors from
+    the same keyed RNG into temporaries, and keeps its own slice in its partition (``ds_tensor``), laid out as
+    DeepSpeed lays it (``partition_numel`` elements from ``rank * partition_numel``). A rank holds one module's
+    tensors at a time, and nothing is communicated. Parameters with a secondary (hpZ) copy are gathered instead."""
+    import torch.distributed as tdist
 
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    if any(getattr(p, "ds_secondary_tensor", None) is not None for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            yield
+        return
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = torch.empty(p.ds_shape, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+    try:
+        yield
+        for p in params:
+            part, size = p.ds_tensor, p.ds_tensor.ds_numel
+            start = size * tdist.get_rank(group=p.ds_process_group)
+            count = max(0, min(size, p.ds_numel - start))
+            if count:
+                part.data.narrow(0, 0, count).copy_(p.data.reshape(-1).narrow(0, start, count))
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
 
 
 def init_model(model: nn.Module, seed: int) -> int:
     """Re-initialize a whole HF ``PreTrainedModel`` (built whole or under ZeRO-3) by name; returns module count."""
     partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-    return init_named_modules(model.named_modules(), model._init_weights, seed, zero3_gather if partitioned else None)
+    return init_named_modules(model.named_modules(), model._init_weights, seed, zero3_local if partitioned else None)

@@ -44,6 +44,7 @@ from ultrascale.model.arch import Arch
 from ultrascale.model.flops import attention_span
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,38 @@ def buffer_bytes(arch: Arch, lay: Layout) -> float:
         gathered = 2 * arch.max_layer_params / lay.tp * w  # the layer in use and the one being prefetched
         return min(lay.prefetch_bucket_size * w, gathered) + gathered / 2 + min(lay.reduce_bucket_size, psi) * w
     return min(lay.reduce_bucket_size, psi) * w if lay.dp > 1 else 0.0  # stage 0: DDP-style all-reduce bucket
+
+
+BUILD_BYTES = 4
+"""Models are built (and keyed-initialized or loaded) in fp32 on the host, whatever the training precision."""
+
+
+def construction_bytes(arch: Arch, lay: Layout) -> float:
+    """Host bytes a rank holds while its model is built or loaded (before ``deepspeed.initialize``).
+
+    ZeRO-3: its partition of every tensor plus one whole tensor at a time (built partitioned; keyed init draws a
+    tensor whole and keeps a slice). Pipeline: its stage's layers only (each stage builds its own). Otherwise,
+    tensor parallelism included, the whole model: DeepSpeed 0.19.8's AutoTP shards a model built whole, inside
+    ``deepspeed.initialize``.
+    """
+    if lay.zero_stage == 3 and lay.pp == 1:
+        dense, expert = rank_params(arch, Layout(world=lay.world, tp=1, pp=1, sp=lay.sp, ep=lay.ep))
+        shard = dense / zero_group(lay) + expert / max(1, zero_group(lay) // lay.ep)
+        return BUILD_BYTES * (shard + max(arch.param_sizes))
+    if lay.pp > 1:
+        dense, expert = rank_params(arch, Layout(world=lay.world, pp=lay.pp))
+        return BUILD_BYTES * (dense + expert)
+    return BUILD_BYTES * (arch.dense_params + arch.expert_params)
+
+
+def host_step_bytes(arch: Arch, lay: Layout) -> float:
+    """Host bytes of a CPU rank's model states between two steps (fp32 training on the CPU accelerator):
+    parameters and the optimizer's state (fp32 master, Adam m and v), plus the gradient partition ZeRO-2/3 keep
+    allocated between steps; ZeRO-0/1 free their gradients after the step. What ``python -m
+    ultrascale.train.memprobe`` measures after one step (``make bench-scale``)."""
+    ms = model_state_bytes(arch, Layout(**{**asdict(lay), "dtype": "fp32"}))
+    keeps_grads = lay.zero_stage >= 2
+    return ms["params"] + ms["optimizer"] + (ms["grads"] if keeps_grads else 0.0) + ms["host"]
 
 
 def memory(arch: Arch, lay: Layout, fragmentation: float = 0.1, reserved: float = 0.0) -> Memory:

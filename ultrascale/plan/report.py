@@ -28,10 +28,11 @@ def _layout_name(c: Candidate) -> str:
 
 
 def table(cands: list[Candidate], top_n: int) -> str:
-    """The top ``top_n`` fitting layouts with each memory term (GiB) and the time model's outputs."""
+    """The top ``top_n`` fitting layouts with each memory term (GiB), the host memory a rank needs while the
+    model is built (``build``), and the time model's outputs."""
     head = (
         f"{'#':>3} {'layout':<38} {'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buffer':>6} "
-        f"{'total':>6} {'step_s':>7} {'tok/s':>9} {'MFU':>5}  bottleneck"
+        f"{'total':>6} {'build':>6} {'step_s':>7} {'tok/s':>9} {'MFU':>5}  bottleneck"
     )
     rows = [head, "-" * len(head)]
     for i, c in enumerate([c for c in cands if c.fits][:top_n], 1):
@@ -39,7 +40,8 @@ def table(cands: list[Candidate], top_n: int) -> str:
         act = max(m.step_transient, m.activations + m.activation_peak_extra)
         rows.append(
             f"{i:>3} {_layout_name(c):<38} {m.params / GIB:7.1f} {m.grads / GIB:6.1f} {m.optimizer / GIB:6.1f} "
-            f"{act / GIB:6.1f} {m.buffers / GIB:6.1f} {m.total / GIB:6.1f} {t.step:7.3f} {t.tokens_per_s:9.0f} "
+            f"{act / GIB:6.1f} {m.buffers / GIB:6.1f} {m.total / GIB:6.1f} {c.build_host / GIB:6.1f} {t.step:7.3f} "
+            f"{t.tokens_per_s:9.0f} "
             f"{t.mfu:5.1%}  {t.bottleneck}"
         )
     return "\n".join(rows)

@@ -17,10 +17,8 @@ from omegaconf import DictConfig
 from ultrascale.config.validate import validate
 from ultrascale.errors import ConfigError
 from ultrascale.model.arch import Arch, arch_from_cfg
-from ultrascale.plan.memory import Layout, Memory, memory
+from ultrascale.plan.memory import GIB, Layout, Memory, construction_bytes, memory
 from ultrascale.plan.timing import Timing, step_time
-
-GIB = 2**30
 
 
 @dataclass
@@ -32,6 +30,8 @@ class Candidate:
     timing: Timing | None = None
     rejected: str | None = None
     overrides: list[str] = field(default_factory=list)
+    build_host: float = 0.0
+    """Host bytes per rank while the model is built or loaded (:func:`ultrascale.plan.memory.construction_bytes`)."""
 
     @property
     def fits(self) -> bool:
@@ -44,6 +44,7 @@ class Candidate:
             "timing": self.timing.as_dict() if self.timing else None,
             "rejected": self.rejected,
             "overrides": " ".join(self.overrides),
+            "build_host_bytes": self.build_host,
         }
 
 
@@ -125,6 +126,7 @@ def evaluate(
         return cand
     c, s = cluster or _plain(cfg.cluster), search or _plain(cfg.search)
     cand.memory = memory(arch, lay, fragmentation=s.fragmentation, reserved=c.reserved_gib * GIB)
+    cand.build_host = construction_bytes(arch, lay)
     cand.timing = step_time(arch, lay, c, overlap=s.overlap, recompute_overhead=s.recompute_overhead)
     limit = c.gpu_memory_gib * GIB
     if cand.memory.total > limit:

@@ -65,6 +65,22 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
     return "\n".join(lines)
 
 
+def _host_memory_line(cfg: Any, d: Decisions) -> str:
+    """The planner's host-memory figures for this layout: what building the model costs beside the steady state."""
+    from ultrascale.model.arch import arch_from_hf
+    from ultrascale.plan.memory import GIB, construction_bytes, host_step_bytes
+    from ultrascale.plan.search import layout_from_cfg
+
+    arch, lay = arch_from_hf(d.hf_config), layout_from_cfg(cfg, d.topo.world)
+    build = construction_bytes(arch, lay) / GIB
+    how = ("partitioned from the first byte (ZeRO-3)" if d.zero3_init.on else
+           "this stage's layers only" if d.pipeline else
+           "the whole model: DeepSpeed 0.19.8's AutoTP shards it inside initialize()" if d.topo.tp > 1 else
+           "the whole model")  # fmt: skip
+    return (f"construction peak ~{build:.2f} GiB ({how}); model states between steps on a CPU rank "
+            f"~{host_step_bytes(arch, lay) / GIB:.2f} GiB")  # fmt: skip
+
+
 def dry_run_report(cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[str, str]) -> str:
     """Everything needed to sanity-check a run before booking GPUs, computed without building weights."""
     from ultrascale.model.build import count_params
@@ -83,6 +99,8 @@ def dry_run_report(cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[s
         "== batch ==",
         _batch_line(cfg, d.topo),
         f"model FLOPs per step {flops:.3e}  ({flops / tokens:.3e} per token)",
+        "== host memory per rank (planner, fp32 build) ==",
+        _host_memory_line(cfg, d),
         "== decisions ==",
         f"{'zero':<10} {_zero_line(cfg, d)}",
         *(f"{k:<10} {'on ' if c.on else 'off'} {c.why}" for k, c in d.features().items()),

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ultrascale import hostmem
 from ultrascale.config.decide import Decisions
 from ultrascale.errors import ConfigError
 from ultrascale.model.build import build_model, count_params
@@ -34,25 +35,11 @@ class EngineInfo:
     ``deepspeed.initialize``), ``after_setup_gb`` (from before construction to the end of engine setup)."""
 
 
-def _enable_hf_zero3(ds_config: dict):
-    """Let transformers build ZeRO-3 models already partitioned (a 15B model never exists whole on a rank).
-
-    transformers does this itself when an ``HfDeepSpeedConfig`` is alive: it builds under
-    ``deepspeed.zero.Init`` and then initialises weights module by module with the parameters gathered.
-    Entering ``zero.Init`` ourselves skips that weight init and trains from garbage (loss ~80 at step 1).
-    The returned object must be kept alive while the model is built (transformers holds a weakref).
-    """
-    import torch._dynamo  # noqa: F401  (zero.Init patches tensor creation; dynamo must be imported first)
-    from transformers.integrations import HfDeepSpeedConfig
-
-    return HfDeepSpeedConfig(ds_config)
-
-
 def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineInfo]:
     """Return (engine, EngineInfo). The model is built identically on every rank from train.seed."""
     import deepspeed
 
-    with HostPeak() as built:
+    with HostPeak() as built, hostmem.construction():
         model, n_params = _construct(cfg, d, ds_config)
     model, mpu, extras = _wrap_for_parallel(model, cfg, d)
     if cfg.train.activation_checkpointing and not d.pipeline:
@@ -61,7 +48,7 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
     _apply_attention(model, d)
     optimizer, params = _optimizer(model, cfg, d)
     # No lr_scheduler: the trainer sets each step's lr from the step number (optim.apply_lr).
-    with HostPeak() as setup:
+    with HostPeak() as setup, hostmem.construction():  # AutoTP shards and ZeRO flattens in here
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=params, config=ds_config, mpu=mpu
         )
@@ -72,7 +59,7 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
         extras["pipeline"] = stage_summary(engine)
     if d.compile.on:
         engine.compile()  # the compile itself happens at the first forward
-    memory = {"construct_peak_gb": built.peak_rise_gb, "setup_peak_gb": setup.peak_rise_gb,
+    memory = {"construct_peak_gb": built.peak_rise_gb, "setup_peak_gb": setup.peak_rise_gb, "base_kb": built.base_kb,
               "after_setup_gb": (setup.end_kb - built.base_kb) / 2**20 if built.ok and setup.ok else None}  # fmt: skip
     if built.ok:
         extras["memory"] = (f"host RSS per rank: +{memory['construct_peak_gb']:.2f} GB peak while the model was "
@@ -89,9 +76,8 @@ def _construct(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, int]:
         interval = pc.activation_checkpoint_interval or (1 if cfg.train.activation_checkpointing else 0)
         model = build_pipeline(d.hf_config, cfg.model, cfg.train.seed, d.topo.pp, str(pc.partition_method), interval)
         return model, count_params(cfg.model)["total"]
-    keep_alive = _enable_hf_zero3(ds_config) if d.zero3_init.on else None
-    model = build_model(cfg.model, seed=cfg.train.seed, hf_config=d.hf_config, dtype=torch.float32)
-    del keep_alive
+    zero3 = ds_config if d.zero3_init.on else None
+    model = build_model(cfg.model, seed=cfg.train.seed, hf_config=d.hf_config, dtype=torch.float32, zero3=zero3)
     return model, sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
 
 

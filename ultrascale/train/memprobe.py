@@ -1,0 +1,65 @@
+"""What setting a layout up costs in host memory, per rank, without training: build the engine exactly as
+``train.py`` does (same overrides), write this rank's figures (``EngineInfo.memory``: the RSS peak while the
+model is built or loaded, after engine setup, and after one optimizer step on random tokens, when the
+optimizer's state exists) to ``OUT.rankN``, and stop. ``bench/scale_memory.py`` and the
+construction-memory tests run it; so can a user about to book a machine:
+
+    torchrun --nproc_per_node 2 -m ultrascale.train.memprobe /tmp/mem.json recipe=starcoder2_7b_zero3 ...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+
+
+def one_step(engine, d, micro_batch: int, seq_len: int, vocab: int) -> None:
+    """One optimizer step on random tokens, so the optimizer's state exists (Adam allocates it lazily)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randint(0, vocab, (micro_batch, seq_len), generator=g)
+        for _ in range(engine.gradient_accumulation_steps())
+    ]
+    if d.pipeline:
+        engine.train_batch(data_iter=iter([(b, b) for b in batches]))
+        return
+    for b in batches:
+        engine.backward(engine(input_ids=b, labels=b).loss)
+        engine.step()
+
+
+def main() -> None:
+    out, overrides = sys.argv[1], sys.argv[2:]
+    from omegaconf import OmegaConf
+
+    from ultrascale import dist, hostmem
+    from ultrascale.config.compose import compose
+    from ultrascale.config.deepspeed import build_ds_config
+    from ultrascale.config.validate import validate
+    from ultrascale.train.engine import build_engine
+
+    dist.configure_env()
+    cfg = compose(overrides)
+    d = validate(cfg, dist.world_size())
+    dist.init_distributed()
+    engine, info = build_engine(OmegaConf.to_object(cfg), d, build_ds_config(cfg, d))
+    one_step(engine, d, cfg.data.micro_batch, cfg.data.seq_len, d.hf_config.vocab_size)
+    hostmem.trim()  # the live tensors, not the free heap pages glibc keeps for later
+    after_step = (_rss_kb() - info.memory["base_kb"]) / 2**20
+    with open(f"{out}.rank{dist.rank()}", "w") as f:
+        json.dump({"rank": dist.rank(), "stage": getattr(engine, "stage_id", 0), "n_params": info.n_params,
+                   **info.memory, "after_step_gb": after_step}, f)  # fmt: skip
+    engine.destroy()
+    del engine
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main()
