@@ -75,7 +75,8 @@ def _host_memory_line(cfg: Any, d: Decisions) -> str:
     build = construction_bytes(arch, lay) / GIB
     how = ("partitioned from the first byte (ZeRO-3)" if d.zero3_init.on else
            "this stage's layers only" if d.pipeline else
-           "the whole model: DeepSpeed 0.19.8's AutoTP shards it inside initialize()" if d.topo.tp > 1 else
+           "the whole model: DeepSpeed 0.19.8's AutoTP shards it inside initialize(); measured 1.95 GiB per rank "
+           "for a 0.51B model at tp=2, make bench-scale" if d.topo.tp > 1 else
            "the whole model")  # fmt: skip
     return (f"construction peak ~{build:.2f} GiB ({how}); model states between steps on a CPU rank "
             f"~{host_step_bytes(arch, lay) / GIB:.2f} GiB")  # fmt: skip
