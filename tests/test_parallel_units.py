@@ -32,23 +32,30 @@ SMALL = dict(
     ],
 )
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_pipeline_layers_compute_the_hf_model(model_type, extra, attn):
-    """Chaining the pipe layers (what the stages run) gives HF's own logits and loss."""
+def test_pipeline_layers_compute_the_hf_model(model_type, extra, attn, tmp_path):
+    """Chaining the pipe layers (what the stages run), each made the way a stage makes it (from the meta
+    skeleton, its tensors read by HF name from safetensors), gives HF's own logits and loss."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ultrascale.model.pipeline import SafetensorsWeights, StageBuild, meta_skeleton
 
     cfg = AutoConfig.for_model(model_type, **SMALL, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
     ref = model(input_ids=ids, labels=ids)
-    x = EmbedPipe(model.model.embed_tokens)(ids)
-    for i, layer in enumerate(model.model.layers):
-        x = DecoderPipe(layer, model.model.rotary_emb, model.config, i)(x)
-    hidden = NormPipe(model.model.norm)(x)
+    skel = meta_skeleton(cfg, attn)
+    build = StageBuild(skel._init_weights, seed=0, weights=SafetensorsWeights(tmp_path))
+    embed = EmbedPipe(build, skel.model.embed_tokens).eval()
+    x = embed(ids)
+    for i, layer in enumerate(skel.model.layers):
+        x = DecoderPipe(build, layer, skel.model.rotary_emb, skel.config, i).eval()(x)
+    hidden = NormPipe(build, skel.model.norm)(x)
     if cfg.tie_word_embeddings:
-        logits = tied_head(EmbedPipe(model.model.embed_tokens), hidden)
+        logits = tied_head(embed, hidden)
     else:
-        logits = HeadPipe(model.lm_head)(hidden)
+        logits = HeadPipe(build, skel.lm_head)(hidden)
     torch.testing.assert_close(logits, ref.logits, rtol=0, atol=1e-5)
     assert abs(float(causal_lm_loss(logits, ids).detach()) - float(ref.loss.detach())) < 1e-5
 
