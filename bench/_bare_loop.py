@@ -58,6 +58,8 @@ def main() -> None:
             engine.step()
             losses.append(loss.detach())
         stamps.append(time.perf_counter())
+        if step == 0:
+            first_step_unix = time.time()
     # Outside the timed window: each step's loss, mean over micro-steps and ranks (what train.py logs).
     per_step = torch.stack(losses).float().reshape(steps, gas).mean(1)
     dist.all_reduce(per_step)
@@ -67,6 +69,7 @@ def main() -> None:
         out = {
             "tokens_per_s": tokens / (stamps[-1] - stamps[0]),
             "steps_timed": steps - 1,
+            "first_step_unix": first_step_unix,
             "step_intervals_s": [round(b - a, 5) for a, b in pairwise(stamps)],
             "loss": float(per_step[-1]),
             "losses": [round(float(x), 5) for x in per_step],

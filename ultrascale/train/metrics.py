@@ -8,44 +8,6 @@ import time
 import psutil
 import torch
 
-# Dense bf16 peak per device (FLOP/s), from vendor datasheets (no sparsity).
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "V100": 125e12,
-}
-
-
-def measure_cpu_peak_flops(windows: int = 5, window_s: float = 0.1, n: int = 1024) -> float:
-    """Achievable fp32 matmul FLOP/s of this process, measured now (what MFU means on a CPU rank).
-
-    Best of several short windows, so a moment of contention does not lower the peak (which would
-    inflate MFU). Every rank measures at once, so sharing cores between ranks is included.
-    """
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = 0.0
-    for _ in range(windows):
-        iters, t0 = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - t0) < window_s:
-            torch.mm(a, b)
-            iters += 1
-        best = max(best, 2 * n**3 * iters / elapsed)
-    return best
-
-
-def device_peak_flops() -> tuple[float, str]:
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, peak in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return peak, f"{name} (datasheet bf16 dense)"
-        return 0.0, f"{name} (unknown peak: MFU not reported)"
-    return measure_cpu_peak_flops(), "cpu (measured fp32 matmul)"
-
 
 def _status_kb(key: str) -> int:
     with open("/proc/self/status") as f:

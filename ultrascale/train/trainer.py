@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as tdist
 from omegaconf import DictConfig, OmegaConf
@@ -42,6 +43,7 @@ from ultrascale.model import sequence
 from ultrascale.model.flops import train_flops_per_token
 from ultrascale.model.moe import MoEStats
 from ultrascale.model.moe import shard_report as moe_shard_report
+from ultrascale.peak import device_peak_flops
 from ultrascale.rundir import CONFIG, DS_CONFIG, METRICS, SUMMARY
 from ultrascale.train import checkpoint
 from ultrascale.train.banner import banner, dry_run_report
@@ -50,7 +52,7 @@ from ultrascale.train.consistency import replicas_agree
 from ultrascale.train.engine import build_engine
 from ultrascale.train.evaluate import Evaluator
 from ultrascale.train.loggers import MetricLogger, read_metrics
-from ultrascale.train.metrics import device_peak_flops, memory_gb, throughput
+from ultrascale.train.metrics import memory_gb, throughput
 from ultrascale.train.optim import apply_lr
 from ultrascale.train.plot import plot_curves
 from ultrascale.train.preflight import humaneval_tokenizer, preflight
@@ -112,6 +114,8 @@ class FitResult:
     last_eval: dict | None = None
     tokens_per_s: list[float] = field(default_factory=list)
     loop_s: float = 0.0
+    first_step_unix: float | None = None
+    """Wall clock at the end of the first step (start-up, compile included, is what users wait through)."""
 
 
 class Trainer:
@@ -171,7 +175,7 @@ class Trainer:
             self.batches.trace_to(os.environ[TRACE_ENV], self.rank)
         self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         self.flops_per_token = train_flops_per_token(d.hf_config, cfg.data.seq_len)
-        self.peak, self.peak_src = device_peak_flops()
+        self.peak, self.peak_src = device_peak_flops(torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32)
         self.stability = StabilityMonitor(cfg.stability)
         self.injector = FaultInjector(self.rank)
         self.breakdown = StepBreakdown(self.engine, d.step_breakdown.on, d.pipeline)
@@ -380,7 +384,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{res.last['loss']:.3f}")
             self._after_step(done, steps, res)
-            t_first = t_first or time.perf_counter()
+            if t_first is None:
+                t_first, res.first_step_unix = time.perf_counter(), time.time()
             step = done
         res.loop_s = time.perf_counter() - t_first if t_first else 0.0
         profiler.close(res.steps_run)
@@ -438,6 +443,9 @@ class Trainer:
         if self.moe is not None:  # expert shards differ by design; the rest must agree
             out.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
         out.update(self.stability.counters(), data_offset=self.data_offset)
+        if res.first_step_unix is not None:  # from the process's creation, as the launcher started it
+            started = psutil.Process().create_time()
+            out.update(first_step_unix=res.first_step_unix, time_to_first_step_s=res.first_step_unix - started)
         if res.steps_run and res.last_eval is not None:
             tps = res.tokens_per_s
             out.update(final_loss=res.last["loss"], eval_loss=res.last_eval["eval_loss"],

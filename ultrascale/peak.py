@@ -1,0 +1,141 @@
+"""The FLOP rate MFU divides by: a GPU's datasheet figure, or a CPU rank's measured, calibrated GEMM rate.
+
+A CPU has no datasheet peak a run can reach, so MFU there is ``achieved / calibrated``, where *calibrated* is
+what a large, long GEMM reaches per rank with the thread count the run uses while every rank of the node
+runs it at once (ranks that share cores share the rate). A short, small matmul at start-up, measured while
+the other ranks were still importing, read high and low at random; it made a SmolLM2-135M run log 88-100 %
+MFU. The steady-state figure is the median of timed windows after a warm-up, and is stored per CPU model,
+dtype, threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` (default ``~/.cache/ultrascale``),
+so a machine measures it once: ``python -m ultrascale.peak`` prints (or re-measures) it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak per device (FLOP/s), from vendor datasheets (no sparsity).
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "V100": 125e12,
+}
+GEMM_N = 2048
+"""fp32 2048^3: ~17 GFLOP per product, 0.1-0.5 s on one core: far past cache effects, long enough to time."""
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("ULTRASCALE_CACHE_DIR") or Path.home() / ".cache" / "ultrascale") / "peak_flops.json"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def gemm_rate(dtype: torch.dtype = torch.float32, n: int = GEMM_N, warmup_s: float = 1.0,
+              measure_s: float = 3.0) -> dict:  # fmt: skip
+    """Steady-state GEMM FLOP/s of this process on its current torch threads: median of per-product windows
+    after ``warmup_s``, with their spread (a reading is only as good as its windows agree)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warmup_s:
+        torch.mm(a, b)
+    rates: list[float] = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < measure_s or len(rates) < 5:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        rates.append(2 * n**3 / (time.perf_counter() - t))
+    return {"flops": statistics.median(rates), "min": min(rates), "max": max(rates), "windows": len(rates)}
+
+
+def _key(dtype: torch.dtype, threads: int, local_ranks: int) -> str:
+    return f"{cpu_model()} | {str(dtype).removeprefix('torch.')} | {threads} threads x {local_ranks} ranks"
+
+
+def _load() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _all_ranks(value: float, op: str) -> float:
+    """``value`` reduced over every rank (min or mean), or itself without a process group."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MIN if op == "min" else tdist.ReduceOp.SUM)
+    return float(t) if op == "min" else float(t) / tdist.get_world_size()
+
+
+def cpu_peak(dtype: torch.dtype = torch.float32, remeasure: bool = False) -> tuple[float, str]:
+    """(FLOP/s per rank, description). Collective when a process group is up: every rank calls it, and either
+    every rank reads the stored figure or every rank measures at once (a rank whose cache lacks it makes all
+    measure, so no rank waits on a collective the others skip)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    key = _key(dtype, torch.get_num_threads(), local)
+    stored = _load().get(key)
+    if _all_ranks(0.0 if remeasure or stored is None else 1.0, "min") and stored is not None:
+        return float(
+            stored["flops"]
+        ), f"{stored['flops'] / 1e9:.1f} GFLOP/s per rank: {key} (calibrated {stored['measured']})"
+    _all_ranks(0.0, "min")  # a barrier: the ranks start the GEMM together
+    got = gemm_rate(dtype)
+    flops = _all_ranks(got["flops"], "mean")
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        from ultrascale.atomic import atomic_write_text
+
+        cache = _load()
+        cache[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d"), "gemm_n": GEMM_N,
+                      "window_min": got["min"], "window_max": got["max"], "windows": got["windows"]}  # fmt: skip
+        cache_path().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cache_path(), json.dumps(cache, indent=2) + "\n")
+    return flops, f"{flops / 1e9:.1f} GFLOP/s per rank: {key} (calibrated now)"
+
+
+def device_peak_flops(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
+    """(peak FLOP/s per rank, where it came from); 0 where unknown (MFU is then not reported)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, peak in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return peak, f"{name} (datasheet bf16 dense)"
+        return 0.0, f"{name} (unknown peak: MFU not reported)"
+    return cpu_peak(dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--remeasure", action="store_true", help="measure again and store the new figure")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    _, src = cpu_peak(getattr(torch, a.dtype), remeasure=a.remeasure)
+    print(f"{src}; stored in {cache_path()}")
+
+
+if __name__ == "__main__":
+    main()
