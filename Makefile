@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export ULTRASCALE_CACHE_DIR := $(CURDIR)/.cache/ultrascale
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
@@ -37,7 +38,8 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 bench-train: setup
-	$(BIN)/python bench/train_overhead.py --json bench/results/train_overhead.json
+	$(BIN)/python bench/train_overhead.py --job tiny --json bench/results/train_overhead_tiny.json
+	$(BIN)/python bench/train_overhead.py --job smollm2_135m --json bench/results/train_overhead_smollm2_135m.json
 
 bench-data: setup
 	$(BIN)/python bench/bench_data.py --json bench/results/bench_data.json

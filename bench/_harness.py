@@ -16,6 +16,7 @@ BENCH_ENV = {
     "WANDB_MODE": "disabled",
     "TOKENIZERS_PARALLELISM": "false",
     "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"),
+    "ULTRASCALE_CACHE_DIR": str(ROOT / ".cache" / "ultrascale"),  # the calibrated CPU peak
     "PYTHONPATH": str(ROOT),
 }
 

@@ -22,6 +22,7 @@ BIN = Path(sys.executable).parent
 TEST_ENV = {
     "DS_ACCELERATOR": "cpu",
     "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"),
+    "ULTRASCALE_CACHE_DIR": str(ROOT / ".cache" / "ultrascale"),  # the calibrated CPU peak
     "WANDB_MODE": "offline",
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "1",

@@ -6,7 +6,8 @@ runs it at once (ranks that share cores share the rate). A short, small matmul a
 the other ranks were still importing, read high and low at random; it made a SmolLM2-135M run log 88-100 %
 MFU. The steady-state figure is the median of timed windows after a warm-up, and is stored per CPU model,
 dtype, threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` (default ``~/.cache/ultrascale``),
-so a machine measures it once: ``python -m ultrascale.peak`` prints (or re-measures) it.
+so a machine measures it once. ``torchrun --nproc_per_node 2 -m ultrascale.peak --remeasure`` measures it again
+for 2 ranks per node (do it on a quiet machine: a reading taken under load inflates every later MFU).
 """
 
 from __future__ import annotations
@@ -133,8 +134,15 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if "WORLD_SIZE" in os.environ:  # under torchrun: the ranks measure together and store their mean
+        import torch.distributed as tdist
+
+        tdist.init_process_group("gloo")
     _, src = cpu_peak(getattr(torch, a.dtype), remeasure=a.remeasure)
-    print(f"{src}; stored in {cache_path()}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{src}; stored in {cache_path()}")
+    if "WORLD_SIZE" in os.environ:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -442,7 +442,7 @@ class Trainer:
             log.warning(f"data-parallel replicas hold different parameters: {digests}")
         if self.moe is not None:  # expert shards differ by design; the rest must agree
             out.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
-        out.update(self.stability.counters(), data_offset=self.data_offset)
+        out.update(self.stability.counters(), data_offset=self.data_offset, mfu_peak=self.peak_src)
         if res.first_step_unix is not None:  # from the process's creation, as the launcher started it
             started = psutil.Process().create_time()
             out.update(first_step_unix=res.first_step_unix, time_to_first_step_s=res.first_step_unix - started)
