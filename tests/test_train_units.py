@@ -172,3 +172,36 @@ def test_fused_adamw_is_the_same_update_as_the_foreach_one():
             o.step()
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_cpu_peak_is_measured_once_per_cpu_dtype_threads_and_ranks(tmp_path, monkeypatch):
+    """The calibrated peak is stored by (CPU model, dtype, threads, ranks) and read back, not re-measured."""
+    import torch
+
+    from ultrascale import peak
+
+    calls = []
+
+    def fake_rate(dtype=torch.float32, **_):
+        calls.append(dtype)
+        return {"flops": 5e10 if dtype == torch.float32 else 2e11, "min": 4e10, "max": 6e10, "windows": 9}
+
+    monkeypatch.setenv("ULTRASCALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(peak, "gemm_rate", fake_rate)
+    first, _ = peak.cpu_peak(torch.float32)
+    again, src = peak.cpu_peak(torch.float32)
+    assert first == again == 5e10 and len(calls) == 1 and "calibrated 20" in src
+    assert peak.cpu_peak(torch.bfloat16)[0] == 2e11 and len(calls) == 2  # another dtype is another key
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    peak.cpu_peak(torch.float32)  # two ranks share the cores: measured again
+    assert len(calls) == 3
+    peak.cpu_peak(torch.float32, remeasure=True)
+    assert len(calls) == 4 and len(json.loads((tmp_path / "peak_flops.json").read_text())) == 3
+
+
+def test_gemm_rate_reaches_a_steady_state():
+    """The rate is the median of at least 5 timed windows after the warm-up, with their spread recorded."""
+    from ultrascale.peak import gemm_rate
+
+    got = gemm_rate(n=512, warmup_s=0.2, measure_s=0.5)
+    assert got["windows"] >= 5 and got["min"] <= got["flops"] <= got["max"]
