@@ -3,6 +3,8 @@
 Levers (every other lever stays at its default while one is toggled):
 
     compile      train.compile            torch.compile of the model (engine.compile)
+    compile_layers train.compile_scope    compile each decoder layer (one shared graph) vs the whole model:
+                                          steady speed here; the first step's time (compile) is reported too
     fused_loss   train.fused_loss         chunked linear cross-entropy: no [tokens, vocab] logits
     fused_adamw  optim.fused              torch AdamW's fused kernel
     attn_blocks  train.attn_block_size    causal SDPA by query blocks of 64 (upper-triangle tiles skipped) vs sdpa
@@ -40,6 +42,7 @@ from _harness import torchrun  # noqa: E402
 
 LEVERS = {
     "compile": ("train.compile=false", "train.compile=true"),
+    "compile_layers": ("train.compile_scope=model", "train.compile_scope=layers"),
     "fused_loss": ("train.fused_loss=false", "train.fused_loss=true"),
     "fused_adamw": ("optim.fused=false", "optim.fused=true"),
     "attn_blocks": ("train.attn_block_size=0", "train.attn_block_size=64"),

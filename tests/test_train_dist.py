@@ -109,16 +109,20 @@ def test_muon_trains_under_zero2(tiny_data, tmp_path):
 
 
 def test_compiled_model_trains_like_eager(tiny_data, tmp_path):
-    """train.compile: the inductor graph computes the eager step (fp32; reassociation-level differences only)."""
-    runs = {}
-    for compiled in ("false", "true"):
-        out = tmp_path / f"compile_{compiled}"
-        proc = check(launch([*FAST, f"data.path={tiny_data}", f"output_dir={out}", "train.steps=4",
-                             f"train.compile={compiled}"]))  # fmt: skip
-        runs[compiled] = losses(out)
-    assert "compile: first step (compile included) took" in proc.stdout + proc.stderr
-    for step, ref in runs["false"].items():
-        assert runs["true"][step] == pytest.approx(ref, abs=1e-4), step
+    """train.compile, whole model and layer by layer: the inductor graphs compute the eager step (fp32;
+    reassociation-level differences only)."""
+    runs, logs = {}, {}
+    for name, args in {"eager": ["train.compile=false"], "model": ["train.compile=true"],
+                       "layers": ["train.compile=true", "train.compile_scope=layers"]}.items():  # fmt: skip
+        out = tmp_path / name
+        proc = check(launch([*FAST, f"data.path={tiny_data}", f"output_dir={out}", "train.steps=4", *args]))
+        runs[name], logs[name] = losses(out), proc.stdout + proc.stderr
+    assert "compile: first step (compile included) took" in logs["layers"]
+    assert "torch.compile (inductor) of each decoder layer" in logs["layers"]
+    assert "compile: 4 of 4 decoder layers compiled in place" in logs["layers"]
+    for step, ref in runs["eager"].items():
+        assert runs["model"][step] == pytest.approx(ref, abs=1e-4), step
+        assert runs["layers"][step] == pytest.approx(ref, abs=1e-4), step
 
 
 def test_profile_window_writes_a_table_and_trace_per_rank(tiny_data, tmp_path):

@@ -158,7 +158,9 @@ def _compile(cfg: Any, topo: Topology, stage: int, experts: int) -> Choice:
         return Choice(False, "off (MoE routing is data-dependent; eager)")
     if stage == 3:
         return Choice(False, "off (ZeRO-3's per-module gather hooks would split the graph; eager)")
-    return Choice(True, "torch.compile (inductor) at the first step")
+    scope = str(cfg.train.compile_scope)
+    what = "each decoder layer (one shared graph)" if scope == "layers" else "the whole model"
+    return Choice(True, f"torch.compile (inductor) of {what} at the first step (train.compile_scope={scope})", scope)
 
 
 def _document_masking(cfg: Any, topo: Topology, attn: str) -> Choice:

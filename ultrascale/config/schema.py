@@ -20,6 +20,11 @@ from ultrascale.config.fields import num
 
 # Allowed choices are types: a value outside one fails at compose time with the key and the choices. StrEnum
 # members compare equal to their strings and print as them, so YAML, JSON and messages read the same.
+class CompileScope(StrEnum):
+    model = "model"
+    layers = "layers"
+
+
 class Precision(StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -278,6 +283,12 @@ class TrainConfig:
     bench/levers.py --levers compile`; history in bench/README.md); the price is a compile inside the first step
     (~10-35 s for the tiny model on CPU, logged), so short runs (demo, tests, SSD finetunes) set it false. The
     run's decisions turn it off, with the reason, for pp>1, tp/sp/ep>1, MoE and ZeRO-3."""
+    compile_scope: CompileScope = CompileScope.model
+    """What ``train.compile`` compiles. ``model``: the whole forward as one graph (DeepSpeed's ``engine.compile()``;
+    fuses across the head and loss too). ``layers``: each decoder layer on its own (regional compilation): the
+    layers share one compiled graph, so the first step compiles one layer instead of tracing all of them, which
+    is what a deep model needs (SmolLM2-135M at seq 2,048 on CPU: whole-model compile made the first step
+    ~620 s on the shared 2-core box; `python bench/train_overhead.py --job smollm2_135m` gives first_step_s)."""
     fused_loss: bool = True
     """Compute the LM loss with a chunked linear cross-entropy (``ultrascale/model/loss.py``): the
     [tokens, vocab] logits never exist at once, which at a 49k vocabulary is the largest activation of a

@@ -58,7 +58,7 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
 
         extras["pipeline"] = stage_summary(engine)
     if d.compile.on:
-        engine.compile()  # the compile itself happens at the first forward
+        _apply_compile(engine, d.compile.value)  # the compile itself happens at the first forward
     memory = {"construct_peak_gb": built.peak_rise_gb, "setup_peak_gb": setup.peak_rise_gb, "base_kb": built.base_kb,
               "after_setup_gb": (setup.end_kb - built.base_kb) / 2**20 if built.ok and setup.ok else None}  # fmt: skip
     if built.ok:
@@ -101,6 +101,20 @@ def _apply_attention(model, d: Decisions) -> None:
         from ultrascale.model.attention import install_blocked_attention
 
         install_blocked_attention(model, d.attention.value)
+
+
+def _apply_compile(engine, scope: str) -> None:
+    if scope == "model":
+        engine.compile()
+        return
+    layers = getattr(getattr(engine.module, "model", None), "layers", None)
+    if layers is None:
+        raise ConfigError(f"train.compile_scope=layers: {type(engine.module).__name__} has no model.layers: "
+                          "use train.compile_scope=model")  # fmt: skip
+    for layer in layers:
+        layer.compile()  # in place: parameter names and checkpoints are unchanged
+    n = sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
+    log.info(f"compile: {n} of {len(layers)} decoder layers compiled in place (train.compile_scope=layers)")
 
 
 def _optimizer(model, cfg: Any, d: Decisions) -> tuple[Any, Any]:
