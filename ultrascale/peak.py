@@ -5,7 +5,7 @@ what a large, long GEMM reaches per rank with the thread count the run uses whil
 runs it at once (ranks that share cores share the rate). A short, small matmul at start-up, measured while
 the other ranks were still importing, read high and low at random; it made a SmolLM2-135M run log 88-100 %
 MFU. The steady-state figure is the median of timed windows after a warm-up, and is stored per CPU model,
-dtype, threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` (default ``~/.cache/ultrascale``),
+dtype, threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` (default the project's ``.cache/ultrascale``),
 so a machine measures it once. ``torchrun --nproc_per_node 2 -m ultrascale.peak --remeasure`` measures it again
 for 2 ranks per node (do it on a quiet machine: a reading taken under load inflates every later MFU).
 """
@@ -35,7 +35,9 @@ GEMM_N = 2048
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get("ULTRASCALE_CACHE_DIR") or Path.home() / ".cache" / "ultrascale") / "peak_flops.json"
+    from ultrascale.config.compose import PROJECT_ROOT
+
+    return Path(os.environ.get("ULTRASCALE_CACHE_DIR") or PROJECT_ROOT / ".cache" / "ultrascale") / "peak_flops.json"
 
 
 def cpu_model() -> str:
