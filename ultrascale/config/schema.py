@@ -278,17 +278,18 @@ class TrainConfig:
     universal_checkpoint: bool = False
     """Load checkpoints in DeepSpeed universal format (resume on a different world size / parallel layout)."""
     compile: bool = True
-    """``torch.compile`` the model through ``engine.compile()``: fused elementwise kernels (norms, RoPE, SwiGLU),
+    """``torch.compile`` the model (``train.compile_scope``): fused elementwise kernels (norms, RoPE, SwiGLU),
     fewer passes over memory. On by default because a training run is long (1.040x per step, `python
     bench/levers.py --levers compile`; history in bench/README.md); the price is a compile inside the first step
     (~10-35 s for the tiny model on CPU, logged), so short runs (demo, tests, SSD finetunes) set it false. The
     run's decisions turn it off, with the reason, for pp>1, tp/sp/ep>1, MoE and ZeRO-3."""
-    compile_scope: CompileScope = CompileScope.model
-    """What ``train.compile`` compiles. ``model``: the whole forward as one graph (DeepSpeed's ``engine.compile()``;
-    fuses across the head and loss too). ``layers``: each decoder layer on its own (regional compilation): the
-    layers share one compiled graph, so the first step compiles one layer instead of tracing all of them, which
-    is what a deep model needs (SmolLM2-135M at seq 2,048 on CPU: whole-model compile made the first step
-    ~620 s on the shared 2-core box; `python bench/train_overhead.py --job smollm2_135m` gives first_step_s)."""
+    compile_scope: CompileScope = CompileScope.layers
+    """What ``train.compile`` compiles. ``layers`` (default): each decoder layer in place (regional compilation);
+    the layers share one compiled graph, so the first step compiles one layer instead of tracing all of them.
+    ``model``: the whole forward as one graph (DeepSpeed's ``engine.compile()``, fusing into the head and loss
+    too). SmolLM2-135M, seq 2,048, 2 CPU ranks: time to first step 136 s (layers) vs 641 s (model), the same
+    losses and step rate within noise, 4.4 vs 5.7 GB per rank (both on a busy box; ``time_to_first_step_s`` in
+    summary.json, `python bench/levers.py --levers compile_layers`)."""
     fused_loss: bool = True
     """Compute the LM loss with a chunked linear cross-entropy (``ultrascale/model/loss.py``): the
     [tokens, vocab] logits never exist at once, which at a 49k vocabulary is the largest activation of a
