@@ -62,3 +62,23 @@ def test_recipe_header_states_purpose_hardware_command_batch(name):
     assert text.startswith("# @package _global_"), "recipes override groups globally"
     for word in ("hardware", "launch", "batch"):
         assert word in head, f"recipe {name} header lacks a '{word}:' line"
+
+
+@pytest.mark.parametrize(
+    "name, how", [("starcoder2_7b_zero3", "partitioned from the first byte"), ("starcoder2_15b_3d", "stage's layers")]
+)
+def test_big_recipes_dry_run_states_a_construction_peak_below_the_whole_model(name, how):
+    """The dry run is where a user learns what building costs per rank, before booking the nodes."""
+    import re
+
+    from ultrascale.model.build import count_params
+    from ultrascale.train.banner import dry_run_report
+
+    cfg = compose([f"recipe={name}"])
+    d = validate(cfg, cfg.launcher.nproc_per_node * cfg.launcher.nnodes)
+    text = dry_run_report(cfg, d, build_ds_config(cfg, d), {})
+    m = re.search(r"construction peak ~([\d.]+) GiB \(([^)]*)\)", text)
+    assert m, "the dry run lacks its construction-peak line"
+    whole_gib = 4 * count_params(cfg.model)["total"] / 2**30
+    assert how in m.group(2)
+    assert float(m.group(1)) < 0.5 * whole_gib, (m.group(0), whole_gib)
