@@ -15,7 +15,8 @@ Stages (each a datatrove step, :mod:`data_prep.stages`; what each unit does is i
     pack        output shards      seeded global shuffle evaluated per shard, packed samples, shards
     finalize    one task           manifest.json (last), report.md, decontamination.jsonl
 
-Locally the stages run one after the other on ``LocalPipelineExecutor`` (or ``RayPipelineExecutor``);
+Locally the stages run one after the other on datatrove's ``LocalPipelineExecutor`` (its pool without the
+Manager process, :mod:`data_prep.local_executor`) or ``RayPipelineExecutor``;
 on Slurm they are one array job each, each depending on the one before (:mod:`data_prep.slurm`).
 Partitions are fixed by ``buckets`` and seeded hashes, never by the task count, and every random choice
 is a function of (seed, document id) or (seed, split), so any task count writes the same bytes. Every
@@ -33,6 +34,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data_prep.config import DataPrepConfig, config_hash, to_cfg
+from data_prep.local_executor import PoolExecutor
 from data_prep.sources import resolve_input
 from data_prep.stages import SPECS, Stage, chain, stage_complete
 from data_prep.tokenizer import load_local
@@ -68,15 +70,13 @@ def _executor(cfg: DataPrepConfig, stage: str, tasks: int):
         except ImportError as e:
             raise ConfigError(f"executor.type=ray needs ray installed ({e}): pip install ray, or use local") from None
         return RayPipelineExecutor([step], tasks=tasks, workers=ex.workers, logging_dir=logs)  # -1: no limit
-    from datatrove.executor import LocalPipelineExecutor
-
     # workers > 1: every task runs in a pool process (the tokenizer's single task too; only the light single
     # steps stay here), so this process stays small and the workers it forks start from it (fork: no
     # re-import of the entry point per worker, ~0.2 s a stage against ~0.5-1 s with spawn/forkserver).
     # One pool per stage: a stage's memory goes when it ends.
     wanted = tasks if ex.workers < 0 else ex.workers
     workers = 1 if wanted == 1 or SPECS[stage].light else min(wanted, max(tasks, 2))
-    return LocalPipelineExecutor([step], tasks=tasks, workers=workers, logging_dir=logs, start_method="fork")
+    return PoolExecutor([step], tasks=tasks, workers=workers, logging_dir=logs, start_method="fork")
 
 
 def run_stages(cfg: DataPrepConfig) -> None:

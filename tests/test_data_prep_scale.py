@@ -92,6 +92,38 @@ def test_kill_during_a_stage_resumes_to_the_same_bytes(prepared, tmp_path, crash
     assert outputs(out) == outputs(ref)
 
 
+def test_pool_executor_runs_each_task_once_in_the_pool_without_a_manager_process(tmp_path, monkeypatch):
+    """The local executor keeps datatrove's tasks, logs and completion markers but no Manager server process
+    (each of its six calls a task waited for a time slice on busy cores)."""
+    import multiprocess
+
+    from data_prep.local_executor import PoolExecutor
+
+    def no_manager(*_a, **_k):
+        raise AssertionError("a Manager process was started")
+
+    monkeypatch.setattr(multiprocess, "Manager", no_manager)
+    seen = tmp_path / "seen"
+    seen.mkdir()
+
+    def step(_data, rank: int, world_size: int):
+        (seen / f"{rank}_{world_size}_{os.getpid()}").touch()
+        return []
+
+    logs = tmp_path / "logs"
+    PoolExecutor([step], tasks=6, workers=2, logging_dir=str(logs), start_method="fork").run()
+    runs = [p.name.split("_") for p in seen.iterdir()]
+    assert sorted(int(r) for r, _, _ in runs) == list(range(6)) and {w for _, w, _ in runs} == {"6"}
+    assert str(os.getpid()) not in {pid for _, _, pid in runs} and len({pid for _, _, pid in runs}) <= 2
+    assert sorted(os.listdir(logs / "completions")) == [f"{r:05d}" for r in range(6)]
+    assert (logs / "stats.json").exists() and len(list((logs / "logs").glob("task_*.log"))) == 6
+    (logs / "completions" / "00003").unlink()
+    shutil.rmtree(seen)
+    seen.mkdir()
+    PoolExecutor([step], tasks=6, workers=2, logging_dir=str(logs), start_method="fork").run()
+    assert [p.name.split("_")[0] for p in seen.iterdir()] == ["3"]  # a rerun runs only the unfinished task
+
+
 # ------------------------------------------------------------------------------------------------ Slurm
 
 
