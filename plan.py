@@ -38,20 +38,19 @@ def main(cfg: DictConfig) -> list:
     print(table(cands, cfg.top_n))
     if len(fits) < len(cands):
         print("dropped (commonest reasons):\n" + rejection_summary(cands))
-    if fits:
-        print("\nbest:\n  " + override_line(cfg, fits[0]))
+    if not fits:  # before any file is written: a plan that found nothing writes nothing
+        raise ConfigError(
+            f"no layout of {cfg.model.name} fits {cfg.cluster.nodes}x{cfg.cluster.gpus_per_node} x "
+            f"{cfg.cluster.gpu_memory_gib:g} GiB: add nodes (cluster.nodes), enable search.offload, or lower "
+            "data.seq_len / data.micro_batch"
+        )
+    print("\nbest:\n  " + override_line(cfg, fits[0]))
     if cfg.output_json:
         write_json(cfg.output_json, cfg, arch, cands)
         print(f"wrote {cfg.output_json}")
     if cfg.plot:
         plot(cfg.plot, cfg, cands, cfg.top_n)
         print(f"wrote {cfg.plot}")
-    if not fits:
-        raise ConfigError(
-            f"no layout of {cfg.model.name} fits {cfg.cluster.nodes}x{cfg.cluster.gpus_per_node} x "
-            f"{cfg.cluster.gpu_memory_gib:g} GiB: add nodes (cluster.nodes), enable search.offload, or lower "
-            "data.seq_len / data.micro_batch"
-        )
     return cands
 
 

@@ -6,12 +6,12 @@ node with distinct names (the launcher derives each node's ranks from its positi
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
 from pathlib import Path
 
+from ultrascale.argv import ArgParser
 from ultrascale.errors import ConfigError
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -120,7 +120,7 @@ def resolve_hosts(hosts: list[str], nodelist: str | None, nnodes: int | None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgParser(
         prog="python -m launch.hostfile",
         description="Write a DeepSpeed hostfile from host names, a Slurm node list, or SLURM_JOB_NODELIST.",
     )

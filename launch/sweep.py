@@ -135,11 +135,9 @@ def report(sweep_dir: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    from ultrascale.argv import ArgParser
 
-    parser = argparse.ArgumentParser(
-        prog="python -m launch.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgParser(prog="python -m launch.sweep", description=__doc__)
     parser.add_argument("sweep_dir", help="a Hydra -m output directory (hydra.sweep.dir), e.g. multirun/DATE/TIME")
     args = parser.parse_args(argv)
     if not Path(args.sweep_dir).is_dir():

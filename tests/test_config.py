@@ -117,12 +117,15 @@ def test_topology_arithmetic():
 
 
 def _numeric_fields():
-    """Every int/float (or list of them) field of every composed schema: train, plan, eval, SSD."""
+    """Every int/float (or list of them) field of every composed schema: train, plan, eval, SSD, data prep,
+    its show tool and the export."""
     import dataclasses
     import typing
 
+    from data_prep.config import DataPrepConfig, ShowConfig
     from ultrascale.config import schema
     from ultrascale.eval.config import EvalConfig
+    from ultrascale.export import ExportConfig
     from ultrascale.ssd.config import SSDConfig
 
     seen, out = set(), []
@@ -141,7 +144,7 @@ def _numeric_fields():
             if args & {int, float} and bool not in args:
                 out.append((f"{prefix}{f.name}", f))
 
-    for root in (schema.PlanRootConfig, EvalConfig, SSDConfig):
+    for root in (schema.PlanRootConfig, EvalConfig, SSDConfig, DataPrepConfig, ShowConfig, ExportConfig):
         walk(root, "")
     return out
 

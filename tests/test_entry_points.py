@@ -33,6 +33,8 @@ HELP = [
     ("gguf_import", "-m ultrascale.model.gguf_import", "GGUF", "--dtype"),
     ("checkpoint", "-m ultrascale.train.checkpoint", "to_universal", "RUN_DIR"),
     ("demo", "-m ultrascale.demo", "make demo", "--nproc"),
+    ("peak", "-m ultrascale.peak", "calibrated GEMM rate", "--remeasure"),
+    ("memprobe", "-m ultrascale.train.memprobe", "costs in host memory", "OUT.rankN"),
 ]
 
 
@@ -126,6 +128,30 @@ BAD = [
     ("ssd zero rounds", "-m ultrascale.ssd rounds=0", "rounds=0"),
     ("universal of nothing", "-m ultrascale.train.checkpoint to_universal {missing}", "does_not_exist"),
     ("gguf of nothing", "-m ultrascale.model.gguf_import {missing} {out}", "does_not_exist"),
+    # -m sweeps: every job is composed and checked before the first one starts
+    ("sweep misspelt key", f"{T} -m optim.lrr=1e-3,2e-3", "optim.lrr"),
+    ("sweep plus unknown key", f"{T} -m +any.key=1 train.steps=1,2", "'any'"),
+    ("sweep value out of range", f"{T} -m train.checkpoint_interval=5,-1", "train.checkpoint_interval=-1"),
+    ("sweep unknown group option", f"{T} -m zero=stage1,stage9", "zero/stage9"),
+    # + keys on every composed tool
+    ("eval plus unknown key", "eval.py model_dir=x +bogus.key=1", "bogus"),
+    ("plan plus unknown key", "plan.py +bogus=1", "bogus"),
+    ("data prep plus unknown key", "-m data_prep +bogus=1 output_dir={out}", "bogus"),
+    (
+        "plan where nothing fits, with outputs",
+        "plan.py model=starcoder2_15b cluster.gpu_memory_gib=1 "
+        "search.offload=false output_json={out}/plan.json plot={out}/plan.png",
+        "cluster.nodes",
+    ),
+    # flag-style tools: argparse's usage errors are one line too
+    ("hostfile without slots", "-m launch.hostfile a b", "--slots"),
+    ("sweep summary without a directory", "-m launch.sweep", "sweep_dir"),
+    ("gguf without arguments", "-m ultrascale.model.gguf_import", "source"),
+    ("gguf bad dtype", "-m ultrascale.model.gguf_import a b --dtype bogus", "--dtype"),
+    ("peak bad dtype", "-m ultrascale.peak --dtype float64", "--dtype"),
+    ("memprobe without output", "-m ultrascale.train.memprobe", "out"),
+    ("checkpoint unknown command", "-m ultrascale.train.checkpoint convert {missing}", "to_universal"),
+    ("demo bad rank count", "-m ultrascale.demo --nproc two", "--nproc"),
 ]
 
 
@@ -142,7 +168,8 @@ def test_bad_input_is_one_error_line_and_writes_nothing(name, args, needle, inpu
     if argv[0].endswith(".py"):
         argv[0] = str(ROOT / argv[0])  # run from a scratch directory, as a user elsewhere would
     before_inputs, before_root = _tree(inputs["root"]), {p.name for p in ROOT.iterdir()}
-    proc = subprocess.run([PY, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=_env())
+    # 60 s is a hang guard, not a speed claim: a bad input must be refused before anything is built or trained
+    proc = subprocess.run([PY, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=_env())
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]

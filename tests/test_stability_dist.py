@@ -105,6 +105,8 @@ def test_a_kill_right_after_the_rollback_resumes_past_the_skipped_window(rolled_
            "ULTRASCALE_TRACE_SAMPLES": str(first)}  # fmt: skip
     killed = launch(args, env=env)
     assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_00000003"
+    record = json.loads((out / "checkpoints" / "rollbacks.json").read_text())["step_00000003"]
+    assert record["data_offset"] == 2 and record["skipped"] == [[3, 5]]  # on disk before the kill: steps 4-5's data
     check(launch(args, env={"ULTRASCALE_TRACE_SAMPLES": str(resumed)}))
     ref, before, after = _reads(rolled_back.parent / "trace"), _reads(first), _reads(resumed)
     gas = len(ref[0]) // 10  # the reference read 10 steps: 5, then 5 more after rolling back to step 3

@@ -215,6 +215,41 @@ def check_config_dirs(dirs: list[str], syntax: bool) -> None:
                 raise ConfigError(f"{f}{where}: {problem}: fix the YAML syntax") from None
 
 
+MAX_PRECHECKED_JOBS = 256
+
+
+def check_sweep(config_name: str, argv: list[str], config_dirs: list[str]) -> int:
+    """Compose every job of a ``-m`` sweep before the first one starts, through the same checks as a single run
+    (unknown keys with or without ``+``, ranges, types): a typo in the sweep's third value is one ``error:`` line
+    now, not Hydra's multi-line message or a negative interval accepted after two finished jobs. A value Hydra
+    can only expand itself (``glob(...)``) is left to Hydra. Returns the number of jobs composed."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from ultrascale.config.compose import compose
+
+    args = [a for a in argv if not a.startswith("-") and not _key(a).startswith(("hydra.", "hydra/"))]
+    try:
+        parsed = OverridesParser.create().parse_overrides(args)
+    except HydraException as e:
+        raise ConfigError(f"cannot parse the sweep overrides {args}: {str(e).splitlines()[0]}") from None
+    axes: list[list[str]] = []
+    for o in parsed:
+        if not o.is_sweep_override():
+            axes.append([o.input_line])
+            continue
+        try:
+            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        except HydraException:
+            continue  # glob(...) needs Hydra's config loader: Hydra checks those jobs itself
+    jobs = list(itertools.islice(itertools.product(*axes), MAX_PRECHECKED_JOBS))
+    for job in jobs:
+        compose(list(job), config_name, config_dirs=config_dirs)
+    return len(jobs)
+
+
 def _hydra_keys(argv: list[str]) -> list[str]:
     return [a for a in argv if _key(a).startswith(("hydra.", "hydra/"))]
 
@@ -239,6 +274,11 @@ def run_app(config_name: str, main: Callable[[DictConfig], Any], help_text: str,
                     "`python train.py -m optim.lr=1e-4,3e-4 launcher=deepspeed launcher.nproc_per_node=2`"
                 )
             )
+        if any(a in ("-m", "--multirun") for a in argv):
+            try:
+                check_sweep(config_name, rest, config_dirs)
+            except ConfigError as e:
+                return _report(e)
         return _hydra_main(config_name, main, argv)
     from ultrascale.config.compose import compose
     from ultrascale.dist import shutdown

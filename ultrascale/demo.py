@@ -10,7 +10,6 @@ Each step is a subprocess running the same command a user would type, printed be
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import shutil
@@ -19,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from ultrascale.argv import ArgParser
 from ultrascale.config.compose import PROJECT_ROOT
 from ultrascale.dist import configure_env
 
@@ -35,7 +35,7 @@ def _run(cmd: list[str], title: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(prog="python -m ultrascale.demo", description=__doc__)
     ap.add_argument("--nproc", type=int, default=2, help="CPU ranks for training (default 2)")
     ap.add_argument("--steps", type=int, default=150, help="optimizer steps (default 150, a few minutes on 2 cores)")
     ap.add_argument("--max-files", type=int, default=1200, help="stdlib source files to prepare (default 1200)")

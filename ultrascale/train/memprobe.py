@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import sys
 
+from ultrascale import dist
+from ultrascale.argv import ArgParser
+
 
 def _rss_kb() -> int:
     with open("/proc/self/status") as f:
@@ -35,11 +38,26 @@ def one_step(engine, d, micro_batch: int, seq_len: int, vocab: int) -> None:
         engine.step()
 
 
-def main() -> None:
-    out, overrides = sys.argv[1], sys.argv[2:]
+def main(argv: list[str] | None = None) -> int:
+    ap = ArgParser(prog="python -m ultrascale.train.memprobe", description=__doc__)
+    ap.add_argument("out", help="path prefix: each rank writes OUT.rankN (JSON)")
+    ap.add_argument("overrides", nargs="*", help="train.py overrides (key=value), e.g. recipe=starcoder2_7b_zero3")
+    a = ap.parse_args(argv)
+    from ultrascale.errors import UltrascaleError
+
+    try:
+        _probe(a.out, a.overrides)
+    except UltrascaleError as e:
+        if dist.rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def _probe(out: str, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
-    from ultrascale import dist, hostmem
+    from ultrascale import hostmem
     from ultrascale.config.compose import compose
     from ultrascale.config.deepspeed import build_ds_config
     from ultrascale.config.validate import validate
@@ -62,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -347,11 +347,13 @@ class Trainer:
         to_step = self._load(tag_dir, self.topo.world)
         self.stability.load_state(counters)  # the checkpoint's counters predate this rollback
         self.data_offset = old_offset + step + 1 - to_step  # step `to_step` now reads what step+1 would have
+        window = (to_step + old_offset, step + 1 + old_offset)  # the data indices never to be read again
         if dist.is_rank0():  # durable now: a crash before the next checkpoint must not re-read the window
             checkpoint.record_rollback(self.checkpointer.ckpt_dir, tag_dir,
-                                       {"data_offset": self.data_offset, "stability": self.stability.state()})  # fmt: skip
+                                       {"data_offset": self.data_offset, "stability": self.stability.state()},
+                                       window)  # fmt: skip
         self.metrics.event(step + 1, "rollback", reason=verdict.reason, to_step=to_step, zscore=verdict.zscore,
-                           skip_from=to_step + old_offset, skip_to=step + 1 + old_offset)  # fmt: skip
+                           skip_from=window[0], skip_to=window[1])  # fmt: skip
         if os.environ.get(FAULT_ROLLBACK_ENV) and dist.is_rank0():
             os.kill(os.getpid(), signal.SIGKILL)
         return to_step
