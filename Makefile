@@ -9,7 +9,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale soak-exit clean
 
 setup: $(STAMP)
 
@@ -64,6 +64,9 @@ bench-scale: setup
 
 bench-parallel: setup
 	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json
+
+soak-exit: setup
+	N=$${N:-20} bash tests/soak/exit_loop.sh
 
 clean:
 	rm -rf runs outputs multirun .pytest_cache
