@@ -15,9 +15,14 @@ from ultrascale.cli import run_app
 def main(cfg: DictConfig) -> dict | None:
     from ultrascale.config.validate import validate
     from ultrascale.dist import planned_world_size
-    from ultrascale.train.trainer import run
 
     decisions = validate(cfg, planned_world_size(cfg))  # every rule, then what the run does, before anything is built
+    if cfg.dry_run:  # the planner's view of this layout; nothing is built or written
+        from ultrascale.plan.dryrun import dry_run
+
+        return dry_run(cfg, decisions)
+    from ultrascale.train.trainer import run
+
     return run(cfg, decisions)
 
 

@@ -72,7 +72,7 @@ def test_big_recipes_dry_run_states_a_construction_peak_below_the_whole_model(na
     import re
 
     from ultrascale.model.build import count_params
-    from ultrascale.train.banner import dry_run_report
+    from ultrascale.plan.dryrun import dry_run_report
 
     cfg = compose([f"recipe={name}"])
     d = validate(cfg, cfg.launcher.nproc_per_node * cfg.launcher.nnodes)

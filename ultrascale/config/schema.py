@@ -287,9 +287,8 @@ class TrainConfig:
     """What ``train.compile`` compiles. ``layers`` (default): each decoder layer in place (regional compilation);
     the layers share one compiled graph, so the first step compiles one layer instead of tracing all of them.
     ``model``: the whole forward as one graph (DeepSpeed's ``engine.compile()``, fusing into the head and loss
-    too). SmolLM2-135M, seq 2,048, 2 CPU ranks: time to first step 136 s (layers) vs 641 s (model), the same
-    losses and step rate within noise, 4.4 vs 5.7 GB per rank (both on a busy box; ``time_to_first_step_s`` in
-    summary.json, `python bench/levers.py --levers compile_layers`)."""
+    too). SmolLM2-135M on 2 CPU ranks: first step after 136 s (layers) vs 641 s (model) at the same step rate
+    (`python bench/levers.py --levers compile_layers`; details in bench/README.md)."""
     fused_loss: bool = True
     """Compute the LM loss with a chunked linear cross-entropy (``ultrascale/model/loss.py``): the
     [tokens, vocab] logits never exist at once, which at a 49k vocabulary is the largest activation of a

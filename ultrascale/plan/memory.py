@@ -29,7 +29,8 @@ e = bytes of the compute dtype; h = hidden; h_q = heads·head_dim; kv = kv_heads
 - MLP: SwiGLU gate, act, up, act·up: 4e·I; GELU in and out: 2e·I.
 - MoE (top-k): router fp32 softmax 4E; per routed copy gathered input, gate_up, act, act·up, output:
   k·(2e·h + 4e·I).
-- head: final norm + fp32 log-softmax of the logits 4V + ids and labels (16).
+- head: final norm + fp32 log-softmax of the logits 4V + ids and labels (16); with the fused loss no logits
+  are kept, only the fp32 gradient of the hidden state it computes in its forward (4h).
 - activation checkpointing keeps only each layer's input e·h (plus one layer recomputed at a time).
 TP divides everything but the norms (AutoTP replicates them); Ulysses SP divides everything by sp;
 pipeline stage 0 keeps min(pp, micro_batches) micro-batches in flight (1F1B).
@@ -70,6 +71,10 @@ class Layout:
     allgather_bucket_size: int = 50_000_000
     prefetch_bucket_size: int = 50_000_000
     persistence_threshold: int = 100_000
+    fused_loss: bool = False
+    """The chunked linear cross-entropy (``Decisions.fused_loss``): no [tokens, vocab] logits are kept."""
+    loss_chunk_tokens: int = 0
+    """Tokens per fused-loss chunk (0: chosen from the vocabulary, as the loss does)."""
 
     @property
     def dp(self) -> int:
@@ -221,11 +226,25 @@ def activation_bytes_per_token_layer(arch: Arch, lay: Layout, checkpointed: bool
 
 
 def head_bytes_per_token(arch: Arch, lay: Layout) -> float:
-    """Final norm, fp32 log-softmax over the vocabulary, ids and labels."""
+    """Final norm, ids and labels, and either the fp32 log-softmax over the vocabulary (plain loss) or the fp32
+    gradient of the hidden state the fused loss computes in its forward and holds until backward."""
     e = DTYPE_BYTES[lay.dtype]
     h = arch.hidden
     norm = (4 * h + 2 * e * h) if arch.rms_norm else 2 * e * h
+    if lay.fused_loss:
+        return norm + 4 * h + 16
     return norm + 4 * arch.vocab / lay.tp + 16
+
+
+def loss_transient_bytes(arch: Arch, lay: Layout, tokens: float) -> float:
+    """The loss's largest short-lived buffer during backward: the logits' gradient over every token (plain
+    loss), or one chunk's fp32 logits plus the head weight's fp32 gradient (fused loss)."""
+    if lay.fused_loss:
+        from ultrascale.model.loss import default_chunk_tokens
+
+        chunk = lay.loss_chunk_tokens or default_chunk_tokens(arch.vocab)
+        return 4 * min(chunk, tokens) * arch.vocab + 4 * arch.vocab * arch.hidden
+    return tokens * (4 + DTYPE_BYTES[lay.dtype]) * arch.vocab / lay.tp
 
 
 def activation_bytes(arch: Arch, lay: Layout) -> tuple[float, float]:
@@ -241,8 +260,7 @@ def activation_bytes(arch: Arch, lay: Layout) -> tuple[float, float]:
     else:
         saved = body + head
     full_layer = tokens * activation_bytes_per_token_layer(arch, lay, False)
-    logits_grad = tokens * (4 + DTYPE_BYTES[lay.dtype]) * arch.vocab / lay.tp
-    extra = max(full_layer if lay.activation_checkpointing else 0.0, logits_grad)
+    extra = max(full_layer if lay.activation_checkpointing else 0.0, loss_transient_bytes(arch, lay, tokens))
     return saved, extra
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import DictConfig
 
+from ultrascale.config.decide import Decisions
 from ultrascale.config.validate import validate
 from ultrascale.errors import ConfigError
 from ultrascale.model.arch import Arch, arch_from_cfg
@@ -78,6 +79,12 @@ def layout_from_cfg(cfg: DictConfig, world: int) -> Layout:
     )
 
 
+def decided(lay: Layout, d: Decisions) -> Layout:
+    """``lay`` as the run's decision record settles it: the ZeRO stage and the fused loss come from
+    :class:`~ultrascale.config.decide.Decisions`, the one place their rules live."""
+    return replace(lay, zero_stage=d.zero_stage, fused_loss=d.fused_loss.on, loss_chunk_tokens=d.fused_loss.value or 0)
+
+
 def layout_overrides(lay: Layout) -> list[str]:
     """Hydra overrides that make ``train.py`` run this layout."""
     out = [
@@ -120,10 +127,11 @@ def evaluate(
     dataclasses are optional speed-ups for the search loop: deep copies and DictConfig access dominate it."""
     cand = Candidate(layout=lay, overrides=layout_overrides(lay))
     try:
-        validate(_apply(scratch if scratch is not None else copy.deepcopy(cfg), lay), lay.world, backend="nccl")
+        d = validate(_apply(scratch if scratch is not None else copy.deepcopy(cfg), lay), lay.world, backend="nccl")
     except ConfigError as e:
         cand.rejected = f"invalid: {e}"
         return cand
+    cand.layout = lay = decided(lay, d)
     c, s = cluster or _plain(cfg.cluster), search or _plain(cfg.search)
     cand.memory = memory(arch, lay, fragmentation=s.fragmentation, reserved=c.reserved_gib * GIB)
     cand.build_host = construction_bytes(arch, lay)

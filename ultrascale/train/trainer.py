@@ -46,7 +46,7 @@ from ultrascale.model.moe import shard_report as moe_shard_report
 from ultrascale.peak import device_peak_flops
 from ultrascale.rundir import CONFIG, DS_CONFIG, METRICS, SUMMARY
 from ultrascale.train import checkpoint
-from ultrascale.train.banner import banner, dry_run_report
+from ultrascale.train.banner import banner
 from ultrascale.train.breakdown import StepBreakdown
 from ultrascale.train.consistency import replicas_agree
 from ultrascale.train.engine import build_engine
@@ -510,13 +510,9 @@ def _prepare_run_dir(cfg: DictConfig, out: Path, ds_config: dict) -> None:
 
 
 def run(cfg: DictConfig, d: Decisions) -> dict | None:
-    """Train (or dry-run) with an already-validated config and its decisions. Collective: every rank calls it."""
+    """Train with an already-validated config and its decisions. Collective: every rank calls it."""
     out = resolve_path(cfg.output_dir)
     found = preflight(cfg)  # read-only, on every rank: nothing is written for a run that cannot start
-    if cfg.dry_run:
-        if dist.is_rank0():
-            print(dry_run_report(cfg, d, build_ds_config(cfg, d), found.notes))
-        return None
     dist.init_distributed()
     typed: Any = OmegaConf.to_object(cfg)  # typed settings from here on: components get their sub-configs
     trainer = Trainer(typed, d, out, OmegaConf.to_container(cfg, resolve=True), data_checked=found.data_checked)
