@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from data_prep import dedup
+from data_prep.decontam import WORD
 from data_prep.pack import encode_docs, pack
 from data_prep.sources import read_text_file, stdlib_root, walk_files
 from data_prep.tokenizer import EOS, load_dir, piece_cuts_are_neutral, save_hf, train_bpe
@@ -152,7 +153,7 @@ def bench_dedup(texts: list[str], threshold: float, num_perm: int, ngram: int, r
         return int((~keep).sum())
 
     def shingles(t: str) -> list[bytes]:
-        w = dedup._WORD.findall(t)
+        w = WORD.findall(t)
         grams = {" ".join(w[i : i + ngram]) for i in range(max(len(w) - ngram + 1, 1))}
         return [g.encode() for g in grams]
 

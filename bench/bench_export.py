@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ultrascale.dist import free_port  # noqa: E402
+from ultrascale.rundir import CHECKPOINTS, LATEST  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"}
 ENV.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
@@ -105,7 +106,7 @@ def main() -> None:
         work = args.workdir or Path(tmp)
         for stage in (1, 3):
             run_dir = work / f"zero{stage}"
-            if not (run_dir / "checkpoints" / "latest").exists():
+            if not (run_dir / CHECKPOINTS / LATEST).exists():
                 train(run_dir, work / "data", stage, args.layers, args.hidden)
             size = model_mb(run_dir)
             for which in ("deepspeed_zero_to_fp32", "ultrascale"):

@@ -9,11 +9,26 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ultrascale.config.fields import num
+from ultrascale.errors import ConfigError
+
+
+# Allowed choices are types: a value outside one fails at compose time with the key and the choices. Members
+# compare equal to their strings and print, hash and serialise (JSON, YAML, config_hash) as them.
+class UnknownLicense(StrEnum):
+    keep = "keep"
+    drop = "drop"
+
+
+class ExecutorType(StrEnum):
+    local = "local"
+    ray = "ray"
+    slurm = "slurm"
 
 
 @dataclass
@@ -88,7 +103,7 @@ class LicenseConfig:
         ]
     )
     """Permissive SPDX ids. A repository is kept only if every license detected in it is on this list."""
-    unknown: str = "keep"
+    unknown: UnknownLicense = UnknownLicense.keep
     """Policy for repositories with no detectable license: ``keep`` or ``drop``."""
 
 
@@ -171,7 +186,7 @@ class SplitConfig:
 
 @dataclass
 class ExecutorConfig:
-    type: str = "local"
+    type: ExecutorType = ExecutorType.local
     """``local`` (datatrove LocalPipelineExecutor), ``slurm`` (one sbatch array job per stage, each depending on
     the one before) or ``ray``. Every stage runs on it; the output does not depend on which."""
     tasks: int = num(1, ge=1)
@@ -249,6 +264,17 @@ def config_hash(cfg: DataPrepConfig) -> str:
     for k in _NOT_HASHED:
         d.pop(k, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check(cfg: DataPrepConfig) -> None:
+    """Refuse what the schema's types and ranges cannot say (they are checked at compose time), in one line,
+    before anything is written."""
+    if cfg.executor.workers == 0:
+        raise ConfigError("executor.workers=0: use a positive count, or -1 for one process per task")
+    if cfg.tokenizer.path:
+        from data_prep.tokenizer import load_local
+
+        load_local(cfg.tokenizer.path, fim=cfg.fim.rate > 0)
 
 
 def register_configs() -> None:

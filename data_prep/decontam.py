@@ -16,11 +16,12 @@ from pathlib import Path
 
 from ultrascale.errors import DataError
 
-_WORD = re.compile(r"\w+")
+WORD = re.compile(r"\w+")
+"""A word, for n-grams here and for near dedup's shingles (:mod:`data_prep.dedup` splits bytes the same way)."""
 
 
 def ngrams(text: str, n: int) -> set[str]:
-    w = _WORD.findall(text)
+    w = WORD.findall(text)
     return {" ".join(w[i : i + n]) for i in range(len(w) - n + 1)}
 
 
@@ -81,7 +82,7 @@ class Decontaminator:
     def match(self, text: str) -> tuple[str, float] | None:
         """(benchmark item id, overlap) of the best-matching item over the threshold, else None."""
         hits: Counter = Counter()
-        w, n = _WORD.findall(text), self.n
+        w, n = WORD.findall(text), self.n
         first, last = self.first, self.last
         cand = {" ".join(w[i : i + n]) for i, (a, b) in enumerate(zip(w, w[n - 1 :])) if a in first and b in last}
         for g in cand:

@@ -19,13 +19,11 @@ instead of a 64-bit ``% (2**61 - 1)``.
 from __future__ import annotations
 
 import hashlib
-import re
 
 import numpy as np
 
-_WORD = re.compile(r"\w+")
 # A word is a maximal run of ASCII letters, digits, '_' or any non-ASCII byte (UTF-8 letters of other
-# scripts stay whole). Code is almost all ASCII, where this is exactly regex ``\w+``.
+# scripts stay whole). Code is almost all ASCII, where this is exactly ``data_prep.decontam.WORD`` (``\w+``).
 _IS_WORD = np.zeros(256, dtype=bool)
 for _c in b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_":
     _IS_WORD[_c] = True

@@ -7,8 +7,6 @@ is cheap and runs as one task at the end of the chain, on Slurm as the last job.
 from __future__ import annotations
 
 import heapq
-import json
-import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -17,11 +15,12 @@ from data_prep.config import config_hash
 from data_prep.doc_stages import near_removed
 from data_prep.report import write_report
 from data_prep.split import SPLITS
-from data_prep.store import read_json, read_jsonl_gz
+from data_prep.store import read_jsonl_gz
 from data_prep.tokenizer import EOS, SPECIAL_TOKENS, load_dir
 from data_prep.tokens import pack_units
 from data_prep.work import STAGES, Ctx, add_stats, crash_hook, stage_stats
 from ultrascale.data.shards import write_manifest
+from ultrascale.jsonio import read_json, write_jsonl
 
 DOC_STAGES = ("license", "exact_dedup", "near_dedup", "pii", "decontam")
 
@@ -64,10 +63,7 @@ def task_records(ctx: Ctx) -> dict[str, list[dict]]:
 def _decontamination_list(ctx: Ctx) -> list[dict]:
     runs = [read_jsonl_gz(ctx.work.bucket("clean", b, ".decontam.jsonl.gz")) for b in range(ctx.cfg.buckets)]
     rows = list(heapq.merge(*runs, key=lambda r: r["id"]))
-    path = ctx.work.out / "decontamination.jsonl"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    write_jsonl(ctx.work.out / "decontamination.jsonl", rows)
     return rows
 
 

@@ -33,11 +33,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from data_prep.config import DataPrepConfig, config_hash, to_cfg
+from data_prep.config import DataPrepConfig, ExecutorType, check, config_hash, to_cfg
 from data_prep.local_executor import PoolExecutor
 from data_prep.sources import resolve_input
 from data_prep.stages import SPECS, Stage, chain, stage_complete
-from data_prep.tokenizer import load_local
 from data_prep.work import Work
 from ultrascale.data.shards import MANIFEST
 from ultrascale.errors import ConfigError, DataError
@@ -47,24 +46,11 @@ log = logging.getLogger("data_prep")
 __all__ = ["config_hash", "run", "to_cfg"]
 
 
-def check(cfg: DataPrepConfig) -> None:
-    """Refuse what the schema's ranges cannot say (they are checked at compose time), in one line, before
-    anything is written."""
-    if cfg.license.unknown not in ("keep", "drop"):
-        raise ConfigError(f"license.unknown={cfg.license.unknown}: use keep or drop")
-    if cfg.executor.workers == 0:
-        raise ConfigError("executor.workers=0: use a positive count, or -1 for one process per task")
-    if cfg.executor.type not in ("local", "ray", "slurm"):
-        raise ConfigError(f"executor.type={cfg.executor.type} is not one of local, ray, slurm")
-    if cfg.tokenizer.path:
-        load_local(cfg.tokenizer.path, fim=cfg.fim.rate > 0)
-
-
 def _executor(cfg: DataPrepConfig, stage: str, tasks: int):
     ex, work = cfg.executor, Work(cfg)
     step = Stage(stage, cfg, ex.progress)
     logs = str(work.logs(stage, tasks))
-    if ex.type == "ray":
+    if ex.type == ExecutorType.ray:
         try:
             from datatrove.executor import RayPipelineExecutor
         except ImportError as e:
@@ -121,7 +107,7 @@ def run(cfg) -> dict:
     (work / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     if os.environ.get("DATA_PREP_CRASH_AT") and os.getpgid(0) == os.getpid():
         os.environ["DATA_PREP_CRASH_PGID"] = str(os.getpid())  # the resume tests' kill takes the workers too
-    if cfg.executor.type == "slurm":
+    if cfg.executor.type == ExecutorType.slurm:
         from data_prep.slurm import submit
 
         script = submit(cfg)

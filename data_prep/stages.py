@@ -22,8 +22,9 @@ from loguru import logger
 from data_prep import doc_stages, split, tokens
 from data_prep.config import DataPrepConfig, to_cfg
 from data_prep.finalize import finalize_unit
-from data_prep.store import shard_units, write_json
+from data_prep.store import shard_units
 from data_prep.work import STAGES, Ctx, Work, crash_hook
+from ultrascale.jsonio import write_json
 
 log = logging.getLogger("data_prep")
 
@@ -135,7 +136,7 @@ def run_task(stage: str, cfg: DataPrepConfig, rank: int, world: int, progress: b
     for u in spec.assign(n, rank, world):
         if work.unit_done(stage, u):
             continue
-        write_json(work.unit_stats(stage, u), spec.unit(ctx, u))
+        write_json(work.unit_stats(stage, u), spec.unit(ctx, u), sort_keys=True)
         ran.append(u)
         if len(ran) == 1 and n > 1:
             crash_hook(stage)  # a kill with this stage part done (single steps have their own hook inside)
@@ -151,7 +152,7 @@ def run_task(stage: str, cfg: DataPrepConfig, rank: int, world: int, progress: b
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "pid": os.getpid(),
     }
-    write_json(work.dir(stage) / f"task_t{world}_r{rank:05d}.json", record)
+    write_json(work.dir(stage) / f"task_t{world}_r{rank:05d}.json", record, sort_keys=True)
     log.info("%-10s task %d/%d: %d units in %.1f s", stage, rank + 1, world, len(ran), end - start)
     return record
 

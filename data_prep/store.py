@@ -22,21 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ultrascale.atomic import atomic_write_text
-
 _TWO64 = 1 << 64
 
 
 def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
-
-
-def write_json(path: Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def read_json(path: Path):
-    return json.loads(Path(path).read_text())
 
 
 def write_jsonl_gz(path: Path, rows: Iterable[dict]) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_prep.config import DataPrepConfig
-from data_prep.store import read_json
+from ultrascale.jsonio import read_json
 
 # Stage -> what its tasks are partitioned over. The order is the chain's.
 WHERE = {

@@ -7,7 +7,6 @@ The ranks see ``WORLD_SIZE`` from their launcher and therefore run the job inste
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from ultrascale.config.compose import PROJECT_ROOT, resolve_path
 from ultrascale.config.schema import LauncherName
 from ultrascale.dist import free_port
 from ultrascale.errors import ConfigError
+from ultrascale.jsonio import write_json
 
 SPAWNING = (LauncherName.deepspeed, LauncherName.torchrun)
 STATUS_FILE = "job_status.json"
@@ -104,7 +104,7 @@ def run_launcher(cmd: list[str], env: dict[str, str], out_dir: Path) -> int:
             raise
         finally:
             sys.stdout.flush()
-    (out_dir / STATUS_FILE).write_text(json.dumps({"returncode": rc, "command": cmd}) + "\n")
+    write_json(out_dir / STATUS_FILE, {"returncode": rc, "command": cmd}, indent=None)
     return rc
 
 

@@ -27,8 +27,9 @@ def read_json(path: str | os.PathLike, default: Any = None) -> Any:
         raise DataError(f"{path} is not valid JSON ({e}): delete or restore it") from None
 
 
-def write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, sort_keys: bool = False) -> None:
+    """``obj`` as JSON and a newline; ``indent=None`` writes one line."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

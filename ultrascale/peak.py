@@ -108,13 +108,13 @@ def cpu_peak(dtype: torch.dtype = torch.float32, remeasure: bool = False) -> tup
     got = gemm_rate(dtype)
     flops = _all_ranks(got["flops"], "mean")
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        from ultrascale.atomic import atomic_write_text
+        from ultrascale.jsonio import write_json
 
         cache = _load()
         cache[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d"), "gemm_n": GEMM_N,
                       "window_min": got["min"], "window_max": got["max"], "windows": got["windows"]}  # fmt: skip
         cache_path().parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(cache_path(), json.dumps(cache, indent=2) + "\n")
+        write_json(cache_path(), cache)
     return flops, f"{flops / 1e9:.1f} GFLOP/s per rank: {key} (calibrated now)"
 
 

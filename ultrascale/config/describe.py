@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import itertools
 import textwrap
+from enum import Enum
 from functools import cache
 
 from omegaconf import DictConfig, OmegaConf
@@ -48,6 +49,7 @@ def walk_keys(cls: type, node: DictConfig | None, prefix: str, lines: list[str])
             _walk_section(type(sub()), value, key, lines)
             continue
         shown = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+        shown = shown.value if isinstance(shown, Enum) else shown  # what the user types: 'cpu', not <Offload.cpu>
         bound = range_of(f)
         lines.append(f"  {key} = {shown!r}" + (f"   ({bound})" if bound else ""))
         if f.name in docs:

@@ -6,7 +6,6 @@ sees exactly the model a user would download, and there is one checkpoint reader
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -18,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError
 from ultrascale.eval.config import check
+from ultrascale.jsonio import write_json, write_jsonl
 from ultrascale.model.build import torch_dtype
 
 log = logging.getLogger("ultrascale")
@@ -134,10 +134,9 @@ def run(cfg: DictConfig) -> dict:
             results["tasks"]["humaneval"] = he
     out_dir.mkdir(parents=True, exist_ok=True)
     if "humaneval" in cfg.tasks:
-        with open(out_dir / "humaneval_samples.jsonl", "w") as f:
-            f.writelines(json.dumps(s) + "\n" for s in samples)
+        write_jsonl(out_dir / "humaneval_samples.jsonl", samples)
     results["config"] = OmegaConf.to_container(cfg, resolve=True)
-    (out_dir / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out_dir / "eval_results.json", results)
     print(table(results) + f"\nwrote {out_dir / 'eval_results.json'}", flush=True)
     if cfg.wandb:
         _wandb_log(cfg, results, out_dir)

@@ -17,6 +17,7 @@ from pathlib import Path
 from ultrascale.atomic import atomic_write_bytes
 from ultrascale.report.analyze import LABELS, Analysis, Tick
 from ultrascale.report.load import finite
+from ultrascale.train.parts import DATA_WAIT, MEASURED, OTHER
 
 COLORS = {
     "fwd_s": "#1f77b4",
@@ -30,7 +31,7 @@ COLORS = {
     "start": "#c7c7c7",
 }
 # Stack order: compute at the bottom so the teeth line up, stalls on top where the eye finds them.
-STACK = ("fwd_s", "bwd_s", "comm_s", "opt_s", "data_wait_s", "other_s")
+STACK = (*(p for p in MEASURED if p != DATA_WAIT), DATA_WAIT, OTHER)
 EVENT_STYLE = {
     "checkpoint": dict(color="#2ca02c", ls=":", lw=1.0),
     "eval": dict(color="#17becf", ls="--", lw=1.0),

@@ -30,6 +30,14 @@ class Stage(StrEnum):
 
 STAGES = tuple(Stage)
 
+
+class ProblemSource(StrEnum):
+    """Where a round's problems come from (``problems.source``)."""
+
+    corpus = "corpus"
+    jsonl = "jsonl"
+
+
 DENY_NAMES = [
     # Files, processes, the network, clocks, randomness and the interpreter: a problem must be a pure function
     # of its arguments, so its tests are deterministic and a pass says something about the code, not the
@@ -44,7 +52,7 @@ DENY_NAMES = [
 
 @dataclass
 class ProblemsConfig:
-    source: str = "corpus"
+    source: ProblemSource = ProblemSource.corpus
     """``corpus``: mine functions with doctests (or nearby asserts) from source files; ``jsonl``: read ``jsonl``."""
     input: str = "stdlib"
     """Corpus to mine (``source=corpus``), as data prep reads it: ``stdlib`` (this Python's own library) or a

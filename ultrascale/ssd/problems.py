@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.eval.sandbox import Limits
+from ultrascale.ssd.config import ProblemSource
 from ultrascale.ssd.execute import verdicts
 from ultrascale.ssd.mine import MineOptions, mine_file
 
@@ -222,14 +223,12 @@ def _verify(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict
 def build(cfg: DictConfig) -> tuple[list[dict], dict]:
     """(problems, report): ``report`` counts every problem dropped, per reason, in filter order."""
     counts: Counter = Counter()
-    if cfg.source == "corpus":
-        problems = mine(cfg, counts)
-    elif cfg.source == "jsonl":
+    if cfg.source == ProblemSource.jsonl:
         if not cfg.jsonl:
             raise ConfigError("problems.source=jsonl needs problems.jsonl=PATH (one problem per line)")
         problems = load_jsonl(cfg.jsonl, counts)
-    else:
-        raise ConfigError(f"problems.source={cfg.source} is not one of corpus, jsonl")
+    else:  # ProblemSource.corpus (the schema admits no other value)
+        problems = mine(cfg, counts)
     counts["mined"] = len(problems)
     problems = _dedupe(problems, counts)
     problems = _decontaminate(problems, cfg, counts)
@@ -240,5 +239,9 @@ def build(cfg: DictConfig) -> tuple[list[dict], dict]:
             f"no problem survived the filters ({dict(counts)}): mine a larger problems.input, relax "
             "problems.max_prompt_lines/deny_names, or give problems.source=jsonl problems.jsonl=PATH"
         )
-    report = {"source": cfg.source, "input": cfg.jsonl if cfg.source == "jsonl" else cfg.input, **dict(counts)}
+    report = {
+        "source": cfg.source,
+        "input": cfg.jsonl if cfg.source == ProblemSource.jsonl else cfg.input,
+        **dict(counts),
+    }
     return problems, report

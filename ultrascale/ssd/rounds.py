@@ -35,21 +35,21 @@ from omegaconf import DictConfig, OmegaConf
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.jsonio import read_json, read_jsonl, write_json, write_jsonl
-from ultrascale.ssd.config import STAGES
+from ultrascale.ssd.config import STAGES, Stage
 
 log = logging.getLogger("ultrascale")
 
 OUTPUTS = {
-    "problems": ["problems.jsonl"],
-    "sample": ["samples.jsonl", "kept.jsonl"],
-    "sft_data": ["sft_data"],
-    "finetune": ["train_run", "finetune.log"],
-    "export": ["model"],
-    "eval": ["eval", "eval.json"],
+    Stage.problems: ["problems.jsonl"],
+    Stage.sample: ["samples.jsonl", "kept.jsonl"],
+    Stage.sft_data: ["sft_data"],
+    Stage.finetune: ["train_run", "finetune.log"],
+    Stage.export: ["model"],
+    Stage.eval: ["eval", "eval.json"],
 }
 """What each stage writes: a stage that (re)runs removes every later stage's outputs, which were made from
 the old ones (above all train_run/, whose checkpoints train.py would otherwise resume on the new data)."""
-REDO_ON_CHANGE = {"eval"}
+REDO_ON_CHANGE = {Stage.eval}
 """Stages nothing else depends on: changed settings rerun them instead of refusing."""
 TOP = "ssd_manifest.json"
 
@@ -75,20 +75,20 @@ class Round:
             "stages": {},
         }
 
-    def settings(self, stage: str) -> dict:
+    def settings(self, stage: Stage) -> dict:
         """What a stage's output depends on; a finished stage with other settings cannot be reused."""
         c = self.run.cfg
         per_stage = {
-            "problems": {"problems": c.problems},
-            "sample": {"sample": c.sample, "dtype": c.dtype, "input_model": str(self.input_model)},
-            "sft_data": {"sft": c.sft},
-            "finetune": {"finetune": c.finetune},
-            "export": {"export_dtype": c.finetune.export_dtype},
-            "eval": {"eval": c.eval},
+            Stage.problems: {"problems": c.problems},
+            Stage.sample: {"sample": c.sample, "dtype": c.dtype, "input_model": str(self.input_model)},
+            Stage.sft_data: {"sft": c.sft},
+            Stage.finetune: {"finetune": c.finetune},
+            Stage.export: {"export_dtype": c.finetune.export_dtype},
+            Stage.eval: {"eval": c.eval},
         }[stage]
         return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(per_stage), resolve=True)))
 
-    def done(self, stage: str) -> bool:
+    def done(self, stage: Stage) -> bool:
         entry = self.manifest["stages"].get(stage)
         if not entry or not entry.get("done"):
             return False
@@ -104,7 +104,7 @@ class Round:
             f"original settings, use a new output_dir, or delete {self.dir} to redo the round"
         )
 
-    def mark(self, stage: str, stats: dict, wall_s: float) -> None:
+    def mark(self, stage: Stage, stats: dict, wall_s: float) -> None:
         """Record a finished stage: round manifest first, then the top-level summary."""
         self.manifest["stages"][stage] = {
             "done": True,
@@ -119,7 +119,7 @@ class Round:
     def path(self, name: str) -> Path:
         return self.dir / name
 
-    def invalidate_after(self, stage: str) -> None:
+    def invalidate_after(self, stage: Stage) -> None:
         """Forget and delete every stage after ``stage``: they would be built on outputs about to change."""
         later = STAGES[STAGES.index(stage) + 1 :]
         stale = [s for s in later if s in self.manifest["stages"] or any(self.path(o).exists() for o in OUTPUTS[s])]
@@ -169,7 +169,7 @@ class SSDRun:
         self.top["rounds"][f"{rnd.index:02d}"] = entry
         write_json(self.top_path, self.top)
 
-    def stage(self, rnd: Round, name: str, fn: Callable[[], dict]) -> None:
+    def stage(self, rnd: Round, name: Stage, fn: Callable[[], dict]) -> None:
         if rnd.done(name):
             log.info(f"ssd: round {rnd.index} {name}: done, skipping")
             return
@@ -208,7 +208,7 @@ class SSDRun:
 
         kept = read_jsonl(rnd.path("kept.jsonl"))
         if not kept:
-            s = rnd.manifest["stages"]["sample"]
+            s = rnd.manifest["stages"][Stage.sample]
             raise DataError(
                 f"round {rnd.index}: none of the {s['candidates']} samples passed its tests "
                 f"({rnd.path('samples.jsonl')} has each one's error): nothing to finetune on. Sample more "
@@ -220,7 +220,7 @@ class SSDRun:
     def _finetune(self, rnd: Round) -> dict:
         from ultrascale.ssd.finetune import finished, run_train, steps_for, train_overrides
 
-        rows = rnd.manifest["stages"]["sft_data"]["train_rows"]
+        rows = rnd.manifest["stages"][Stage.sft_data]["train_rows"]
         steps = steps_for(rows, self.cfg.finetune)
         run_dir = rnd.path("train_run")
         args = train_overrides(
@@ -279,17 +279,17 @@ class SSDRun:
         for r in range(cfg.rounds):
             rnd = Round(self, r, model)
             steps = {
-                "problems": lambda rnd=rnd: self._problems(rnd),
-                "sample": lambda rnd=rnd: self._sample(rnd),
-                "sft_data": lambda rnd=rnd: self._sft(rnd),
-                "finetune": lambda rnd=rnd: self._finetune(rnd),
-                "export": lambda rnd=rnd: self._export(rnd),
-                "eval": lambda rnd=rnd: self._eval(rnd),
+                Stage.problems: lambda rnd=rnd: self._problems(rnd),
+                Stage.sample: lambda rnd=rnd: self._sample(rnd),
+                Stage.sft_data: lambda rnd=rnd: self._sft(rnd),
+                Stage.finetune: lambda rnd=rnd: self._finetune(rnd),
+                Stage.export: lambda rnd=rnd: self._export(rnd),
+                Stage.eval: lambda rnd=rnd: self._eval(rnd),
             }
             for name in STAGES:
-                if name == "eval" and not cfg.eval.enabled:
+                if name == Stage.eval and not cfg.eval.enabled:
                     continue
-                if name == "eval" and r == 0 and cfg.eval.baseline:
+                if name == Stage.eval and r == 0 and cfg.eval.baseline:
                     self.baseline(start)  # the 'before', scored just before the first 'after'
                 self.stage(rnd, name, steps[name])
                 if name == cfg.stop_after and r == cfg.rounds - 1:
