@@ -113,9 +113,9 @@ def test_export_matches_engine_logits_and_generates(runs, stage):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", ["pp2", "pp2dp2"])
-def test_pipeline_checkpoint_exports_to_the_same_loss(runs, name):
-    """The pipeline engine computes a batch's loss, not its logits: the exported model's loss on the same batch
-    (a function of every logit) must equal it. pp=2 x dp=2 saves each stage once, from its first dp replica."""
+def test_pipeline_checkpoint_exports_to_the_same_logits(runs, name):
+    """The exported model computes the pipeline engine's logits (its last stage's, ``eval_batch(return_logits=
+    True)``) and its loss on the same batch. pp=2 x dp=2 saves each stage once, from its first dp replica."""
     from transformers import AutoModelForCausalLM
 
     from ultrascale.export import export
@@ -125,10 +125,11 @@ def test_pipeline_checkpoint_exports_to_the_same_loss(runs, name):
     ref = torch.load(runs["logits"] / f"{name}.pt")
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
-        loss = model(input_ids=ref["ids"], labels=ref["ids"]).loss
+        got = model(input_ids=ref["ids"], labels=ref["ids"])
     assert stats["tensors"] == len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
     assert ref["step"] == 3
-    assert abs(float(loss) - ref["loss"]) < 1e-5, (float(loss), ref["loss"])
+    torch.testing.assert_close(got.logits, ref["logits"], rtol=0, atol=1e-5)
+    assert abs(float(got.loss) - ref["loss"]) < 1e-5, (float(got.loss), ref["loss"])
 
 
 @pytest.mark.dist
@@ -172,10 +173,14 @@ def _engine_logits(out: Path, run_dirs: list[Path]) -> None:
         step, _ = checkpoint.load(engine, tag_dir, same_world=True)
         split = open_split(resolve_path(cfg.data.path), "validation")
         engine.eval()
-        if topo.pp > 1:  # the pipeline engine returns the loss of a batch, not logits
+        writer = dist.is_rank0()
+        if topo.pp > 1:  # the last stage holds the logits (return_logits) and every stage the broadcast loss
             ids = torch.from_numpy(split.get(np.arange(cfg.data.micro_batch)))
-            loss = engine.eval_batch(iter([(ids, ids)]), num_micro_batches=1)
+            loss, logits = engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
+            writer = engine.is_last_stage() and engine.grid.get_data_parallel_rank() == 0
             result = {"ids": ids, "loss": float(loss), "step": step}
+            if writer:
+                result["logits"] = logits.float()
         else:
             ids = torch.from_numpy(split.get(np.arange(2)))
             with torch.no_grad():
@@ -187,7 +192,7 @@ def _engine_logits(out: Path, run_dirs: list[Path]) -> None:
                 tdist.all_gather(parts, logits)  # world = tp here (dp = 1)
                 logits = torch.cat(parts, dim=-1)
             result = {"ids": ids, "logits": logits, "step": step}
-        if dist.is_rank0():
+        if writer:
             torch.save(result, out / f"{run_dir.name}.pt")
         dist.barrier()
         engine.destroy()

@@ -41,6 +41,19 @@ def _model_gb(ranks: list[dict]) -> float:
     return 4 * ranks[0]["n_params"] / 2**30
 
 
+def _planner_within_15_percent(ranks: list[dict], overrides: list[str]) -> None:
+    """The planner's model states between steps (``host_step_bytes``) against the measured steady state."""
+    from ultrascale.config.compose import compose
+    from ultrascale.model.arch import arch_from_cfg
+    from ultrascale.plan.memory import host_step_bytes
+    from ultrascale.plan.search import layout_from_cfg
+
+    cfg = compose([*MODEL, *overrides])
+    planned = host_step_bytes(arch_from_cfg(cfg), layout_from_cfg(cfg, 2)) / 2**30
+    steady = max(r["after_step_gb"] for r in ranks)
+    assert abs(planned / steady - 1) <= 0.15, (planned, steady)
+
+
 def test_zero3_builds_partitioned_within_the_bound(tmp_path):
     ranks = _probe(tmp_path, ["zero=stage3"])
     full = _model_gb(ranks)
@@ -48,6 +61,7 @@ def test_zero3_builds_partitioned_within_the_bound(tmp_path):
     assert full > bound, "the model must be large enough that a whole build breaks the bound"
     for r in ranks:
         assert r["construct_peak_gb"] <= bound, (r, bound, full)
+    _planner_within_15_percent(ranks, ["zero=stage3"])
 
 
 def test_pipeline_stage_builds_only_its_layers_within_the_bound(tmp_path):
@@ -64,3 +78,4 @@ def test_pipeline_stage_builds_only_its_layers_within_the_bound(tmp_path):
     assert sorted(r["stage"] for r in ranks) == [0, 1]
     for r in ranks:
         assert r["construct_peak_gb"] <= bound, (r, bound)
+    _planner_within_15_percent(ranks, ["zero=stage1", "parallel=pp2"])
