@@ -35,6 +35,7 @@ def main() -> None:
 
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     ds = json.loads(Path(run_dir, "ds_config.json").read_text())
+    ds["wall_clock_breakdown"] = False  # train.py's step-breakdown timers are one of its extras, not the baseline's
     model = build_model(cfg.model, seed=cfg.train.seed)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)

@@ -19,7 +19,7 @@ import torch
 
 
 def main() -> None:
-    steps, overrides = int(sys.argv[1]), sys.argv[2:]
+    steps, overrides = int(sys.argv[1]), [*sys.argv[2:], "train.step_breakdown=false"]  # the timers are an extra
     from omegaconf import OmegaConf
 
     from ultrascale import dist

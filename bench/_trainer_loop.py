@@ -121,6 +121,7 @@ def main() -> None:
 
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     ds = json.loads(Path(run_dir, "ds_config.json").read_text())
+    ds["wall_clock_breakdown"] = False  # train.py's step-breakdown timers are one of its extras, not the baseline's
     ds_before = json.loads(json.dumps(ds))
     precision = str(cfg.precision.dtype)
     sched_type, sched_kwargs, warmup = _schedule(cfg.optim.sched, steps)

@@ -12,6 +12,10 @@ Levers (every other lever stays at its default while one is toggled):
     breakdown    train.step_breakdown    DeepSpeed's engine timers for the step breakdown (its overhead)
     packing      padded -> packed         one document per row, padded (pads loss-masked) vs packed rows;
                                           counted in real (non-pad) tokens/s, the work that trains the model
+    autocast_bf16 precision.autocast      the forward in bf16 autocast over fp32 weights vs fp32 (needs a CPU
+                                          with AVX-512 BF16/AMX; the run says why it is off otherwise)
+    loss_chunk   train.loss_chunk_tokens  fused-loss chunk of 512 tokens vs the default (128 on CPU)
+    act_ckpt     train.activation_checkpointing  recompute each layer in backward: memory for time
 
 Method on a shared 2-core machine: the two settings of a lever run alternately (off, on, on, off, ...) so a
 slow stretch of the machine hits both, each run's rate is wall-clock tokens/s over steps 2..N (the first step
@@ -49,6 +53,9 @@ LEVERS = {
     "doc_mask": ("data.document_masking=false", "data.document_masking=true"),
     "breakdown": ("train.step_breakdown=false", "train.step_breakdown=true"),
     "packing": (None, None),  # data differs, see _padded_dataset
+    "autocast_bf16": ("precision.autocast=none", "precision.autocast=bf16"),
+    "loss_chunk": ("train.loss_chunk_tokens=512", "train.loss_chunk_tokens=0"),
+    "act_ckpt": ("train.activation_checkpointing=false", "train.activation_checkpointing=true"),
 }
 
 

@@ -44,6 +44,17 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def cpu_bf16_native() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX); elsewhere torch emulates them,
+    slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def detect_backend() -> str:
     """``nccl`` on a GPU machine (unless ``DS_ACCELERATOR=cpu``), ``gloo`` otherwise; no side effects."""
     if os.environ.get("DS_ACCELERATOR") == "cpu" or not has_gpu():

@@ -44,6 +44,8 @@ class Decisions:
     """Feed each micro-batch as one row (varlen flash attention sees document boundaries that way)."""
     step_breakdown: Choice
     """DeepSpeed's engine timers (``wall_clock_breakdown``)."""
+    autocast: Choice
+    """``value``: (device type, dtype) of the forward's autocast over fp32 weights, e.g. ``("cpu", "bf16")``."""
     moe: Choice
     """``value``: experts per MoE layer (0 for a dense model)."""
     moe_leaf_modules: bool
@@ -63,14 +65,16 @@ class Decisions:
             "compile": self.compile,
             "packing": self.document_masking,
             "timing": self.step_breakdown,
+            "autocast": self.autocast,
             "zero3 init": self.zero3_init,
             "optimizer": self.optimizer_owner,
             "moe": self.moe,
         }
 
 
-def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str) -> Decisions:
-    """The run's decisions from a validated config, its topology, the HF config and ``gloo``/``nccl``."""
+def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, bf16_native: bool = True) -> Decisions:
+    """The run's decisions from a validated config, its topology, the HF config, ``gloo``/``nccl`` and whether
+    the device computes bf16 natively (a GPU does; a CPU needs AVX-512 BF16 or AMX)."""
     from ultrascale.model.moe import num_experts
 
     stage = cfg.zero.stage
@@ -88,6 +92,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str) -> Decisions:
         document_masking=doc,
         flat_batches=doc.on and attn.startswith("flash"),
         step_breakdown=_step_breakdown(cfg, topo),
+        autocast=_autocast(cfg, topo, backend, bf16_native),
         moe=Choice(experts > 0, _moe_why(experts, topo), experts),
         moe_leaf_modules=experts > 0 and stage == 3 and topo.ep == 1,
         hf_config=hf_config,
@@ -171,6 +176,20 @@ def _document_masking(cfg: Any, topo: Topology, attn: str) -> Choice:
         return Choice(False, f"off: Ulysses sp={topo.sp} drops {attn} masks (use flash_attention_2 for it)")
     how = "varlen kernel, micro-batch as one row" if attn.startswith("flash") else f"{attn} block-diagonal mask"
     return Choice(True, f"on: positions restart at EOS, no cross-document attention ({how})")
+
+
+def _autocast(cfg: Any, topo: Topology, backend: str, bf16_native: bool) -> Choice:
+    p = cfg.precision
+    if p.autocast == "none":
+        return Choice(False, "off (precision.autocast=none)")
+    if topo.pp > 1:
+        return Choice(False, "off: the pipeline engine runs its stages' forwards itself (pp>1)")
+    if not bf16_native:
+        return Choice(False, "off: this CPU has no native bf16 (AVX-512 BF16 or AMX): torch would emulate it, "
+                             "slower than fp32")  # fmt: skip
+    device = "cpu" if backend == "gloo" else "cuda"
+    why = f"{p.autocast} autocast of the forward on {device}, fp32 weights, gradients and Adam"
+    return Choice(True, why, (device, str(p.autocast)))
 
 
 def _step_breakdown(cfg: Any, topo: Topology) -> Choice:

@@ -31,6 +31,11 @@ class Precision(StrEnum):
     fp16 = "fp16"
 
 
+class Autocast(StrEnum):
+    none = "none"
+    bf16 = "bf16"
+
+
 class OptimizerName(StrEnum):
     adamw = "adamw"
     muon = "muon"
@@ -151,6 +156,11 @@ class ZeroConfig:
 class PrecisionConfig:
     dtype: Precision = Precision.fp32
     """``fp32``, ``bf16`` (no loss scaling needed; the default on Ampere+), or ``fp16`` (dynamic loss scale)."""
+    autocast: Autocast = Autocast.none
+    """``bf16`` (with ``dtype=fp32``): the forward runs under ``torch.autocast`` in bf16 (matmuls and attention in
+    bf16, norms and the loss in fp32) while weights, gradients and Adam stay fp32: the speed of bf16 kernels
+    without bf16 master weights. On a CPU it needs native bf16 (AVX-512 BF16 or AMX; the banner says why it is
+    off otherwise). `python bench/levers.py --levers autocast_bf16` measures it."""
     initial_scale_power: int = num(16, ge=0, le=32)
     """fp16 only: the dynamic loss scale starts at 2**this."""
     loss_scale_window: int = num(1000, ge=1)

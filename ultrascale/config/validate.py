@@ -143,8 +143,18 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> De
         from ultrascale.dist import detect_backend
 
         backend = detect_backend()
+    if cfg.precision.autocast != "none" and cfg.precision.dtype != "fp32":
+        raise ConfigError(
+            f"precision.autocast={cfg.precision.autocast} needs precision.dtype=fp32 (got {cfg.precision.dtype}): "
+            "autocast computes in bf16 over fp32 weights; with 16-bit weights use precision.autocast=none"
+        )
     hf = build_hf_config(cfg.model)
-    d = decide(cfg, topo, hf, backend)
+    bf16_native = True
+    if backend == "gloo" and cfg.precision.autocast != "none":
+        from ultrascale.dist import cpu_bf16_native
+
+        bf16_native = cpu_bf16_native()
+    d = decide(cfg, topo, hf, backend, bf16_native)
     dims = model_dims(hf)
     _zero_rules(cfg, d)
     _parallel_combinations(cfg, topo, dims)

@@ -62,6 +62,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad):
+        # fp32 math even inside the caller's autocast (precision.autocast=bf16): the loss stays exact
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _ChunkedLinearCrossEntropy._forward(
+                ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad
+            )
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad):
         n = hidden.shape[0]
         w32 = weight.float()  # no copy for fp32; bf16/fp16 heads are upcast once: fp32 math throughout
         valid_all = labels != ignore_index

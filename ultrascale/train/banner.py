@@ -54,6 +54,7 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"  loss       {d.fused_loss.why}",
         f"  attention  {d.attention.why}",
         f"  compile    {d.compile.why}",
+        f"  autocast   {d.autocast.why}",
         f"  output     {out}  (config.yaml, ds_config.json, metrics.jsonl, checkpoints/, logs/)",
     ]
     for k, v in info.extras.items():

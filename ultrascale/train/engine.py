@@ -46,6 +46,7 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _apply_loss(model, d)
     _apply_attention(model, d)
+    _apply_autocast(model, d)
     optimizer, params = _optimizer(model, cfg, d)
     # No lr_scheduler: the trainer sets each step's lr from the step number (optim.apply_lr).
     with HostPeak() as setup, hostmem.construction():  # AutoTP shards and ZeRO flattens in here
@@ -101,6 +102,13 @@ def _apply_attention(model, d: Decisions) -> None:
         from ultrascale.model.attention import install_blocked_attention
 
         install_blocked_attention(model, d.attention.value)
+
+
+def _apply_autocast(model, d: Decisions) -> None:
+    if d.autocast.on:  # after the fused loss: autocast wraps the forward as patched so far
+        from ultrascale.model.autocast import install_autocast
+
+        install_autocast(model, *d.autocast.value)
 
 
 def _apply_compile(engine, scope: str) -> None:

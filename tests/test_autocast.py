@@ -1,0 +1,100 @@
+"""``precision.autocast=bf16``: the forward's matmuls run in bf16 over fp32 weights, gradients and Adam, the
+fused loss stays fp32, and it is off, with the reason, where the CPU would only emulate bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import FAST, check, launch, losses
+from ultrascale.dist import cpu_bf16_native
+from ultrascale.model.autocast import install_autocast
+from ultrascale.model.loss import install_fused_loss
+
+NATIVE = pytest.mark.skipif(not cpu_bf16_native(), reason="this CPU has no AVX-512 BF16/AMX: autocast stays off")
+
+
+def _tiny(seed: int = 0):
+    from ultrascale.model.build import build_model
+
+    cfg = OmegaConf.create({"type": "llama", "name": "t", "pretrained_path": None, "init_seed": None,
+                            "attn_implementation": "sdpa",
+                            "config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "max_position_embeddings": 128}})  # fmt: skip
+    return build_model(cfg, seed=seed)
+
+
+def _step(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain_loss", "fused_loss"])
+def test_bf16_matmuls_over_fp32_weights_give_the_fp32_loss_and_gradients(fused):
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    ref, cast = _tiny(), _tiny()
+    if fused:
+        install_fused_loss(ref, chunk_tokens=32)
+        install_fused_loss(cast, chunk_tokens=32)
+    install_autocast(cast, "cpu", "bf16")
+    seen = []
+    cast.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    ref_loss, ref_grads = _step(ref, ids)
+    loss, grads = _step(cast, ids)
+    assert seen == [torch.bfloat16]  # the Linear really ran in bf16
+    assert loss.dtype == torch.float32 and all(p.dtype == torch.float32 for p in cast.parameters())
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-2)  # bf16 rounding, not a different loss
+    for name, g in grads.items():
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), ref_grads[name].flatten(), dim=0)
+        assert cos > 0.98, (name, float(cos))
+
+
+def test_the_fused_loss_stays_fp32_under_autocast():
+    """The chunked loss turns autocast off inside: its logits are fp32, so it equals the fp32 loss of the same
+    (bf16-rounded) hidden states to fp32 precision."""
+    from ultrascale.model.loss import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(96, 64, generator=g), torch.randn(512, 64, generator=g) * 0.05
+    labels = torch.randint(0, 512, (96,), generator=g)
+    plain = linear_cross_entropy(hidden, weight, labels, chunk_tokens=32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = linear_cross_entropy(hidden, weight, labels, chunk_tokens=32)
+    assert cast.dtype == torch.float32
+    torch.testing.assert_close(cast, plain, rtol=0, atol=1e-6)
+
+
+def test_off_where_the_cpu_has_no_native_bf16_and_refused_over_16_bit_weights():
+    from ultrascale.config.compose import compose
+    from ultrascale.config.decide import decide
+    from ultrascale.config.topology import Topology
+    from ultrascale.config.validate import validate
+    from ultrascale.errors import ConfigError
+    from ultrascale.model.build import build_hf_config
+
+    cfg = compose(["precision.autocast=bf16"])
+    hf, topo = build_hf_config(cfg.model), Topology(world=1)
+    assert decide(cfg, topo, hf, "gloo", bf16_native=True).autocast.on
+    off = decide(cfg, topo, hf, "gloo", bf16_native=False).autocast
+    assert not off.on and "no native bf16" in off.why
+    with pytest.raises(ConfigError, match="precision.autocast=bf16 needs precision.dtype=fp32"):
+        validate(compose(["precision=bf16", "precision.autocast=bf16"]), 1)
+
+
+@pytest.mark.dist
+@NATIVE
+def test_two_ranks_train_under_autocast_like_fp32(tiny_data, tmp_path):
+    """ZeRO-1 on 2 ranks: the autocast run's losses follow the fp32 run's and fall; the ranks agree."""
+    runs = {}
+    for name, extra in {"fp32": [], "autocast": ["precision.autocast=bf16"]}.items():
+        out = tmp_path / name
+        check(launch([*FAST, "model.config.vocab_size=257", f"data.path={tiny_data}", f"output_dir={out}",
+                      "train.steps=8", *extra]))  # fmt: skip
+        runs[name] = losses(out)
+    assert runs["autocast"][8] < runs["autocast"][1] - 0.3, runs
+    for step, ref in runs["fp32"].items():
+        assert runs["autocast"][step] == pytest.approx(ref, rel=2e-2), (step, runs)
