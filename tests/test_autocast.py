@@ -81,7 +81,7 @@ def test_off_where_the_cpu_has_no_native_bf16_and_refused_over_16_bit_weights():
     assert decide(cfg, topo, hf, "gloo", bf16_native=True).autocast.on
     off = decide(cfg, topo, hf, "gloo", bf16_native=False).autocast
     assert not off.on and "no native bf16" in off.why
-    with pytest.raises(ConfigError, match="precision.autocast=bf16 needs precision.dtype=fp32"):
+    with pytest.raises(ConfigError, match=r"precision\.autocast=bf16 needs precision\.dtype=fp32"):
         validate(compose(["precision=bf16", "precision.autocast=bf16"]), 1)
 
 
