@@ -13,12 +13,17 @@ the speed-up, peak RSS of every process by stage (each stage's tasks record thei
 of dedup on the planted copies (the 4x run), and that both worker counts wrote the same manifest.
 
 Near-dedup throughput, same texts, one process each (``--dedup-docs`` documents: originals with their
-copies): our stage functions (numpy MinHash, band keys, candidate pairs confirmed on the signature, union of
-pairs) against datasketch's fastest path (``MinHash.bulk`` + ``MinHashLSH``) and datatrove's four MinHash
-steps (signature, buckets, cluster, filter); same 5-gram words, 256 permutations, 0.85, the same bands x rows.
-Exact dedup likewise against datatrove's three exact-dedup steps.
+copies): our functions in memory (numpy MinHash, band keys, candidate pairs confirmed on the signature, union
+of pairs), and the pipeline's own stages as a 1-task run does them, with their disk I/O (signatures +
+near_dedup + cluster over ``--tasks`` buckets, from the map's bucket files, exact dedup included), against
+datasketch's fastest path (``MinHash.bulk`` + ``MinHashLSH``) and datatrove's four MinHash steps (signature,
+buckets, cluster, filter); same 5-gram words, 256 permutations, 0.85, the same bands x rows. Exact dedup
+likewise against datatrove's three exact-dedup steps. JSONL I/O on the same documents: our reader and writer
+against datatrove's ``JsonlReader`` / ``JsonlWriter`` (those need ``orjson``, not a dependency here: without
+it their rows are skipped and say so).
 
-Usage: ``python bench/bench_data_scale.py [--copies 3] [--tasks 8] [--rounds 1] [--dedup-docs 2000] [--json PATH]``.
+Usage: ``python bench/bench_data_scale.py [--copies 3] [--tasks 8] [--rounds 1] [--dedup-docs 2000] [--json PATH]``;
+``--skip-pipeline`` runs only the dedup and JSONL tables.
 This box's cores are shared: each run records the load average around it, and ``--rounds N`` keeps each
 row's fastest of N.
 """
@@ -329,6 +334,179 @@ def exact_datatrove(texts: list[str], tmp: Path) -> int:
     return len(texts) - kept
 
 
+def _stage_cfg(out: Path, buckets: int):
+    """The pipeline's config for the dedup stages alone: the defaults (exact and near dedup on), one task,
+    ``buckets`` buckets, license off (no license stage ran; its lookup is a small table per bucket)."""
+    from data_prep.config import to_cfg
+
+    return to_cfg(
+        {
+            "input": str(out),
+            "output_dir": str(out),
+            "buckets": buckets,
+            "license": {"enabled": False},
+            "executor": {"tasks": 1, "workers": 1, "progress": False},
+        }
+    )
+
+
+def write_map_buckets(texts: list[str], ids: list[str], out: Path, buckets: int):
+    """What the map stage hands the signatures stage (untimed): each document, with its content hash, in its
+    seeded bucket's ``b<bucket>.jsonl.gz``, as ``map_unit`` writes them."""
+    from data_prep.store import doc_bucket, write_jsonl_gz
+    from data_prep.work import Work
+
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = _stage_cfg(out, buckets)
+    work = Work(cfg)
+    work.map_task(0).mkdir(parents=True)
+    per: dict[int, list[dict]] = {}
+    for doc_id, text in zip(ids, texts):
+        doc = {"id": doc_id, "text": text, "repo": doc_id.rsplit("/", 1)[0], "path": doc_id, "lang": "python"}
+        doc |= {"license": None, "sha256": dedup.content_hash(text)}
+        per.setdefault(doc_bucket(cfg.seed, doc_id, buckets), []).append(doc)
+    for b, docs in per.items():
+        write_jsonl_gz(work.map_task(0) / f"b{b:05d}.jsonl.gz", docs)
+    return cfg
+
+
+def near_pipeline(cfg) -> int:
+    """The pipeline's dedup stages as a 1-task run does them (``stages.run_task``: every unit, its files and
+    stats on disk): signatures (read the buckets, MinHash, band and hash keys), near_dedup (candidate pairs
+    per key partition, confirmed), cluster (union of the pairs, removal lists). Returns what it removed
+    (exact + near: datasketch and datatrove count an exact copy as a near duplicate too)."""
+    from data_prep.stages import run_task
+    from data_prep.work import Work
+
+    work = Work(cfg)
+    for stage in ("signatures", "near_dedup", "cluster"):
+        shutil.rmtree(work.dir(stage), ignore_errors=True)
+    for stage in ("signatures", "near_dedup", "cluster"):
+        run_task(stage, cfg, 0, 1)
+    st = work.read_unit("cluster", 0)
+    return st["exact"] + st["near"]
+
+
+# ------------------------------------------------------------------------------------------ JSONL I/O
+
+
+def _orjson_missing() -> str | None:
+    try:
+        import orjson  # noqa: F401
+    except ImportError:
+        return "datatrove's JsonlReader/JsonlWriter import orjson, which this project does not install"
+    return None
+
+
+def jsonl_io(texts: list[str], ids: list[str], repeat: int, tmp: Path) -> dict:
+    """Read a JSONL.gz input into documents, and write documents to JSONL.gz: ours against datatrove's.
+
+    Read: ``data_prep.sources.iter_jsonl`` against ``JsonlReader`` with an adapter that makes the same
+    documents (``_row_doc``, as ``iter_parquet`` does with ``ParquetReader``), and against ``JsonlReader``
+    with its default adapter (``Document`` objects only, a lower bound for it). Write: the signatures
+    stage's documents with ``data_prep.store.write_jsonl_gz`` (gzip level 1) against ``JsonlWriter``
+    (``Document`` per row, ``expand_metadata``; gzip through fsspec, level 9, not settable there; and
+    uncompressed, which isolates its serialization).
+    Every side's output is checked equal to ours.
+    """
+    from collections import Counter as C
+
+    from data_prep.config import to_cfg
+    from data_prep.sources import _row_doc, extension_map, iter_jsonl
+    from data_prep.store import read_jsonl_gz, write_jsonl_gz
+
+    # Documents with text (an empty file would be skipped by datatrove's reader and dropped by the map).
+    ids, texts = zip(*[(i, t) for i, t in zip(ids, texts) if t.strip()]) if texts else ((), ())
+    d = tmp / "jsonl_io"
+    shutil.rmtree(d, ignore_errors=True)
+    (d / "in").mkdir(parents=True)
+    src = d / "in" / "rows.jsonl.gz"
+    with gzip.open(src, "wt", encoding="utf-8") as f:
+        for doc_id, text in zip(ids, texts):
+            f.write(json.dumps({"content": text, "path": doc_id, "repo": doc_id.rsplit("/", 1)[0]}) + "\n")
+    cfg = to_cfg({"input": str(src), "output_dir": str(d / "out")})
+    ext_map = extension_map(cfg)
+
+    def read_ours() -> list[dict]:
+        return list(iter_jsonl(cfg, src, 0, 1, C()))
+
+    def read_datatrove(same_docs: bool) -> list:
+        from datatrove.pipeline.readers import JsonlReader
+
+        def adapter(reader, row: dict, source: str, index: int) -> dict:
+            doc = _row_doc(cfg, row, f"{Path(source).name}:{index + 1:09d}", ext_map)
+            text, doc_id = doc.pop("text"), doc.pop("id")
+            return {"text": text, "id": doc_id, "metadata": doc}
+
+        kw = {"adapter": adapter} if same_docs else {}
+        reader = JsonlReader(str(d / "in"), glob_pattern=src.name, text_key="content", add_file_path=False, **kw)
+        docs = reader.read_file(src.name)
+        if not same_docs:
+            return list(docs)
+        return [{"id": x.id, "text": x.text, **x.metadata} for x in docs]
+
+    docs = read_ours()
+    keys = ("id", "text", "repo", "path", "lang", "license")
+    rows = [{k: x[k] for k in keys} for x in docs]
+
+    def write_ours() -> int:
+        return write_jsonl_gz(d / "ours.jsonl.gz", rows)
+
+    def write_datatrove(gzip_: bool = True) -> int:
+        from datatrove.data import Document
+        from datatrove.pipeline.writers import JsonlWriter
+
+        out, name = (d / "dt_out", "${rank}.jsonl.gz") if gzip_ else (d / "dt_plain", "${rank}.jsonl")
+        shutil.rmtree(out, ignore_errors=True)
+        kw = {} if gzip_ else {"compression": None}
+        with JsonlWriter(str(out), output_filename=name, expand_metadata=True, **kw) as w:
+            for r in rows:
+                meta = {k: r[k] for k in keys[2:]}
+                w.write(Document(text=r["text"], id=r["id"], metadata=meta), rank=0)
+        return len(rows)
+
+    fns_read = {"ours": read_ours}
+    fns_write = {"ours": write_ours}
+    skipped = _orjson_missing()
+    if not skipped:
+        fns_read |= {
+            "datatrove_same_docs": lambda: read_datatrove(True),
+            "datatrove_documents": lambda: read_datatrove(False),
+        }
+        fns_write["datatrove"] = write_datatrove
+        fns_write["datatrove_uncompressed"] = lambda: write_datatrove(False)
+    read_s, read_got = best_of(fns_read, repeat)
+    write_s, _ = best_of(fns_write, repeat)
+
+    def strip(xs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in x.items() if k != "_has_path"} for x in xs]
+
+    checks = {}
+    if not skipped:
+        checks["read_same_docs"] = strip(read_got["datatrove_same_docs"]) == strip(docs)
+        checks["read_documents"] = [(x.id, x.text) for x in read_got["datatrove_documents"]] == [
+            (f"{src.name}/{i}", r["text"]) for i, r in enumerate(rows)
+        ]
+        back = [{k: r.get(k) for k in keys} for r in read_jsonl_gz(d / "dt_out" / "00000.jsonl.gz")]
+        checks["write"] = back == rows and list(read_jsonl_gz(d / "ours.jsonl.gz")) == rows
+        with open(d / "dt_plain" / "00000.jsonl") as f:
+            checks["write_uncompressed"] = [{k: json.loads(line).get(k) for k in keys} for line in f] == rows
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    return {
+        "docs": len(rows),
+        "mb": mb,
+        "input_gz_mb": src.stat().st_size / 1e6,
+        "read_seconds": read_s,
+        "write_seconds": write_s,
+        "written_gz_mb": {
+            "ours": (d / "ours.jsonl.gz").stat().st_size / 1e6,
+            **({"datatrove": (d / "dt_out" / "00000.jsonl.gz").stat().st_size / 1e6} if not skipped else {}),
+        },
+        "same_output": checks,
+        "datatrove_skipped": skipped,
+    }
+
+
 def best_of(fns: dict, repeat: int) -> tuple[dict, dict]:
     """Best wall seconds per variant over ``repeat`` interleaved rounds, and what each found."""
     secs = {k: float("inf") for k in fns}
@@ -341,8 +519,8 @@ def best_of(fns: dict, repeat: int) -> tuple[dict, dict]:
     return secs, found
 
 
-def dedup_throughput(corpus: Path, truth: dict, n_docs: int, repeat: int, tmp: Path) -> dict:
-    """Originals with their copies, in a fixed order, until ``n_docs`` documents."""
+def dedup_throughput(corpus: Path, truth: dict, n_docs: int, repeat: int, tmp: Path, buckets: int) -> dict:
+    """Originals with their copies, in a fixed order, until ``n_docs`` documents. Also the JSONL I/O rows."""
     by_orig: dict[str, list[str]] = {}
     for c, t in sorted(truth.items()):
         by_orig.setdefault(t["orig"], []).append(c)
@@ -351,11 +529,14 @@ def dedup_throughput(corpus: Path, truth: dict, n_docs: int, repeat: int, tmp: P
         if len(ids) >= n_docs:
             break
         ids += [orig, *cs]
-    texts = [(corpus / i).read_text() for i in ids[:n_docs]]
+    ids = ids[:n_docs]
+    texts = [(corpus / i).read_text() for i in ids]
     mb = sum(len(t.encode()) for t in texts) / 1e6
+    stage_cfg = write_map_buckets(texts, ids, tmp / "dp_stages", buckets)
     near_s, near_found = best_of(
         {
             "ours": lambda: near_ours(texts),
+            "ours_pipeline_stages": lambda: near_pipeline(stage_cfg),
             "datasketch_bulk": lambda: near_datasketch(texts),
             "datatrove": lambda: near_datatrove(texts, tmp / "dt_minhash"),
         },
@@ -371,9 +552,13 @@ def dedup_throughput(corpus: Path, truth: dict, n_docs: int, repeat: int, tmp: P
         "near_removed": near_found,
         "near_docs_per_s": {k: len(texts) / v for k, v in near_s.items()},
         "near_ratio_vs_fastest_baseline": min(near_s["datasketch_bulk"], near_s["datatrove"]) / near_s["ours"],
+        "near_pipeline_stages_ratio_vs_fastest_baseline": min(near_s["datasketch_bulk"], near_s["datatrove"])
+        / near_s["ours_pipeline_stages"],
+        "pipeline_stages_buckets": buckets,
         "exact_seconds": exact_s,
         "exact_removed": exact_found,
         "exact_ratio_vs_datatrove": exact_s["datatrove"] / exact_s["ours"],
+        "jsonl_io": jsonl_io(texts, ids, repeat, tmp),
     }
 
 
@@ -430,7 +615,9 @@ def main() -> int:
                             result["planted"] = planted_scores(tmp / f"corpus_{name}", out, truth)
                         shutil.rmtree(out)  # the disk holds one run at a time; what was measured is in runs
             result["runs"] = runs
-        result["dedup"] = dedup_throughput(tmp / f"corpus_{scale}x", truth, args.dedup_docs, args.repeat, tmp)
+        result["dedup"] = dedup_throughput(
+            tmp / f"corpus_{scale}x", truth, args.dedup_docs, args.repeat, tmp, args.tasks
+        )
     report(result, scale)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -502,7 +689,9 @@ def report(result: dict, scale: int) -> None:
     print("| near dedup (256 perm, 5-gram words, J >= 0.85) | seconds | docs/s | removed | ours vs this |")
     print("|---|---:|---:|---:|---:|")
     names = {
-        "ours": "data_prep stage functions",
+        "ours": "data_prep functions in memory (MinHasher + near_duplicates)",
+        "ours_pipeline_stages": f"data_prep pipeline stages signatures + near_dedup + cluster, on disk, "
+        f"{d['pipeline_stages_buckets']} buckets, exact dedup too",
         "datasketch_bulk": "datasketch MinHash.bulk + MinHashLSH",
         "datatrove": "datatrove MinhashDedup{Signature,Buckets,Cluster,Filter}",
     }
@@ -517,6 +706,36 @@ def report(result: dict, scale: int) -> None:
         f"| datatrove ExactDedup{{Signature,FindDedups,Filter}} | {d['exact_seconds']['datatrove']:.3f} | "
         f"{d['exact_removed']['datatrove']} | {d['exact_ratio_vs_datatrove']:.2f}x |"
     )
+    print(
+        f"our pipeline's near-dedup stages vs the faster baseline: {d['near_pipeline_stages_ratio_vs_fastest_baseline']:.2f}x"
+        " (>= 1 is the target)"
+    )
+    io = d["jsonl_io"]
+    print(f"\nJSONL I/O, the same {io['docs']} documents ({io['mb']:.1f} MB of text), best of the rounds")
+    if io["datatrove_skipped"]:
+        print(f"datatrove's side skipped: {io['datatrove_skipped']} (pip install orjson to measure it)")
+    print("| JSONL | seconds | docs/s | ours vs this | same output |\n|---|---:|---:|---:|---|")
+    labels = {
+        ("read", "ours"): "read .jsonl.gz: data_prep.sources.iter_jsonl",
+        ("read", "datatrove_same_docs"): "read: datatrove JsonlReader, adapter making the same documents",
+        ("read", "datatrove_documents"): "read: datatrove JsonlReader, default adapter (Documents only)",
+        ("write", "ours"): "write .jsonl.gz: data_prep.store.write_jsonl_gz (gzip level 1)",
+        ("write", "datatrove"): "write: datatrove JsonlWriter (gzip via fsspec, level 9)",
+        ("write", "datatrove_uncompressed"): "write: datatrove JsonlWriter, uncompressed (orjson alone)",
+    }
+    same = {
+        "datatrove_same_docs": "read_same_docs",
+        "datatrove_documents": "read_documents",
+        "datatrove": "write",
+        "datatrove_uncompressed": "write_uncompressed",
+    }
+    for (op, k), label in labels.items():
+        secs = io[f"{op}_seconds"]
+        if k not in secs:
+            continue
+        ratio = "-" if k == "ours" else f"{secs[k] / secs['ours']:.2f}x"
+        ok = io["same_output"].get(same.get(k, ""), "-")
+        print(f"| {label} | {secs[k]:.3f} | {io['docs'] / secs[k]:.0f} | {ratio} | {ok} |")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ import itertools
 import json
 import os
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +46,7 @@ KEY_DTYPE = np.dtype([("part", "<u4"), ("kind", "<u2"), ("key", "<u8"), ("row", 
 PAIR_DTYPE = np.dtype([("a", "<i8"), ("b", "<i8"), ("exact", "u1")])
 REMOVED_DTYPE = np.dtype([("bucket", "<u4"), ("row", "<u4"), ("why", "u1")])
 EXACT, NEAR = 1, 2
+NEAR_REMOVED, EXACT_REMOVED = "near_removed.jsonl.gz", "exact_removed.jsonl.gz"
 
 
 def _ref(bucket: int, rows: np.ndarray) -> np.ndarray:
@@ -53,14 +56,17 @@ def _ref(bucket: int, rows: np.ndarray) -> np.ndarray:
 def _gather(ctx: Ctx, suffix: str, refs: np.ndarray) -> np.ndarray:
     """Rows ``refs`` (``bucket << 32 | row``) of the signatures stage's per-bucket arrays ``b*<suffix>``."""
     buckets, rows = refs >> 32, refs & 0xFFFFFFFF
-    out = None
+    got = []
     for b in np.unique(buckets).tolist():
         sel = np.flatnonzero(buckets == b)
         arr = ctx.once(f"{suffix}:{b}", lambda b=b: load_npy(ctx.work.bucket("signatures", b, suffix)))
-        got = np.asarray(arr[rows[sel]])
-        if out is None:
-            out = np.empty((len(refs), *arr.shape[1:]), dtype=arr.dtype)
-        out[sel] = got
+        got.append((sel, np.asarray(arr[rows[sel]])))
+    if not got:
+        return None
+    # The widest dtype of any bucket: ids are ``S<longest id in the bucket>``, and a narrower one would truncate.
+    out = np.empty((len(refs), *got[0][1].shape[1:]), dtype=np.result_type(*(g.dtype for _, g in got)))
+    for sel, g in got:
+        out[sel] = g
     return out
 
 
@@ -287,9 +293,12 @@ def cluster_unit(ctx: Ctx, unit: int) -> dict:
     )
     nodes, idx = np.unique(np.stack([pairs["a"], pairs["b"]], axis=1), return_inverse=True)
     idx = idx.reshape(-1, 2)
-    ids = [x.decode("utf-8") for x in _gather(ctx, ".ids.npy", nodes).tolist()] if len(nodes) else []
+    # Ids as one fixed-width bytes array, not Python strings; UTF-8 byte order is code point order, so a
+    # stable argsort is ``sorted(ids)``.
+    ids = _gather(ctx, ".ids.npy", nodes) if len(nodes) else np.zeros(0, dtype="S1")
+    by_id = np.argsort(ids, kind="stable")
     rank = np.empty(len(nodes), dtype=np.int64)
-    rank[sorted(range(len(ids)), key=ids.__getitem__)] = np.arange(len(ids))
+    rank[by_id] = np.arange(len(nodes))
     exact_root = dedup.clusters(idx[pairs["exact"] == 1], rank)
     root = dedup.clusters(idx, rank)
     me = np.arange(len(nodes))
@@ -308,26 +317,38 @@ def cluster_unit(ctx: Ctx, unit: int) -> dict:
         ):
             taken[key] -= n
     write_run(work.dir("cluster") / "removed_repos", [(k, {"chars": n}) for k, n in taken.items()])
-    near = sorted(({"id": ids[i], "kept": ids[root[i]]} for i in np.flatnonzero(why == NEAR)), key=lambda r: r["id"])
-    exact = sorted(
-        ({"id": ids[i], "kept": ids[exact_root[i]]} for i in np.flatnonzero(why == EXACT)), key=lambda r: r["id"]
-    )
-    write_jsonl_gz(work.dir("cluster") / "near_removed.jsonl.gz", near)
-    write_jsonl_gz(work.dir("cluster") / "exact_removed.jsonl.gz", exact)
+    # The full lists ({id, kept}, in id order) stream to disk, one row at a time: never a list in memory.
+    n_near = write_jsonl_gz(work.dir("cluster") / NEAR_REMOVED, _removals(ids, by_id, why, NEAR, root))
+    n_exact = write_jsonl_gz(work.dir("cluster") / EXACT_REMOVED, _removals(ids, by_id, why, EXACT, exact_root))
     nd = cfg.near_dedup
     bands, rows = dedup.bands_rows(nd.threshold, nd.num_perm, nd.bands)
     return {
         "pairs": len(pairs),
         "documents": len(nodes),
-        "exact": len(exact),
-        "near": len(near),
+        "exact": n_exact,
+        "near": n_near,
         "bands": bands,
         "rows": rows,
     }
 
 
-def near_removed(ctx: Ctx) -> list[dict]:
-    return list(read_jsonl_gz(ctx.work.dir("cluster") / "near_removed.jsonl.gz"))
+def _removals(ids: np.ndarray, by_id: np.ndarray, why: np.ndarray, kind: int, kept: np.ndarray) -> Iterator[dict]:
+    """``{id, kept}`` for every node removed as ``kind``, in id order, made one at a time."""
+    sel = by_id[why[by_id] == kind]
+    for start in range(0, len(sel), 1 << 16):
+        for i in sel[start : start + (1 << 16)].tolist():
+            yield {"id": ids[i].decode("utf-8"), "kept": ids[kept[i]].decode("utf-8")}
+
+
+def near_removed_path(ctx: Ctx) -> Path:
+    """The cluster step's full list of near-duplicate removals (``{id, kept}`` rows, gzipped JSONL, id order)."""
+    return ctx.work.dir("cluster") / NEAR_REMOVED
+
+
+def near_removed(ctx: Ctx, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` near-duplicate removals in id order (all with None), read from disk."""
+    with gzip.open(near_removed_path(ctx), "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in itertools.islice(f, limit)]
 
 
 # --------------------------------------------------------------------------------------------- clean

@@ -12,8 +12,8 @@ from collections import Counter
 from pathlib import Path
 
 from data_prep.config import config_hash
-from data_prep.doc_stages import near_removed
-from data_prep.report import write_report
+from data_prep.doc_stages import near_removed, near_removed_path
+from data_prep.report import REPORT_ROWS, write_report
 from data_prep.split import SPLITS
 from data_prep.store import read_jsonl_gz
 from data_prep.tokenizer import EOS, SPECIAL_TOKENS, load_dir
@@ -103,7 +103,14 @@ def finalize_unit(ctx: Ctx, unit: int) -> dict:
     decon = _decontamination_list(ctx)
     details = {
         "license": {"kept_by_license": dict(sorted(kept_by_license.items()))},
-        "near_dedup": {"bands": cluster["bands"], "rows": cluster["rows"], "removed": near_removed(ctx)},
+        "near_dedup": {
+            "bands": cluster["bands"],
+            "rows": cluster["rows"],
+            # The report shows the count and the first rows; the full list stays on disk, never in memory.
+            "removed": near_removed(ctx, REPORT_ROWS),
+            "removed_total": cluster["near"],
+            "removed_list": near_removed_path(ctx).relative_to(work.out).as_posix() if cfg.keep_work else None,
+        },
         "pii": {"redactions": dict(sorted(redactions.items())), "docs_redacted": docs_redacted},
         "decontam": {**decontam_info, "removed": decon},
     }
@@ -160,7 +167,7 @@ def finalize_unit(ctx: Ctx, unit: int) -> dict:
         "bad_input": {k: v for k, v in map_stats["read"]["dropped"].items() if v},
         "quality_dropped": map_stats["quality"]["dropped"],
         "pii": details["pii"],
-        "near_dedup": {k: v for k, v in details["near_dedup"].items() if k != "removed"},
+        "near_dedup": {k: v for k, v in details["near_dedup"].items() if not k.startswith("removed")},
         "decontamination": {
             "benchmarks": decontam_info["benchmarks"],
             "unavailable": decontam_info["unavailable"],

@@ -7,6 +7,8 @@ from pathlib import Path
 from data_prep.work import WHERE
 from ultrascale.atomic import atomic_write_text
 
+REPORT_ROWS = 50  # near-duplicate removals listed in report.md; the full list is the cluster step's file
+
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f}"
@@ -78,12 +80,26 @@ def write_report(out: Path, manifest: dict, details: dict, records: dict[str, li
     if removed:
         lines += ["", "| document | benchmark item | n-gram overlap |", "|---|---|---:|"]
         lines += [f"| {r['id']} | {r['benchmark_item']} | {r['overlap']:.2f} |" for r in removed]
-    nd = details.get("near_dedup", {}).get("removed", [])
-    if nd:
-        lines += ["", "## Near duplicates removed", "", "| removed | kept |", "|---|---|"]
-        lines += [f"| {r['id']} | {r['kept']} |" for r in nd[:200]]
-        if len(nd) > 200:
-            lines.append(f"| ... {len(nd) - 200} more | |")
+    nd = details.get("near_dedup", {})
+    total = nd.get("removed_total", 0)
+    if total:
+        head = nd["removed"][:REPORT_ROWS]
+        lines += [
+            "",
+            "## Near duplicates removed",
+            "",
+            f"Removed: {total}; "
+            + (f"the first {len(head)} by id below. " if len(head) < total else "all below. ")
+            + (
+                f"The full list ({{id, kept}} rows, id order): `{nd['removed_list']}`."
+                if nd.get("removed_list")
+                else "The full list was in `_work/`, deleted at the end (keep_work=false)."
+            ),
+            "",
+            "| removed | kept |",
+            "|---|---|",
+        ]
+        lines += [f"| {r['id']} | {r['kept']} |" for r in head]
     lic = manifest.get("license", {}).get("kept_by_license", {})
     if lic:
         lines += ["", "## Licenses kept", "", ", ".join(f"{k}: {v}" for k, v in lic.items())]

@@ -241,6 +241,10 @@ def iter_jsonl(cfg: DataPrepConfig, path: Path, rank: int, world: int, counts: C
     """One file: every task scans it and parses its lines (``lineno % world``). A directory: whole files per task.
 
     Ids are ``<file>:<line>`` with the file relative to ``input``, so two files with one name cannot collide.
+    Not datatrove's ``JsonlReader``, and not for speed: with orjson (not a dependency here) it read the same 1,999
+    documents (25.8 MB, .jsonl.gz) in 0.088-0.114 s against 0.113 s for this (`python bench/bench_data_scale.py
+    --skip-pipeline --repeat 2`), but it shards whole files only (not one file's lines) and drops the rest of a
+    file at its first non-UTF-8 line, where this skips and counts each bad line.
     """
     ext_map = extension_map(cfg)
     if path.is_dir():

@@ -83,7 +83,9 @@ def split_unit(ctx: Ctx, unit: int) -> dict:
         fallback = (smallest[1], smallest[2])
 
     parts = cfg.buckets
-    names: list[list[tuple[str, str]]] = [[] for _ in range(parts)]
+    # One partition's rows at a time: repositories come in key order and partitions are key ranges, so
+    # partition p is complete (and flushed, then cleared) before the first repository of p + 1 arrives.
+    names: list[tuple[str, str]] = []
     stats = {s: {"repos": 0, "chars": 0} for s in SPLITS}
     keys: list[int] = []
     vals: list[int] = []
@@ -91,8 +93,8 @@ def split_unit(ctx: Ctx, unit: int) -> dict:
 
     def flush(p: int) -> None:
         write_table(work.part("split", p), np.array(keys, dtype=np.uint64), np.array(vals, dtype=np.uint8))
-        _write_names(work.part("split", p, ".names.jsonl"), sorted(names[p]))
-        keys.clear(), vals.clear()
+        _write_names(work.part("split", p, ".names.jsonl"), sorted(names))
+        keys.clear(), vals.clear(), names.clear()
 
     for key, repo, size, split in _assign(ctx, target, fallback):
         p = repo_part(key, parts)
@@ -101,7 +103,7 @@ def split_unit(ctx: Ctx, unit: int) -> dict:
             p_cur += 1
         keys.append(key)
         vals.append(split)
-        names[p].append((repo, SPLITS[split]))
+        names.append((repo, SPLITS[split]))
         stats[SPLITS[split]]["repos"] += 1
         stats[SPLITS[split]]["chars"] += size
     while p_cur < parts:

@@ -30,7 +30,12 @@ def _tmp(path: Path) -> Path:
 
 
 def write_jsonl_gz(path: Path, rows: Iterable[dict]) -> int:
-    """Write rows atomically; returns how many. Level 1: these files are read once, by the next stage."""
+    """Write rows atomically; returns how many. Level 1: these files are read once, by the next stage.
+
+    Not datatrove's ``JsonlWriter``: it writes in place (no atomic rename) at gzip level 9, 1.65 s against
+    0.22 s for this on 1,999 documents (25.8 MB; uncompressed, with orjson, it took 0.09 s but writes 5x the
+    bytes): `python bench/bench_data_scale.py --skip-pipeline --repeat 2`.
+    """
     n = 0
     tmp = _tmp(path)
     with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as f:

@@ -111,6 +111,10 @@ def test_near_duplicate_with_small_edits_removed_distinct_kept(prepared):
     near = near_removed(out)
     assert {r["id"] for r in near} == {"mathutils_fork/colorsys_fork.py"}
     assert near[0]["kept"] == "mathutils/colorsys.py"
+    report = (out / "report.md").read_text()
+    assert (
+        "Removed: 1; all below." in report and "| mathutils_fork/colorsys_fork.py | mathutils/colorsys.py |" in report
+    )
     # bisect_vendored.py == bisect.py, badrepo/shlex_copy_ok.py == textutils/shlex.py
     assert m["stages"]["exact_dedup"]["dropped"]["duplicate"] == 2
     kept = {d["id"] for d in read_docs(out)}

@@ -7,6 +7,7 @@ The reference is a run of test_data_prep's corpus with tasks=1 in one process.
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import os
@@ -291,6 +292,41 @@ def test_keyed_runs_read_by_range_and_tables_look_up_by_partition(tmp_path):
     assert table.lookup(keys).tolist() == [k % 5 for k in keys]
     with pytest.raises(KeyError):
         table.lookup([keys[0] + 1])
+
+
+def test_cluster_streams_removals_in_id_order_with_whole_ids(tmp_path):
+    """Ids are gathered at the widest bucket's width (a narrower first bucket must not cut the others'), the
+    lowest id of a cluster is kept, and the removal lists stream to disk in id order."""
+    from data_prep.config import to_cfg
+    from data_prep.doc_stages import PAIR_DTYPE, cluster_unit, near_removed
+    from data_prep.store import save_npy
+    from data_prep.work import Ctx, Work
+
+    cfg = to_cfg({"output_dir": str(tmp_path), "buckets": 2})
+    work = Work(cfg)
+    for stage in ("signatures", "near_dedup", "cluster"):
+        work.dir(stage).mkdir(parents=True)
+    ids = {0: ["zz/a.py", "b.py"], 1: ["a/very/long/path/name.py", "a/very/long/path/name_copy.py", "c.py"]}
+    for b, names in ids.items():
+        save_npy(work.bucket("signatures", b, ".ids.npy"), np.array([n.encode() for n in names]))
+        save_npy(work.bucket("signatures", b, ".rkey.npy"), np.arange(len(names), dtype=np.uint64))
+        save_npy(work.bucket("signatures", b, ".chars.npy"), np.ones(len(names), dtype=np.int64))
+
+    def pairs(*rows):
+        return np.array([((ba << 32) | ra, (bb << 32) | rb, ex) for (ba, ra), (bb, rb), ex in rows], dtype=PAIR_DTYPE)
+
+    save_npy(work.part("near_dedup", 0, ".npy"), pairs(((0, 0), (1, 1), 0), ((1, 0), (1, 1), 0)))
+    save_npy(work.part("near_dedup", 1, ".npy"), pairs(((0, 1), (1, 2), 1)))
+    ctx = Ctx(cfg, work)
+    st = cluster_unit(ctx, 0)
+    assert (st["near"], st["exact"]) == (2, 1)
+    assert near_removed(ctx) == [
+        {"id": "a/very/long/path/name_copy.py", "kept": "a/very/long/path/name.py"},
+        {"id": "zz/a.py", "kept": "a/very/long/path/name.py"},
+    ]
+    assert near_removed(ctx, 1) == near_removed(ctx)[:1]
+    with gzip.open(work.dir("cluster") / "exact_removed.jsonl.gz", "rt") as f:
+        assert [json.loads(line) for line in f] == [{"id": "c.py", "kept": "b.py"}]
 
 
 def test_distributed_near_dedup_steps_equal_the_in_memory_run():
