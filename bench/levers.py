@@ -16,6 +16,7 @@ Levers (every other lever stays at its default while one is toggled):
                                           with AVX-512 BF16/AMX; the run says why it is off otherwise)
     loss_chunk   train.loss_chunk_tokens  fused-loss chunk of 512 tokens vs the default (128 on CPU)
     act_ckpt     train.activation_checkpointing  recompute each layer in backward: memory for time
+    overlap_reduce train.overlap_loss_reduce  the stability checks' loss all-reduce hidden behind the last backward
 
 Method on a shared 2-core machine: the two settings of a lever run alternately (off, on, on, off, ...) so a
 slow stretch of the machine hits both, each run's rate is wall-clock tokens/s over steps 2..N (the first step
@@ -56,6 +57,7 @@ LEVERS = {
     "autocast_bf16": ("precision.autocast=none", "precision.autocast=bf16"),
     "loss_chunk": ("train.loss_chunk_tokens=512", "train.loss_chunk_tokens=0"),
     "act_ckpt": ("train.activation_checkpointing=false", "train.activation_checkpointing=true"),
+    "overlap_reduce": ("train.overlap_loss_reduce=false", "train.overlap_loss_reduce=true"),
 }
 
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.conftest import FAST, check, launch, metrics
+from tests.conftest import FAST, check, launch, losses, metrics
 from tests.wandb_files import read_run
 
 pytestmark = pytest.mark.dist
@@ -150,3 +150,18 @@ def test_pipeline_vetoes_a_spiking_update_before_it_is_applied(tiny_data, tmp_pa
     (skip,) = _events(out, "skip")
     assert (skip["step"], skip["reason"]) == (5, "spike") and skip["loss"] > 20
     assert _summary(out)["skips"] == 1
+
+
+def test_the_overlapped_loss_reduce_gives_the_same_losses_and_verdicts(tiny_data, tmp_path):
+    """train.overlap_loss_reduce only moves the wait for the loss all-reduce behind the last backward: the
+    losses are the same to the bit and a spike planted on rank 1 is judged and skipped at the same step."""
+    got = {}
+    for on in ("false", "true"):
+        out = tmp_path / f"overlap_{on}"
+        args = [*FAST, f"data.path={tiny_data}", f"output_dir={out}", "optim.sched.name=constant",
+                "optim.sched.warmup_steps=0", "stability.spike_min_history=3", "train.steps=8",
+                f"train.overlap_loss_reduce={on}"]  # fmt: skip
+        check(launch(args, env={"ULTRASCALE_INJECT": "spike@7:1"}))
+        got[on] = (losses(out), [(e["step"], e["reason"]) for e in _events(out, "skip")])
+    assert got["true"] == got["false"], got
+    assert got["true"][1] == [(7, "spike")]

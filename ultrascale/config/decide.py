@@ -44,6 +44,8 @@ class Decisions:
     """Feed each micro-batch as one row (varlen flash attention sees document boundaries that way)."""
     step_breakdown: Choice
     """DeepSpeed's engine timers (``wall_clock_breakdown``)."""
+    overlap_loss_reduce: Choice
+    """The stability checks' loss all-reduce started before the last backward, waited for after it."""
     autocast: Choice
     """``value``: (device type, dtype) of the forward's autocast over fp32 weights, e.g. ``("cpu", "bf16")``."""
     moe: Choice
@@ -92,6 +94,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, bf16_native: 
         document_masking=doc,
         flat_batches=doc.on and attn.startswith("flash"),
         step_breakdown=_step_breakdown(cfg, topo),
+        overlap_loss_reduce=_overlap_loss_reduce(cfg, topo),
         autocast=_autocast(cfg, topo, backend, bf16_native),
         moe=Choice(experts > 0, _moe_why(experts, topo), experts),
         moe_leaf_modules=experts > 0 and stage == 3 and topo.ep == 1,
@@ -176,6 +179,14 @@ def _document_masking(cfg: Any, topo: Topology, attn: str) -> Choice:
         return Choice(False, f"off: Ulysses sp={topo.sp} drops {attn} masks (use flash_attention_2 for it)")
     how = "varlen kernel, micro-batch as one row" if attn.startswith("flash") else f"{attn} block-diagonal mask"
     return Choice(True, f"on: positions restart at EOS, no cross-document attention ({how})")
+
+
+def _overlap_loss_reduce(cfg: Any, topo: Topology) -> Choice:
+    if not cfg.train.overlap_loss_reduce:
+        return Choice(False, "loss all-reduce before the last backward (train.overlap_loss_reduce=false)")
+    if topo.pp > 1:
+        return Choice(False, "the pipeline judges its last stages' loss inside train_batch, before the update")
+    return Choice(True, "loss all-reduce overlapped with the last backward")
 
 
 def _autocast(cfg: Any, topo: Topology, backend: str, bf16_native: bool) -> Choice:

@@ -312,6 +312,10 @@ class TrainConfig:
     (``ultrascale/model/attention.py``; same output as sdpa; 1.065x fwd+bwd compiled, `make bench-attention`).
     Unset (auto): 64 on CPU, where it is measured, HF's sdpa on GPU, where it is not; a number forces it; 0 = off.
     Causal text decoders with pp=1 and sp=1; the banner says when it is off and why."""
+    overlap_loss_reduce: bool = True
+    """Start the all-reduce of the step's loss (which the stability checks judge) before the last backward and
+    wait for it after, so the ranks' wait for each other hides behind the backward. The same verdicts, lr and
+    losses either way (`python bench/levers.py --levers overlap_reduce`)."""
     step_breakdown: bool = True
     """Record where each step's time goes (data wait, forward, backward, communication, optimizer) from
     DeepSpeed's own engine timers (``wall_clock_breakdown``): host clocks on CPU, CUDA events on GPU."""

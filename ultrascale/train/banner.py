@@ -50,7 +50,7 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}; MFU peak from {peak_src}",
         f"  packing    document masking {d.document_masking.why}",
         f"  stability  {_stability_line(cfg)}",
-        f"  timing     step breakdown {d.step_breakdown.why}",
+        f"  timing     step breakdown {d.step_breakdown.why}; {d.overlap_loss_reduce.why}",
         f"  loss       {d.fused_loss.why}",
         f"  attention  {d.attention.why}",
         f"  compile    {d.compile.why}",

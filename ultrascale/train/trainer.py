@@ -77,12 +77,19 @@ FAULT_ROLLBACK_ENV = "ULTRASCALE_FAULT_AFTER_ROLLBACK"
 RAISE_ENV = "ULTRASCALE_RAISE_ON_RANK"
 
 
-def _all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
-    v = values.detach().float().clone()
-    if tdist.is_initialized() and tdist.get_world_size() > 1:
-        tdist.all_reduce(v)
-        v /= tdist.get_world_size()
-    return v
+class _LossReduce:
+    """The mean of a loss over every rank, all-reduced asynchronously: started here, read with ``wait()``."""
+
+    def __init__(self, local: torch.Tensor) -> None:
+        self.value = local.detach().float().clone()
+        multi = tdist.is_initialized() and tdist.get_world_size() > 1
+        self.work = tdist.all_reduce(self.value, async_op=True) if multi else None
+
+    def wait(self) -> float:
+        if self.work is not None:
+            self.work.wait()
+            return float(self.value) / tdist.get_world_size()
+        return float(self.value)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -253,7 +260,11 @@ class Trainer:
         return batch
 
     def _dense_step(self, st: StepState) -> None:
-        """``grad_accum`` micro-steps; the step is judged before its last backward, vetoed at the optimizer."""
+        """``grad_accum`` micro-steps; the step is judged on its all-reduced loss and vetoed at the optimizer.
+
+        With ``train.overlap_loss_reduce`` the loss all-reduce is started before the last backward and waited
+        for after it, so the ranks' wait for each other hides behind the backward instead of preceding it;
+        the verdict, the lr and the gate are all settled before ``engine.step()`` either way."""
         engine, gas, losses = self.engine, self.batches.grad_accum, []
         for m in range(gas):
             batch = self._fetch(st, m)
@@ -261,13 +272,20 @@ class Trainer:
             if st.fault is not None:
                 loss, lm_loss = loss * st.fault, lm_loss * st.fault
             losses.append(lm_loss.detach())
-            if m == gas - 1:
+            last = m == gas - 1
+            if last:
                 t = time.perf_counter()
-                mean = float(_all_reduce_mean(torch.stack(losses).mean().reshape(1)))
+                pending = _LossReduce(torch.stack(losses).mean().reshape(1))
+                if not self.decisions.overlap_loss_reduce.on:
+                    self._judge(st, pending.wait())
+                self.breakdown.add("comm_s", time.perf_counter() - t)
+            engine.backward(loss)
+            if last and self.decisions.overlap_loss_reduce.on:
+                t = time.perf_counter()
+                mean = pending.wait()
                 self.breakdown.add("comm_s", time.perf_counter() - t)
                 self._judge(st, mean)
-            engine.backward(loss)
-            if m == gas - 1:
+            if last:
                 # ZeRO-0 fp32 has no DeepSpeed wrapper to refuse a non-finite gradient: check it here
                 if (
                     not st.verdict.bad
