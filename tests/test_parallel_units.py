@@ -37,7 +37,8 @@ def test_pipeline_layers_compute_the_hf_model(model_type, extra, attn, tmp_path)
     skeleton, its tensors read by HF name from safetensors), gives HF's own logits and loss."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ultrascale.model.pipeline import SafetensorsWeights, StageBuild, meta_skeleton
+    from ultrascale.model.pipeline import StageBuild, meta_skeleton
+    from ultrascale.model.weights import SafetensorsWeights
 
     cfg = AutoConfig.for_model(model_type, **SMALL, **extra)
     torch.manual_seed(0)

@@ -64,6 +64,23 @@ def test_zero3_builds_partitioned_within_the_bound(tmp_path):
     _planner_within_15_percent(ranks, ["zero=stage3"])
 
 
+def test_zero3_loads_a_checkpoint_partitioned_within_the_bound(tmp_path):
+    """model.pretrained_path under ZeRO-3: a rank holds its shard plus one checkpoint file while loading
+    (transformers' own ZeRO-3 loader peaked above the whole model: 3.04 GiB per rank for a 1.90 GiB model)."""
+    from ultrascale.config.compose import compose
+    from ultrascale.model.build import build_model
+
+    pretrained = tmp_path / "pretrained"
+    build_model(compose(MODEL).model, seed=7).save_pretrained(pretrained, max_shard_size="50MB")
+    file_gb = max(f.stat().st_size for f in pretrained.glob("*.safetensors")) / 2**30
+    ranks = _probe(tmp_path, ["zero=stage3", f"model.pretrained_path={pretrained}"])
+    full = _model_gb(ranks)
+    bound = 1.25 * full / 2 + SLACK_GB + file_gb
+    assert full > bound, "the model must be large enough that a whole load breaks the bound"
+    for r in ranks:
+        assert r["construct_peak_gb"] <= bound, (r, bound, full)
+
+
 def test_pipeline_stage_builds_only_its_layers_within_the_bound(tmp_path):
     from ultrascale.config.compose import compose
     from ultrascale.model.arch import arch_from_cfg

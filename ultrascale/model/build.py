@@ -62,46 +62,35 @@ def build_model(
     weights, or weights keyed by ``(seed, parameter name)`` (:mod:`ultrascale.model.init`), which every rank
     and every layout (whole, ZeRO-3 partitioned, pipeline stages) draws identically.
 
-    ``zero3`` (the run's DeepSpeed JSON at stage 3): the model is partitioned from its first byte. A new model is
-    built inside ``deepspeed.zero.Init`` without HF's initializer (which would gather every module whole on every
-    rank only for the weights to be drawn again), then each rank draws its own slices; a checkpoint is loaded by
-    transformers' ZeRO-3 loader (one checkpoint file and one module gathered at a time).
+    ``zero3`` (the run's DeepSpeed JSON at stage 3): the model is partitioned from its first byte. It is built
+    inside ``deepspeed.zero.Init`` without HF's initializer (which would gather every module whole on every rank
+    only for the weights to be drawn again); then each rank draws its own slices, or reads them from the
+    checkpoint one module at a time (:func:`ultrascale.model.weights.load_partitioned`: transformers' own ZeRO-3
+    loader held more than the whole model per rank).
     """
     from transformers import AutoModelForCausalLM
 
     hf = hf_config if hf_config is not None else build_hf_config(model_cfg)
     torch.manual_seed(model_cfg.init_seed if model_cfg.init_seed is not None else seed)
     kwargs = {"attn_implementation": str(model_cfg.attn_implementation), "dtype": dtype}
-    if model_cfg.pretrained_path:
-        with _hf_zero3(zero3):
-            return AutoModelForCausalLM.from_pretrained(
-                str(resolve_path(model_cfg.pretrained_path)), config=hf, local_files_only=True, **kwargs
-            )
+    if model_cfg.pretrained_path and zero3 is None:
+        return AutoModelForCausalLM.from_pretrained(
+            str(resolve_path(model_cfg.pretrained_path)), config=hf, local_files_only=True, **kwargs
+        )
     from transformers.initialization import no_init_weights
 
-    from ultrascale.model.init import init_model
-
-    with no_init_weights(), _zero3_init(zero3, hf):  # drawn once, below, by name, identically on every rank
+    with no_init_weights(), _zero3_init(zero3, hf):  # drawn (or read) once, below, by name, on every rank
         model = AutoModelForCausalLM.from_config(hf, **kwargs)
     model.tie_weights()  # skipped with the init: a tied head must be the embedding before it is drawn
+    if model_cfg.pretrained_path:
+        from ultrascale.model.weights import SafetensorsWeights, load_partitioned
+
+        load_partitioned(model, SafetensorsWeights(resolve_path(model_cfg.pretrained_path)))
+        return model
+    from ultrascale.model.init import init_model
+
     init_model(model, model_cfg.init_seed if model_cfg.init_seed is not None else seed)  # layout-independent
     return model
-
-
-@contextlib.contextmanager
-def _hf_zero3(zero3: dict | None):
-    """transformers' own ZeRO-3 path (``HfDeepSpeedConfig``, held for the call: transformers keeps a weakref)."""
-    if zero3 is None:
-        yield
-        return
-    import torch._dynamo  # noqa: F401  (zero.Init patches tensor creation; dynamo must be imported first)
-    from transformers.integrations import HfDeepSpeedConfig
-
-    keep_alive = HfDeepSpeedConfig(zero3)
-    try:
-        yield
-    finally:
-        del keep_alive
 
 
 @contextlib.contextmanager

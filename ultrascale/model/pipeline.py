@@ -14,11 +14,9 @@ far cheaper than sending them.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +24,7 @@ from torch import nn
 
 from ultrascale.errors import ConfigError
 from ultrascale.model.init import init_named_modules
+from ultrascale.model.weights import SafetensorsWeights
 
 log = logging.getLogger("ultrascale")
 
@@ -41,43 +40,6 @@ def _mask_for(config, layer_idx: int, hidden: torch.Tensor, pos: torch.Tensor):
         sliding = getattr(config, "sliding_window", None) is not None
     fn = create_sliding_window_causal_mask if sliding else create_causal_mask
     return fn(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=pos)
-
-
-class SafetensorsWeights:
-    """Tensors of an HF checkpoint directory by name, read one at a time from the file the index names."""
-
-    def __init__(self, model_dir: Path):
-        self.dir = model_dir
-        index = model_dir / "model.safetensors.index.json"
-        if index.exists():
-            self.files = {k: model_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        elif (model_dir / "model.safetensors").exists():
-            from safetensors import safe_open
-
-            with safe_open(model_dir / "model.safetensors", "pt") as f:
-                self.files = dict.fromkeys(f.keys(), model_dir / "model.safetensors")
-        else:
-            raise ConfigError(f"model.pretrained_path={model_dir} has no model.safetensors(.index.json): "
-                              "the pipeline reads safetensors checkpoints (export or re-save the model)")  # fmt: skip
-
-    def load_into(self, module: nn.Module, prefix: str) -> None:
-        """Copy ``prefix.<name>`` into each of ``module``'s persistent tensors (no other tensor is read)."""
-        from safetensors import safe_open
-
-        wanted = {f"{prefix}.{n}": t for n, t in module.state_dict(keep_vars=True).items()}
-        missing = [k for k in wanted if k not in self.files]
-        if missing:
-            raise ConfigError(
-                f"model.pretrained_path={self.dir} has no tensor {missing[0]!r} (a different architecture?)"
-            )
-        by_file: dict[Path, list[str]] = {}
-        for key in wanted:
-            by_file.setdefault(self.files[key], []).append(key)
-        with torch.no_grad():
-            for path, keys in by_file.items():
-                with safe_open(path, "pt") as f:
-                    for key in keys:
-                        wanted[key].copy_(f.get_tensor(key))
 
 
 @dataclass(frozen=True)
