@@ -19,8 +19,8 @@ near_dedup + cluster over ``--tasks`` buckets, from the map's bucket files, exac
 datasketch's fastest path (``MinHash.bulk`` + ``MinHashLSH``) and datatrove's four MinHash steps (signature,
 buckets, cluster, filter); same 5-gram words, 256 permutations, 0.85, the same bands x rows. Exact dedup
 likewise against datatrove's three exact-dedup steps. JSONL I/O on the same documents: our reader and writer
-against datatrove's ``JsonlReader`` / ``JsonlWriter`` (those need ``orjson``, not a dependency here: without
-it their rows are skipped and say so).
+against datatrove's ``JsonlReader`` / ``JsonlWriter`` (those need ``orjson``, pinned in requirements.txt for this;
+without it their rows are skipped and say so).
 
 Usage: ``python bench/bench_data_scale.py [--copies 3] [--tasks 8] [--rounds 1] [--dedup-docs 2000] [--json PATH]``;
 ``--skip-pipeline`` runs only the dedup and JSONL tables.
