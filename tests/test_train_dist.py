@@ -175,3 +175,19 @@ def test_zero3_loads_a_pretrained_model_partitioned_to_the_same_weights(tiny_dat
         runs[name] = losses(out)
     assert runs["stage3"][1] == pytest.approx(runs["stage1"][1], abs=1e-5), runs
     assert abs(runs["fresh"][1] - runs["stage1"][1]) > 1e-3, runs  # the weights came from the checkpoint
+
+
+def test_the_steady_state_rate_ends_with_the_last_update_not_the_closing_checkpoint(tiny_data, tmp_path):
+    """``wall_tokens_per_s`` covers steps 2..N like every baseline's window; the run's closing eval and
+    checkpoint are its exit. A 4 s checkpoint planted at the last step must not slow the reported rate."""
+    from tests.conftest import metrics
+
+    out = tmp_path / "window"
+    check(launch([*FAST, f"data.path={tiny_data}", f"output_dir={out}", "train.steps=5", "train.log_interval=1"],
+                 env={"ULTRASCALE_INJECT": "slow_ckpt@5x4"}))  # fmt: skip
+    stamps = {r["step"]: r["time_s"] for r in metrics(out) if "loss" in r and "event" not in r}
+    window = stamps[5] - stamps[1]  # end of step 1 to end of step 5, as the step rows were logged
+    assert window < 4, window  # the planted stall comes after the last update
+    steps_rate = 8 * 64 * 4 / window  # FAST: 8 samples x 64 tokens per step, 4 steps in the window
+    rate = json.loads((out / "summary.json").read_text())["wall_tokens_per_s"]
+    assert rate == pytest.approx(steps_rate, rel=0.15), (rate, steps_rate)

@@ -403,11 +403,14 @@ class Trainer:
             if bar:
                 bar.update(1)
                 bar.set_postfix(loss=f"{res.last['loss']:.3f}")
+            # The steady-state window ends with the last step's update: the run's closing eval and checkpoint
+            # are its exit, not its speed (evals and checkpoints between steps stay inside the window).
+            t_last = time.perf_counter()
             self._after_step(done, steps, res)
             if t_first is None:
                 t_first, res.first_step_unix = time.perf_counter(), time.time()
             step = done
-        res.loop_s = time.perf_counter() - t_first if t_first else 0.0
+        res.loop_s = t_last - t_first if t_first and res.steps_run > 1 else 0.0
         profiler.close(res.steps_run)
         if bar:
             bar.close()
