@@ -27,7 +27,8 @@ Method, and how it keeps noise down on a shared 2-core machine:
 * One rank per core with ``OMP_NUM_THREADS=1``; an untimed warm-up train.py run first (caches; it writes the
   config.yaml and ds_config.json the baselines read); rounds of all sides with a rotating order; per-round
   paired ratios, reported as medians with min-max and IQR; a median-step companion ratio per round.
-* MFU (ultrascale side) is against the calibrated per-rank CPU peak (``python -m ultrascale.peak``).
+* MFU (ultrascale side) is against the calibrated per-rank CPU peak (``python -m ultrascale.peak``), with
+  causal attention counted over the lower triangle (``ultrascale/model/flops.py``); the full count beside it.
 
     python bench/train_overhead.py --job tiny|smollm2_135m [--rounds N] [--steps N] [--json PATH]
                                    [--train-args "train.compile=false"] [--sides ultrascale,bare_equal]
@@ -193,12 +194,10 @@ def _settings(a, ref: Path, data_desc: str, trainer_settings: dict, common: list
 
     from ultrascale.model.arch import arch_from_cfg
     from ultrascale.model.build import count_params
-    from ultrascale.model.flops import attention_span, flops_per_token
+    from ultrascale.model.flops import flops_per_token
 
     cfg = OmegaConf.load(ref / "config.yaml")
     arch = arch_from_cfg(cfg)
-    flops = flops_per_token(arch, a.seq_len)
-    attn = 12 * arch.layers * arch.heads * arch.head_dim * attention_span(arch, a.seq_len)
     ds = json.loads((ref / "ds_config.json").read_text())
     return {
         "job": a.job,
@@ -216,9 +215,9 @@ def _settings(a, ref: Path, data_desc: str, trainer_settings: dict, common: list
         "model": str(cfg.model.name),
         "model_params": count_params(cfg.model)["total"],
         "precision": str(cfg.precision.dtype),
-        # MFU counts causal attention in full (PaLM); the blocked kernel skips the masked half of it.
-        "flops_per_token": flops,
-        "attention_flops_share": attn / flops,
+        # train.py's MFU counts causal attention over the lower triangle; PaLM/Megatron count it in full.
+        "flops_per_token": flops_per_token(arch, a.seq_len, causal=True),
+        "flops_per_token_full_attention": flops_per_token(arch, a.seq_len),
         "data": data_desc,
         "train_args": a.train_args,
         "train_py_overrides": common,
@@ -272,9 +271,9 @@ def _table(res: dict) -> str:
         m = res["mfu"]
         lines.append(f"\nMFU (train.py, steps 2..N, against the calibrated peak): median {m['median']:.1%}, "
                      f"min {m['min']:.1%}, max {m['max']:.1%} over {m['n']} steps")  # fmt: skip
-        c, share = res["mfu_causal_as_computed"], res["settings"]["attention_flops_share"]
-        lines.append(f"  counting causal attention as computed (half of its {share:.0%} of the model FLOPs): median "
-                     f"{c['median']:.1%}, min {c['min']:.1%}, max {c['max']:.1%}")  # fmt: skip
+        c = res["mfu_full_attention"]
+        lines.append(f"  counting causal attention in full (PaLM/Megatron; MaxText and train.py count the lower "
+                     f"triangle): median {c['median']:.1%}, min {c['min']:.1%}, max {c['max']:.1%}")  # fmt: skip
     lines.append("(ratio_vs_trainer: against the faster Trainer side of each round; job times: measured first step "
                  "+ median step x remaining steps + measured exit)")  # fmt: skip
     return "\n".join(lines)
@@ -294,6 +293,7 @@ def _summary(rounds: list[dict], settings: dict, complete: bool) -> dict:
     keys = [k for k in RATIOS if all(k in r for r in rounds)]
     spread = {k: _spread([r[k] for r in rounds]) for k in keys}
     mfu = [x for r in rounds for x in (r.get("mfu_per_step") or [])[1:] if x]
+    full = settings["flops_per_token_full_attention"]
     sides = settings["sides"]
     return {
         **{k: spread[k]["median"] for k in keys},
@@ -309,9 +309,7 @@ def _summary(rounds: list[dict], settings: dict, complete: bool) -> dict:
             for k in keys
         },
         "mfu": {**_spread(mfu), "n": len(mfu)} if mfu else None,
-        "mfu_causal_as_computed": _spread([x * (1 - settings["attention_flops_share"] / 2) for x in mfu])
-        if mfu
-        else None,
+        "mfu_full_attention": _spread([x * full / settings["flops_per_token"] for x in mfu]) if mfu else None,
         "tokens_per_s_median": {s: statistics.median(r[s] for r in rounds) for s in sides},
         "complete": complete,
         "rounds": rounds,

@@ -130,3 +130,17 @@ def test_flops_per_token_convention(llama8b) -> None:
     assert flops_per_token(llama8b, s) == pytest.approx(expected, rel=1e-4)
     hf = AutoConfig.for_model("llama", **dict(compose(["model=llama3_8b"]).model.config))
     assert train_flops_per_token(hf, s) == flops_per_token(llama8b, s)
+
+
+def test_the_trainers_mfu_counts_causal_attention_over_the_lower_triangle(llama8b) -> None:
+    """Causal: (s+1)/2 keys per query on average, or fewer under a sliding window; the matmul weights as before."""
+    from dataclasses import replace
+
+    s = 8192
+    weights = flops_per_token(llama8b, s) - 12 * 32 * 4096 * s  # the full count's matmul weights
+    assert flops_per_token(llama8b, s, causal=True) == pytest.approx(weights + 12 * 32 * 4096 * (s + 1) / 2, rel=1e-6)
+    w = 1024  # each query of the first w sees i+1 keys, every later one sees w
+    windowed = replace(llama8b, sliding_window=w)
+    span = (w * (w + 1) / 2 + (s - w) * w) / s
+    assert flops_per_token(windowed, s, causal=True) == pytest.approx(weights + 12 * 32 * 4096 * span, rel=1e-6)
+    assert flops_per_token(windowed, s) == pytest.approx(weights + 12 * 32 * 4096 * w, rel=1e-6)

@@ -181,8 +181,9 @@ class Trainer:
         if os.environ.get(TRACE_ENV):
             self.batches.trace_to(os.environ[TRACE_ENV], self.rank)
         self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-        self.flops_per_token = train_flops_per_token(d.hf_config, cfg.data.seq_len)
-        self.peak, self.peak_src = device_peak_flops(torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32)
+        self.flops_per_token = train_flops_per_token(d.hf_config, cfg.data.seq_len, causal=True)
+        bf16_matmuls = cfg.precision.dtype == "bf16" or d.autocast.on  # autocast's matmuls reach the bf16 peak
+        self.peak, self.peak_src = device_peak_flops(torch.bfloat16 if bf16_matmuls else torch.float32)
         self.stability = StabilityMonitor(cfg.stability)
         self.injector = FaultInjector(self.rank)
         self.breakdown = StepBreakdown(self.engine, d.step_breakdown.on, d.pipeline)
