@@ -212,13 +212,14 @@ def main() -> None:
         "(med. step: the paired ratio of each run's median step time over steps 2..N, robust to a burst that covers"
         " a few steps; when it and the wall-clock speedup disagree, the machine was disturbed)"
     )
+    model = next((o.split("=", 1)[1] for o in reversed(common) if o.startswith("model=")), "tiny")  # --train-args
     print(
-        f"\n{a.rounds} paired rounds per lever, {a.steps} steps, seq {a.seq_len}, 2 CPU ranks, tiny Llama (vocab 4096), "
+        f"\n{a.rounds} paired rounds per lever, {a.steps} steps, seq {a.seq_len}, 2 CPU ranks, model {model}, "
         f"data {a.data or 'byte-level stdlib corpus'}"
     )
     if a.json_path:
         Path(a.json_path).parent.mkdir(parents=True, exist_ok=True)
-        settings = {"rounds": a.rounds, "steps": a.steps, "seq_len": a.seq_len, "nproc": 2, "common": common,
+        settings = {"rounds": a.rounds, "steps": a.steps, "seq_len": a.seq_len, "nproc": 2, "model": model, "common": common,
                     "data": a.data or "byte-level stdlib corpus"}  # fmt: skip
         Path(a.json_path).write_text(json.dumps({"settings": settings, "levers": results}, indent=2) + "\n")
 
