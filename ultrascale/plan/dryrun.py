@@ -40,7 +40,7 @@ def dry_run_report(cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[s
 
     counts = count_params(cfg.model)
     tokens = cfg.data.global_batch * cfg.data.seq_len
-    flops = train_flops_per_token(d.hf_config, cfg.data.seq_len) * tokens
+    flops = train_flops_per_token(d.hf_config, cfg.data.seq_len, causal=True) * tokens  # what the run's MFU counts
     parts = [
         "== resolved config ==",
         OmegaConf.to_yaml(cfg, resolve=True),
@@ -50,7 +50,7 @@ def dry_run_report(cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[s
         f"total {counts['total']:,}  (embedding {counts['embedding']:,}, non-embedding {counts['non_embedding']:,})",
         "== batch ==",
         batch_line(cfg, d.topo),
-        f"model FLOPs per step {flops:.3e}  ({flops / tokens:.3e} per token)",
+        f"model FLOPs per step {flops:.3e}  ({flops / tokens:.3e} per token; causal attention over the lower triangle)",
         "== host memory per rank (planner, fp32 build) ==",
         host_memory_line(cfg, d),
         "== decisions ==",
