@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import FAST, check, launch, losses
+from tests.conftest import FAST, check, launch, losses, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -180,8 +180,6 @@ def test_zero3_loads_a_pretrained_model_partitioned_to_the_same_weights(tiny_dat
 def test_the_steady_state_rate_ends_with_the_last_update_not_the_closing_checkpoint(tiny_data, tmp_path):
     """``wall_tokens_per_s`` covers steps 2..N like every baseline's window; the run's closing eval and
     checkpoint are its exit. A 4 s checkpoint planted at the last step must not slow the reported rate."""
-    from tests.conftest import metrics
-
     out = tmp_path / "window"
     check(launch([*FAST, f"data.path={tiny_data}", f"output_dir={out}", "train.steps=5", "train.log_interval=1"],
                  env={"ULTRASCALE_INJECT": "slow_ckpt@5x4"}))  # fmt: skip
