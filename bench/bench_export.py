@@ -64,10 +64,13 @@ print(json.dumps({'peak_rss_mb': end['VmHWM'], 'baseline_rss_mb': base['VmRSS'],
 
 
 def train(run_dir: Path, data: Path, stage: int, layers: int, hidden: int) -> None:
+    from data_prep.api import prepare
+
+    prepare(str(data), max_files=80)  # returns at once when it is already prepared
     inter = int(hidden * 8 / 3) // 64 * 64
     port = str(free_port())  # torchrun passes --master_port 0 to the ranks literally
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, "train.py"]
-    cmd += [f"output_dir={run_dir}", f"zero=stage{stage}", f"data.path={data}", "data.prepare_max_files=80"]
+    cmd += [f"output_dir={run_dir}", f"zero=stage{stage}", f"data.path={data}"]
     cmd += ["data.micro_batch=1", "data.global_batch=2", "train.steps=1", "train.checkpoint_interval=1"]
     cmd += ["train.eval_interval=0", "logger=none", "train.compile=false", f"model.config.hidden_size={hidden}"]
     cmd += [f"model.config.num_hidden_layers={layers}", f"model.config.intermediate_size={inter}"]

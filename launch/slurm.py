@@ -1,9 +1,11 @@
 """Render (and optionally submit) a Slurm batch script for a composed run config.
 
 The script asks for ``launcher.nnodes`` nodes with ``launcher.nproc_per_node`` GPUs each and starts one
-launcher per node with ``srun`` (``launch/node.sh``). ``MASTER_ADDR`` is the job's first host, the network
-preset is exported, and the job requeues itself on preemption or before its time limit; because the run
-directory is fixed, the requeued job auto-resumes from its latest checkpoint.
+launcher per node with ``srun`` (``launch/node.sh``). ``MASTER_ADDR`` is the job's first host and the network
+preset is exported. ``launcher.slurm.signal_lead_s`` before the time limit Slurm signals the script, which asks
+the run (through its ``STOP`` file) to save a checkpoint at its next step and stop; the script then requeues
+the job, which resumes from that checkpoint because the run directory is fixed. A failed step is started
+again up to ``launcher.max_restarts`` times.
 
     python -m launch.slurm recipe=starcoder2_7b_zero3 launcher.slurm.partition=gpu   # writes <output_dir>/sbatch.sh
     python -m launch.slurm --submit recipe=...                                       # and runs sbatch on it
@@ -83,16 +85,43 @@ def render_sbatch(cfg: DictConfig, args: list[str], script: str = "train.py", ro
         f"NODE_LAUNCHER={sc.node_launcher}",
         "",
     ]
+    out_q = shlex.quote(str(out))
+    body += [f"OUT={out_q}", ""]
     if sc.requeue:
         body += [
-            f"# Preemption or {sc.signal_lead_s}s before the time limit: requeue. The requeued job runs this same",
-            "# script and resumes from the latest checkpoint in output_dir.",
-            'trap \'echo "requeueing job $SLURM_JOB_ID"; scontrol requeue "$SLURM_JOB_ID"\' USR1',
-            f"{cmd} &",
-            "wait $!",
+            f"# {sc.signal_lead_s}s before the time limit Slurm sends USR1 to this script (--signal=B:USR1): ask the",
+            "# run to save a checkpoint at its next step and stop. The ranks may run on other nodes, so the request",
+            "# is a file in the shared run directory, which rank 0 reads every step.",
+            'trap \'echo "USR1: asking the run to checkpoint and stop"; echo USR1 > "$OUT/STOP"\' USR1',
         ]
-    else:
-        body.append(cmd)
+    body += [
+        f"# A failed step (a rank killed, a lost node) is started again up to {lc.max_restarts} time(s)"
+        " (launcher.max_restarts); each start",
+        "# resumes from the newest complete checkpoint in output_dir.",
+        "restart=0",
+        "while :; do",
+        '    rm -f "$OUT/STOPPED"',
+        "    export ULTRASCALE_RESTART_COUNT=$restart",
+        f"    {cmd} &",
+        "    step_pid=$!",
+        '    while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || true; done  # USR1 interrupts wait',
+        '    rc=0; wait "$step_pid" || rc=$?',
+        f'    if [[ $rc -eq 0 || -f "$OUT/STOPPED" || $restart -ge {lc.max_restarts} ]]; then break; fi',
+        "    restart=$((restart + 1))",
+        f'    echo "srun exited with code $rc: restart $restart of {lc.max_restarts}, from the newest checkpoint"',
+        "done",
+        'rm -f "$OUT/STOP"',
+    ]
+    if sc.requeue:
+        body += [
+            "# The run saved a checkpoint and stopped before its last step (after USR1, or a SIGTERM to its ranks):",
+            "# requeue; the requeued job runs this same script and resumes from that checkpoint.",
+            'if [[ -f "$OUT/STOPPED" ]]; then',
+            '    echo "requeueing job $SLURM_JOB_ID: $(cat "$OUT/STOPPED")"',
+            '    scontrol requeue "$SLURM_JOB_ID"',
+            "fi",
+        ]
+    body.append('exit "$rc"')
     return "\n".join(head + body) + "\n"
 
 

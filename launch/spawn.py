@@ -3,13 +3,24 @@
 ``python train.py launcher=deepspeed`` and every job of a ``-m`` sweep come through here, so a sweep job
 is exactly the command a user would type by hand: ``deepspeed --num_gpus N train.py <overrides>``.
 The ranks see ``WORLD_SIZE`` from their launcher and therefore run the job instead of spawning again.
+
+The driver is also what makes a stop and a lost rank cheap:
+
+- Ctrl-C, SIGTERM or SIGUSR1 to the driver becomes a stop request (the run's ``STOP`` file): the ranks finish
+  the step, save it and exit 0, and so do the launcher and the driver. The launcher runs in its own session,
+  so the terminal's Ctrl-C reaches the driver alone and no launcher tears the ranks down mid-save.
+- ``launcher.max_restarts``: a launch that fails (a rank killed, out of memory) is started again and resumes
+  from the newest complete checkpoint: torchrun's own ``--max-restarts``; the deepspeed launcher has none, so
+  the driver loops.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -20,6 +31,12 @@ from ultrascale.config.schema import LauncherName
 from ultrascale.dist import free_port
 from ultrascale.errors import ConfigError
 from ultrascale.jsonio import write_json
+from ultrascale.rundir import STOP_REQUEST, STOPPED
+
+RESTART_ENV = "ULTRASCALE_RESTART_COUNT"  # the trainer's restart_count() reads it
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+CONFIG_ERROR = 2
+"""Exit code of a rank that refused its config or data (``error:`` line): restarting cannot help."""
 
 SPAWNING = (LauncherName.deepspeed, LauncherName.torchrun)
 STATUS_FILE = "job_status.json"
@@ -27,6 +44,41 @@ STATUS_FILE = "job_status.json"
 
 class JobFailed(RuntimeError):
     """A spawned launcher exited non-zero; its ranks have already printed why."""
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    stopped: str | None = None
+    """The signal that asked the run to stop (it saved a checkpoint and ended early), None otherwise."""
+    restarts: int = 0
+
+
+class _StopForwarder:
+    """While the launcher runs: the first SIGTERM/SIGINT/SIGUSR1 writes the run's STOP request (the ranks read
+    it at their next step), later ones only say that the stop is under way."""
+
+    def __init__(self, request: Path):
+        self.request, self.signal, self._previous = request, None, {}
+
+    def __enter__(self) -> _StopForwarder:
+        for s in STOP_SIGNALS:
+            self._previous[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is None:
+            self.signal = name
+            self.request.write_text(f"{name}\n")
+            msg = f"{name}: asking the run to finish its step, save a checkpoint and stop (again: no effect)\n"
+        else:
+            msg = f"{name}: already stopping; waiting for the checkpoint (SIGKILL the ranks to abort)\n"
+        os.write(2, msg.encode())
 
 
 def is_driver(cfg: DictConfig) -> bool:
@@ -50,7 +102,7 @@ def launcher_argv(cfg: DictConfig, script: str, args: list[str], port: int | Non
     lc = cfg.launcher
     port = port or lc.master_port or free_port()
     if lc.name == "deepspeed":
-        cmd = [_exe("deepspeed")]
+        cmd = [_exe("deepspeed")]  # no restarts of its own: run() loops (launcher.max_restarts)
         if lc.nnodes > 1:
             if not lc.hostfile:
                 raise ConfigError(
@@ -73,7 +125,9 @@ def launcher_argv(cfg: DictConfig, script: str, args: list[str], port: int | Non
                 f"launcher=torchrun with launcher.nnodes={lc.nnodes}: torchrun starts one node per invocation; "
                 "use launcher=slurm launcher.slurm.node_launcher=torchrun, or run launch/node.sh on each node"
             )
-        return [_exe("torchrun"), "--nproc_per_node", str(lc.nproc_per_node), "--master_port", str(port), script, *args]
+        return [_exe("torchrun"), "--nproc_per_node", str(lc.nproc_per_node), "--master_port", str(port),
+                "--max-restarts", str(lc.max_restarts), "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1",
+                "--shutdown-timeout", str(lc.stop_timeout_s), script, *args]  # fmt: skip
     raise ConfigError(f"launcher.name={lc.name!r} does not spawn a launcher: choose one of {list(SPAWNING)}")
 
 
@@ -82,33 +136,43 @@ def launch_env(cfg: DictConfig) -> dict[str, str]:
     return {**os.environ, **{k: str(v) for k, v in cfg.launcher.env.items()}, "PYTHONUNBUFFERED": "1"}
 
 
-def run_launcher(cmd: list[str], env: dict[str, str], out_dir: Path) -> int:
+def run_launcher(cmd: list[str], env: dict[str, str], out_dir: Path, restart: int = 0) -> LaunchResult:
     """Run the launcher, streaming its output to the console and to ``<out_dir>/launcher.log``.
 
-    The driver is not a rank, so creating the run directory here does not race with the ranks.
+    The driver is not a rank, so creating the run directory here does not race with the ranks. A signal to
+    the driver becomes the run's stop request (see :class:`_StopForwarder`).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     print("launching: " + " ".join(cmd), flush=True)
-    with open(out_dir / "launcher.log", "a") as log:
+    with open(out_dir / "launcher.log", "a") as log, _StopForwarder(out_dir / STOP_REQUEST) as fwd:
         log.write("$ " + " ".join(cmd) + "\n")
-        proc = subprocess.Popen(
-            cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
+        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env={**env, RESTART_ENV: str(restart)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)  # fmt: skip
         try:
             for line in proc.stdout:
                 sys.stdout.write(line)
                 log.write(line)
             rc = proc.wait()
-        except KeyboardInterrupt:  # the launcher got the same SIGINT and tears its ranks down
-            rc = proc.wait()
-            raise
         finally:
             sys.stdout.flush()
-    write_json(out_dir / STATUS_FILE, {"returncode": rc, "command": cmd}, indent=None)
-    return rc
+    stopped = fwd.signal if fwd.signal and (out_dir / STOPPED).exists() else None
+    (out_dir / STOP_REQUEST).unlink(missing_ok=True)  # answered, or the run ended before it could be
+    write_json(out_dir / STATUS_FILE, {"returncode": rc, "command": cmd, "stopped": stopped}, indent=None)
+    return LaunchResult(rc, stopped or fwd.signal)
 
 
-def spawn(cfg: DictConfig, script: str, args: list[str]) -> int:
-    """Start ``script args`` under ``cfg.launcher`` and wait; returns the launcher's exit code."""
-    cmd = launcher_argv(cfg, str(Path(script).resolve()), args)
-    return run_launcher(cmd, launch_env(cfg), resolve_path(cfg.output_dir))
+def spawn(cfg: DictConfig, script: str, args: list[str]) -> LaunchResult:
+    """Start ``script args`` under ``cfg.launcher`` and wait; a failed deepspeed launch is started again up to
+    ``launcher.max_restarts`` times (torchrun restarts its workers itself)."""
+    out = resolve_path(cfg.output_dir)
+    restarts = 0
+    while True:
+        cmd = launcher_argv(cfg, str(Path(script).resolve()), args)
+        res = run_launcher(cmd, launch_env(cfg), out, restart=restarts)
+        res.restarts = restarts
+        retry = cfg.launcher.name == LauncherName.deepspeed and restarts < cfg.launcher.max_restarts
+        if res.returncode in (0, CONFIG_ERROR) or res.stopped or not retry:
+            return res
+        restarts += 1
+        print(f"{cfg.launcher.name} exited with code {res.returncode}: restart {restarts} of "
+              f"{cfg.launcher.max_restarts}, from the newest complete checkpoint", flush=True)  # fmt: skip

@@ -91,7 +91,7 @@ BAD = [
         "parallel.pp=2 needs zero.stage<=1",
     ),
     ("missing data", f"{T} data.path={{missing}} data.prepare_if_missing=false", "data.path"),
-    ("missing data, dry run", f"{T} data.path={{missing}} data.prepare_if_missing=false dry_run=true", "data.path"),
+    ("misspelt data path (not the built-in corpus)", f"{T} data.path={{missing}}", "python -m data_prep input="),
     ("corrupt manifest", f"{T} data.path={{corrupt}}", "manifest.json"),
     ("seq_len mismatch", f"{T} data.path={{data}} data.seq_len=128", "data.seq_len=128"),
     ("vocab larger than model", f"{T} data.path={{data}} model.config.vocab_size=100", "model.config.vocab_size"),
@@ -191,7 +191,7 @@ def test_plans_best_command_dry_runs_to_the_planned_layout(tmp_path):
     line = plan.stdout.split("best:\n", 1)[1].splitlines()[0].strip()
     argv = shlex.split(line)
     assert argv[:2] == ["python", "train.py"]
-    fresh = [f"output_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}"]  # data: 'will be prepared'
+    fresh = [f"output_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}"]  # data: 'not here' (a note)
     dry = subprocess.run([PY, *argv[1:], "dry_run=true", *fresh], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, env=_env())  # fmt: skip
     assert dry.returncode == 0, dry.stderr[-2000:]

@@ -74,7 +74,7 @@ def test_sbatch_carries_the_run():
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
     ]:
         assert line in text.splitlines(), line
-    srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+    srun = next(ln.strip() for ln in text.splitlines() if ln.strip().startswith("srun "))
     assert "launch/node.sh train.py recipe=starcoder2_7b_zero3" in srun
     assert srun.split()[-2:] == ["output_dir=/scratch/runs/sc2_7b", "&"]  # pinned: requeues resume the same run
 
@@ -82,7 +82,7 @@ def test_sbatch_carries_the_run():
 def test_sbatch_quotes_overrides(tmp_path):
     """A value with spaces reaches train.py as one argument: run the rendered srun line with an echo stand-in."""
     text = _render(SBATCH_CASES["sbatch_cpu_smoke_torchrun.sh"])
-    srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+    srun = next(ln.strip() for ln in text.splitlines() if ln.strip().startswith("srun ")).removesuffix(" &")
     out = subprocess.run(
         ["bash", "-c", f"srun() {{ printf '%s\\n' \"$@\"; }}; {srun}"], capture_output=True, text=True, check=True
     ).stdout.splitlines()
@@ -158,7 +158,9 @@ def test_launcher_argv(tmp_path):
     cmd = launcher_argv(compose(["launcher=deepspeed", "launcher.nnodes=2", f"launcher.hostfile={hf}"]), "t.py", [], 9)
     assert cmd[1:5] == ["--hostfile", str(hf), "--num_nodes", "2"]
     cmd = launcher_argv(compose(["launcher=torchrun"]), "train.py", [], port=77)
-    assert cmd[0].endswith("torchrun") and cmd[1:] == ["--nproc_per_node", "2", "--master_port", "77", "train.py"]
+    assert cmd[0].endswith("torchrun") and cmd[1:] == ["--nproc_per_node", "2", "--master_port", "77",
+                                                        "--max-restarts", "0", "--signals-to-handle",
+                                                        "SIGTERM,SIGINT,SIGUSR1", "--shutdown-timeout", "300", "train.py"]  # fmt: skip
     with pytest.raises(ConfigError, match="one node per invocation"):
         launcher_argv(compose(["launcher=torchrun", "launcher.nnodes=2"]), "train.py", [])
 
@@ -224,7 +226,7 @@ def test_slurm_sweep_writes_one_sbatch_per_job(tmp_path):
     for num, lr in [(0, "0.0001"), (1, "0.0003")]:
         text = (sweep / str(num) / "sbatch.sh").read_text()
         assert "#SBATCH --nodes=2" in text and f"#SBATCH --output={sweep / str(num)}/logs/slurm-%j.out" in text
-        srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+        srun = next(ln.strip() for ln in text.splitlines() if ln.strip().startswith("srun "))
         assert f"optim.lr={lr}" in srun and "logger.wandb_group=lr_sweep" in srun
         assert srun.split()[-2:] == [f"output_dir={sweep / str(num)}", "&"]
         assert subprocess.run(["bash", "-n", str(sweep / str(num) / "sbatch.sh")]).returncode == 0

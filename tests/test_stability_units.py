@@ -124,7 +124,7 @@ def _agree_worker(rank: int, port: int, verdicts: list, out: str) -> None:
     from ultrascale.train.stability import Verdict, agree
 
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    got = [agree(Verdict(*v)) for v in verdicts[rank]]
+    got = [agree(Verdict(*v)).verdict for v in verdicts[rank]]
     torch.save([(g.action, g.reason, g.zscore) for g in got], f"{out}/rank{rank}.pt")
     tdist.destroy_process_group()
 

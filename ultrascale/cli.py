@@ -74,14 +74,16 @@ def _drive(cfg: DictConfig, args: list[str]) -> int:
     if cfg.launcher.name == "slurm":
         submit_run(cfg, args, sys.argv[0])
         return 0
-    rc = spawn(cfg, sys.argv[0], args)
-    if rc != 0:
-        from ultrascale.config.compose import resolve_path
+    res = spawn(cfg, sys.argv[0], args)
+    from ultrascale.config.compose import resolve_path
 
-        out = resolve_path(cfg.output_dir)
+    out = resolve_path(cfg.output_dir)
+    if res.stopped and res.returncode == 0:
+        print(f"stopped by {res.stopped} with a checkpoint: run the same command again to resume", flush=True)
+    elif res.returncode != 0:
         where = out / "logs" if (out / "logs").is_dir() else out / "launcher.log"  # the ranks may never have started
-        print(f"error: {cfg.launcher.name} exited with code {rc}; see {where}", file=sys.stderr, flush=True)
-    return rc
+        print(f"error: {cfg.launcher.name} exited with code {res.returncode}; see {where}", file=sys.stderr, flush=True)
+    return res.returncode
 
 
 def _sweep_job(cfg: DictConfig, hc: Any, explicit_out: bool) -> Any:
@@ -101,13 +103,18 @@ def _sweep_job(cfg: DictConfig, hc: Any, explicit_out: bool) -> Any:
     args = [o for o in hc.overrides.task if _key(o) not in extras] + [f"{k}={v}" for k, v in extras.items()]
     if cfg.launcher.name == "slurm":
         return submit_run(cfg, args, sys.argv[0])
-    rc = spawn(cfg, sys.argv[0], args)
-    if rc != 0:
+    res = spawn(cfg, sys.argv[0], args)
+    if res.stopped:  # the user stopped the sweep: this job saved a checkpoint; the rest do not start
+        raise JobFailed(
+            f"sweep stopped by {res.stopped} at job {hc.job.num} ({' '.join(hc.overrides.task)}), which saved a "
+            "checkpoint: run the same sweep again to resume it (finished jobs resume at their last step)"
+        )
+    if res.returncode != 0:
         raise JobFailed(
             f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) failed: {cfg.launcher.name} exited with "
-            f"code {rc}; see {cfg.output_dir}/launcher.log and {cfg.output_dir}/logs/"
+            f"code {res.returncode}; see {cfg.output_dir}/launcher.log and {cfg.output_dir}/logs/"
         )
-    return rc
+    return res.returncode
 
 
 def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[str]) -> int:
@@ -299,6 +306,10 @@ def run_app(config_name: str, main: Callable[[DictConfig], Any], help_text: str,
         main(cfg)
     except UltrascaleError as e:
         return _report(e)
+    except KeyboardInterrupt:  # Ctrl-C before training took over the signal (composing, checking, importing)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("error: interrupted (SIGINT) before training started: nothing to save", file=sys.stderr, flush=True)
+        return 130
     except Exception as e:  # a bug or a crash: say which rank, keep the traceback, and let the launcher stop all
         return _report_crash(e)
     shutdown()  # only on success: a barrier after a failure would hang the ranks that did not fail

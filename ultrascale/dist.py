@@ -19,6 +19,8 @@ log = logging.getLogger("ultrascale")
 _ACCEL_NOTE: list[str] = []
 # This rank's log file, named in crash reports (ultrascale/cli.py) as where the traceback went.
 _LOG_FILE: list[str] = []
+# The CPU threads init_distributed gave this rank and why, for the banner.
+_THREADS_NOTE: list[str] = []
 
 
 def configure_env() -> None:
@@ -129,10 +131,58 @@ def init_distributed(timeout_min: int = 60) -> str:
 
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
-    elif "OMP_NUM_THREADS" not in os.environ:  # CPU ranks on one box share its cores; don't oversubscribe
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    else:  # CPU ranks on one box share its cores: cores / local ranks each, whatever the launcher
+        threads, why = cpu_threads()
+        torch.set_num_threads(threads)
+        _THREADS_NOTE[:] = [f"{threads} thread(s) per rank x {local_world_size()} local rank(s) ({why})"]
     return backend
+
+
+def local_world_size() -> int:
+    """Ranks on this node, from whichever launcher started us: torchrun says ``LOCAL_WORLD_SIZE``, the deepspeed
+    launcher ``LOCAL_SIZE``, Open MPI ``OMPI_COMM_WORLD_LOCAL_SIZE``; 1 under plain python. Reading only
+    torchrun's name made every deepspeed-launched rank think it was alone and take every core."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 0:
+            return int(os.environ[name])
+    return 1
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask: a Slurm allocation or taskset, not the whole box)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _launcher_default_omp() -> bool:
+    """True when ``OMP_NUM_THREADS`` was not the user's choice but torchrun's default: torchrun sets it to 1 for
+    every worker when its own environment lacks it (and warns), which on a 16-core box with 2 ranks would leave
+    14 cores idle. The parent's environment tells the two apart."""
+    if os.environ.get("OMP_NUM_THREADS") != "1" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            parent = f.read().split(b"\0")
+    except OSError:
+        return False
+    return not any(v.startswith(b"OMP_NUM_THREADS=") for v in parent)
+
+
+def cpu_threads() -> tuple[int, str]:
+    """(torch threads for this CPU rank, why): the user's ``OMP_NUM_THREADS`` if they set one, otherwise this
+    process's cores divided by the ranks on this node, so no launcher oversubscribes the cores."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0 and not _launcher_default_omp():
+        return int(omp), f"OMP_NUM_THREADS={omp} from the environment"
+    cores, local = usable_cores(), local_world_size()
+    return max(1, cores // local), f"{cores} cores / {local} local rank(s)"
+
+
+def threads_note() -> str:
+    """What :func:`init_distributed` chose for this rank's threads, for the banner ('' before it ran or on GPU)."""
+    return _THREADS_NOTE[0] if _THREADS_NOTE else ""
 
 
 def rank() -> int:

@@ -97,7 +97,9 @@ def cpu_peak(dtype: torch.dtype = torch.float32, remeasure: bool = False) -> tup
     """(FLOP/s per rank, description). Collective when a process group is up: every rank calls it, and either
     every rank reads the stored figure or every rank measures at once (a rank whose cache lacks it makes all
     measure, so no rank waits on a collective the others skip)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    from ultrascale.dist import local_world_size
+
+    local = local_world_size()
     key = _key(dtype, torch.get_num_threads(), local)
     stored = _load().get(key)
     if _all_ranks(0.0 if remeasure or stored is None else 1.0, "min") and stored is not None:

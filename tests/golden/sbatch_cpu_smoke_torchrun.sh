@@ -21,4 +21,21 @@ MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=29600
 export MASTER_ADDR MASTER_PORT NNODES=$SLURM_NNODES GPUS_PER_NODE=2 NODE_LAUNCHER=torchrun
 
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 launch/node.sh train.py recipe=cpu_smoke launcher=slurm launcher.slurm.node_launcher=torchrun launcher.slurm.requeue=false launcher.master_port=29600 'launcher.slurm.extra=[--exclusive]' optim.lr=1e-3 'output_dir=/scratch/runs/smoke lr 1e-3'
+OUT='/scratch/runs/smoke lr 1e-3'
+
+# A failed step (a rank killed, a lost node) is started again up to 0 time(s) (launcher.max_restarts); each start
+# resumes from the newest complete checkpoint in output_dir.
+restart=0
+while :; do
+    rm -f "$OUT/STOPPED"
+    export ULTRASCALE_RESTART_COUNT=$restart
+    srun --ntasks-per-node=1 --kill-on-bad-exit=1 launch/node.sh train.py recipe=cpu_smoke launcher=slurm launcher.slurm.node_launcher=torchrun launcher.slurm.requeue=false launcher.master_port=29600 'launcher.slurm.extra=[--exclusive]' optim.lr=1e-3 'output_dir=/scratch/runs/smoke lr 1e-3' &
+    step_pid=$!
+    while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || true; done  # USR1 interrupts wait
+    rc=0; wait "$step_pid" || rc=$?
+    if [[ $rc -eq 0 || -f "$OUT/STOPPED" || $restart -ge 0 ]]; then break; fi
+    restart=$((restart + 1))
+    echo "srun exited with code $rc: restart $restart of 0, from the newest checkpoint"
+done
+rm -f "$OUT/STOP"
+exit "$rc"

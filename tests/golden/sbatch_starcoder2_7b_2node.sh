@@ -33,8 +33,31 @@ MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 export MASTER_ADDR MASTER_PORT NNODES=$SLURM_NNODES GPUS_PER_NODE=8 NODE_LAUNCHER=deepspeed
 
-# Preemption or 300s before the time limit: requeue. The requeued job runs this same
-# script and resumes from the latest checkpoint in output_dir.
-trap 'echo "requeueing job $SLURM_JOB_ID"; scontrol requeue "$SLURM_JOB_ID"' USR1
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 launch/node.sh train.py recipe=starcoder2_7b_zero3 launcher=slurm launcher/env=infiniband launcher.slurm.partition=gpu launcher.slurm.account=proj42 launcher.slurm.time=2-00:00:00 output_dir=/scratch/runs/sc2_7b &
-wait $!
+OUT=/scratch/runs/sc2_7b
+
+# 300s before the time limit Slurm sends USR1 to this script (--signal=B:USR1): ask the
+# run to save a checkpoint at its next step and stop. The ranks may run on other nodes, so the request
+# is a file in the shared run directory, which rank 0 reads every step.
+trap 'echo "USR1: asking the run to checkpoint and stop"; echo USR1 > "$OUT/STOP"' USR1
+# A failed step (a rank killed, a lost node) is started again up to 0 time(s) (launcher.max_restarts); each start
+# resumes from the newest complete checkpoint in output_dir.
+restart=0
+while :; do
+    rm -f "$OUT/STOPPED"
+    export ULTRASCALE_RESTART_COUNT=$restart
+    srun --ntasks-per-node=1 --kill-on-bad-exit=1 launch/node.sh train.py recipe=starcoder2_7b_zero3 launcher=slurm launcher/env=infiniband launcher.slurm.partition=gpu launcher.slurm.account=proj42 launcher.slurm.time=2-00:00:00 output_dir=/scratch/runs/sc2_7b &
+    step_pid=$!
+    while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || true; done  # USR1 interrupts wait
+    rc=0; wait "$step_pid" || rc=$?
+    if [[ $rc -eq 0 || -f "$OUT/STOPPED" || $restart -ge 0 ]]; then break; fi
+    restart=$((restart + 1))
+    echo "srun exited with code $rc: restart $restart of 0, from the newest checkpoint"
+done
+rm -f "$OUT/STOP"
+# The run saved a checkpoint and stopped before its last step (after USR1, or a SIGTERM to its ranks):
+# requeue; the requeued job runs this same script and resumes from that checkpoint.
+if [[ -f "$OUT/STOPPED" ]]; then
+    echo "requeueing job $SLURM_JOB_ID: $(cat "$OUT/STOPPED")"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$rc"

@@ -228,11 +228,11 @@ class DataConfig:
     global_batch: int = num(16, ge=1)
     """Samples per optimizer step across all data-parallel ranks; must be micro_batch * dp * k."""
     prepare_if_missing: bool = True
-    """If ``path`` has no manifest, rank 0 runs data prep on ``prepare_source`` while the other ranks wait."""
-    prepare_source: str = "stdlib"
-    """Corpus used when preparing on demand: ``stdlib`` (this Python's own sources) or a directory."""
+    """If ``path`` is the built-in corpus (``data/stdlib``) and has no manifest, rank 0 prepares it from this
+    Python's standard library while the other ranks wait. Any other missing path is an error naming it and the
+    ``python -m data_prep`` command that prepares it: a typo must not train on the stdlib."""
     prepare_max_files: int = num(400, ge=1)
-    """Cap on source files when preparing on demand (keeps the first run to seconds)."""
+    """Cap on stdlib source files when preparing the built-in corpus on demand (keeps the first run to seconds)."""
     eval_batches: int = num(4, ge=1)
     """Held-out micro-batches per rank per evaluation."""
     verify_checksums: bool = True
@@ -277,6 +277,11 @@ class TrainConfig:
     """Save a checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = num(2, ge=0)
     """Newest complete checkpoints to keep on disk (0 = keep all)."""
+    checkpoint_async: bool = True
+    """Save without stalling training: the state is copied to host memory at the step boundary and written by a
+    background thread while the next steps run; ``latest`` moves once every rank has written it, so a crash
+    mid-write leaves the previous checkpoint as ``latest``. Costs one checkpoint's size of host memory while
+    it is written. False: every rank writes before the step after it starts (`make bench-checkpoint`)."""
     log_interval: int = num(1, ge=1)
     """Log metrics every N steps."""
     seed: int = num(1234, ge=0)
@@ -287,6 +292,10 @@ class TrainConfig:
     """Recompute each decoder layer in backward: activation memory drops to ~2·s·b·h per layer, ~30 % more compute."""
     universal_checkpoint: bool = False
     """Load checkpoints in DeepSpeed universal format (resume on a different world size / parallel layout)."""
+    allow_schedule_change: bool = False
+    """Resume even when ``optim.lr``, ``optim.sched.*`` or ``train.steps`` give the next update another lr than
+    the schedule the checkpoint was on (the jump is logged). Off: such a resume is refused with the key and the
+    fix, because a silently reshaped curve (a longer cosine) is a different run under the same name."""
     compile: bool = True
     """``torch.compile`` the model (``train.compile_scope``): fused elementwise kernels (norms, RoPE, SwiGLU),
     fewer passes over memory. On by default because a training run is long (1.040x per step, `python
@@ -432,9 +441,11 @@ class SlurmConfig:
     node_launcher: NodeLauncher = NodeLauncher.deepspeed
     """Per-node launcher started by ``srun``: ``deepspeed`` (``--no_ssh --node_rank``) or ``torchrun``."""
     requeue: bool = True
-    """Requeue the job when preempted or near the time limit; the run resumes from its latest checkpoint."""
+    """Near the time limit (and after a preemption's SIGTERM) the run saves a checkpoint at its next step and
+    stops, and the batch script requeues the job, which resumes from that checkpoint."""
     signal_lead_s: int = num(300, ge=0)
-    """Seconds before the time limit at which Slurm signals the batch script to requeue the job."""
+    """Seconds before the time limit at which Slurm sends USR1 to the batch script (``--signal=B:USR1@N``): enough
+    for one step plus one checkpoint save."""
     extra: list[str] = field(default_factory=list)
     """Further ``#SBATCH`` options, verbatim (e.g. ``["--exclusive", "--reservation=big"]``)."""
     submit: bool = True
@@ -457,6 +468,14 @@ class LauncherConfig:
     hostfile: str | None = None
     """DeepSpeed hostfile (``host slots=N`` lines; ``python -m launch.hostfile`` writes one) for multi-node
     ``launcher=deepspeed``; the launcher reaches the other nodes with pdsh/ssh."""
+    max_restarts: int = num(0, ge=0)
+    """Start a failed launch again (a rank killed, out of memory, a lost node) up to this many times; it resumes
+    from the newest complete checkpoint. torchrun: its ``--max-restarts``; deepspeed: the driver (``python
+    train.py launcher=deepspeed``) loops; Slurm: the batch script loops over ``srun``. A config error (exit 2)
+    is not retried."""
+    stop_timeout_s: int = num(300, ge=1)
+    """Seconds a launcher gives the ranks to save and exit after it forwards a stop signal (torchrun's
+    ``--shutdown-timeout``), before it kills them; size it to a checkpoint save."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment presets (NCCL etc.) exported to every rank and logged at start. ``launcher/env=<fabric>``
     picks a preset; a single key is overridden with ``launcher.env.NCCL_DEBUG=INFO``."""

@@ -1,8 +1,10 @@
 """Make sure prepared shards exist before training: rank 0 builds them, the other ranks wait.
 
-A fresh checkout has no data; ``recipe=cpu_smoke`` must still run as-is. Preparing on every rank would
-race on the same files, so rank 0 alone runs data prep and broadcasts the outcome (including an error,
-so no rank is left waiting at a barrier for a rank that already failed).
+A fresh checkout has no data; ``recipe=cpu_smoke`` must still run as-is, so the built-in default corpus
+(``data/stdlib``: this Python's standard library) is prepared on first use. Nothing else is: a misspelt
+``data.path`` used to be "prepared" from the stdlib and trained on, silently, in every recipe, the 7B ones
+included. Preparing on every rank would race on the same files, so rank 0 alone runs data prep and broadcasts
+the outcome (including an error, so no rank is left waiting at a barrier for a rank that already failed).
 """
 
 from __future__ import annotations
@@ -14,29 +16,41 @@ from omegaconf import DictConfig
 
 from ultrascale import dist
 from ultrascale.config.compose import resolve_path
+from ultrascale.config.schema import DataConfig
 from ultrascale.data.shards import MANIFEST, load_manifest, open_split
 from ultrascale.errors import DataError, UltrascaleError
 
 log = logging.getLogger("ultrascale")
+BUILTIN_CORPUS = DataConfig.path
+"""The one data path a run prepares by itself (from the stdlib) when it is missing."""
+
+
+def is_builtin_corpus(data: DictConfig) -> bool:
+    return resolve_path(data.path) == resolve_path(BUILTIN_CORPUS)
+
+
+def _not_prepared(path: Path, seq_len: int) -> str:
+    what = "does not exist" if not path.exists() else f"has no {MANIFEST}"
+    return (
+        f"data.path={path} {what}: check the path, or prepare it with "
+        f"`python -m data_prep input=<your source dir> output_dir={path} pack.seq_len={seq_len}` "
+        f"(only the built-in {BUILTIN_CORPUS} is prepared on first use)"
+    )
 
 
 def ensure_prepared(data: DictConfig) -> Path:
     path = resolve_path(data.path)
     error = None
     if dist.is_rank0() and not (path / MANIFEST).exists():
-        if not data.prepare_if_missing:
-            error = f"data.path={path} has no {MANIFEST}: run `python -m data_prep output_dir={path}` first"
+        if not (data.prepare_if_missing and is_builtin_corpus(data)):
+            error = _not_prepared(path, int(data.seq_len))
         else:
-            log.info(f"{path / MANIFEST} not found: preparing it from source={data.prepare_source!r} (rank 0) ...")
+            log.info(f"{path / MANIFEST} not found: preparing the built-in corpus from the stdlib (rank 0) ...")
             try:
                 from data_prep.api import prepare
 
-                prepare(
-                    output_dir=str(path),
-                    source=data.prepare_source,
-                    seq_len=int(data.seq_len),
-                    max_files=data.prepare_max_files,
-                )
+                prepare(output_dir=str(path), source="stdlib", seq_len=int(data.seq_len),
+                        max_files=data.prepare_max_files)  # fmt: skip
             except UltrascaleError as e:
                 error = str(e)
     error = dist.broadcast_object(error)
@@ -45,27 +59,25 @@ def ensure_prepared(data: DictConfig) -> Path:
     return path
 
 
-def check_prepared(data: DictConfig, model_vocab: int) -> str:
+def check_prepared(data: DictConfig, model_vocab: int, dry_run: bool = False) -> str:
     """Read-only: does ``data.path`` fit this run (or will it be prepared)? One line saying what it holds.
 
     Run before anything is written (and again after on-demand preparation), so a missing, corrupt or
     mismatched dataset fails with its file named, not after the run directory and checkpoints exist. With
-    ``data.verify_checksums`` every shard is hashed here, once.
+    ``data.verify_checksums`` every shard is hashed here, once. A ``dry_run`` only notes a missing corpus.
     """
     path = resolve_path(data.path)
     if not (path / MANIFEST).exists():
+        if not is_builtin_corpus(data):
+            if dry_run:  # a dry run plans for hardware (and a corpus) this machine may not have
+                return f"not here: a real run stops with: {_not_prepared(path, int(data.seq_len))}"
+            raise DataError(_not_prepared(path, int(data.seq_len)))
         if not data.prepare_if_missing:
             raise DataError(
                 f"data.path={path} has no {MANIFEST}: run `python -m data_prep output_dir={path}` first "
                 "(or set data.prepare_if_missing=true to prepare it on rank 0)"
             )
-        source = str(data.prepare_source)
-        if source != "stdlib" and not resolve_path(source).is_dir():
-            raise DataError(
-                f"data.prepare_source={source} is not a directory: data.path={path} would be prepared from it; "
-                "use stdlib or a directory of source files"
-            )
-        return f"{path}: not prepared yet; rank 0 prepares it from {source} (data.prepare_if_missing)"
+        return f"{path}: not prepared yet; rank 0 prepares it from the stdlib (data.prepare_if_missing)"
     manifest = load_manifest(path)
     seq_len, vocab = int(manifest["seq_len"]), int(manifest["vocab_size"])
     if seq_len != data.seq_len:

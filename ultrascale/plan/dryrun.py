@@ -70,6 +70,6 @@ def dry_run(cfg: DictConfig, d: Decisions) -> None:
     from ultrascale.config.deepspeed import build_ds_config
     from ultrascale.train.preflight import preflight
 
-    found = preflight(cfg)
+    found = preflight(cfg, d)
     if dist.is_rank0():
         print(dry_run_report(cfg, d, build_ds_config(cfg, d), found.notes))

@@ -36,9 +36,10 @@ def _stability_line(cfg: Any) -> str:
 
 def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Path) -> str:
     """What was built, on rank 0: the layout and every decision with its reason (this module only prints)."""
-    from ultrascale.dist import select_accelerator
+    from ultrascale.dist import select_accelerator, threads_note
 
     backend = select_accelerator()
+    threads = f"; {threads_note()}" if backend == "gloo" and threads_note() else ""
     lines = [
         "ultrascale run",
         f"  model      {cfg.model.type} '{cfg.model.name}': {info.n_params / 1e6:,.2f}M params, "
@@ -47,7 +48,7 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"  batch      {batch_line(cfg, d.topo)}",
         f"  optimizer  {d.optimizer_owner.why}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
-        f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}; MFU peak from {peak_src}",
+        f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}{threads}; MFU peak from {peak_src}",
         f"  packing    document masking {d.document_masking.why}",
         f"  stability  {_stability_line(cfg)}",
         f"  timing     step breakdown {d.step_breakdown.why}; {d.overlap_loss_reduce.why}",

@@ -3,8 +3,11 @@
 DeepSpeed writes a tag directory from every rank; a crash mid-save leaves a partial directory. We make
 the save atomic at the level that matters: the ``latest`` pointer is replaced (``os.replace``) only
 after every rank has finished writing and rank 0 has recorded the size of every file in
-``ultrascale_meta.json``. Resume trusts ``latest``, then verifies the recorded files, so a truncated or
-half-deleted checkpoint fails with the file's name instead of loading garbage.
+``ultrascale_meta.json``. Resume trusts ``latest``, then verifies the recorded files; a truncated or
+half-deleted one is passed over for the newest older checkpoint that verifies (with a warning), and an
+explicitly named one fails with the file's name instead of loading garbage. The same rule holds when the
+files are written in the background (:mod:`ultrascale.train.ckpt_writer`): ``latest`` moves only once every
+rank reports its write finished.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,7 @@ from ultrascale import dist
 from ultrascale.atomic import atomic_write_text
 from ultrascale.errors import CheckpointError
 from ultrascale.rundir import LATEST, META
+from ultrascale.train.ckpt_writer import BackgroundWriter
 
 log = logging.getLogger("ultrascale")
 UNIVERSAL_SUFFIX = "_universal"
@@ -54,8 +59,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0, client: dict | None = None) -> Path:
-    """Collective: every rank calls it. Returns the tag directory once it is complete and pointed to.
+def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0, client: dict | None = None,
+         writer: BackgroundWriter | None = None, write_delay: float = 0.0) -> Path:  # fmt: skip
+    """Collective: every rank calls it. Returns the tag directory; without a ``writer`` it is complete and
+    pointed to by ``latest`` on return, with one it is a snapshot being written (see :meth:`Checkpointer.flush`).
 
     ``client`` is trainer state that must travel with the weights (the data offset after a rollback, the
     stability counters); :func:`load` returns it.
@@ -65,32 +72,102 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0, client: d
     if dist.is_rank0() and tag_dir.exists():  # a leftover partial save of the same step
         shutil.rmtree(tag_dir)
     dist.barrier()
+    if writer is not None:
+        writer.begin(step, write_delay)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**(client or {}), "step": step}, save_latest=False)
-    torch.save(rng_state(), tag_dir / f"rng_state_rank{dist.rank():05d}.pt")
+    rng = tag_dir / f"rng_state_rank{dist.rank():05d}.pt"
+    if writer is not None:
+        writer.put(str(rng), rng_state())
+        writer.mark(step)
+        return tag_dir
+    torch.save(rng_state(), rng)
     dist.barrier()
     if dist.is_rank0():
-        files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*")) if p.is_file()}
-        atomic_write_text(tag_dir / META, json.dumps({**meta, "step": step, "tag": tag, "files": files}, indent=1))
-        atomic_write_text(ckpt_dir / LATEST, tag)
-        if keep:
-            _prune(ckpt_dir, keep)
+        commit(ckpt_dir, tag_dir, {**meta, "step": step, "tag": tag}, keep)
     dist.barrier()
     return tag_dir
 
 
-class Checkpointer:
-    """Owns when the run saves (every ``interval`` steps and at its last step) and what travels with it."""
+def commit(ckpt_dir: Path, tag_dir: Path, meta: dict, keep: int) -> None:
+    """Rank 0, once every rank's files are on disk: record each file's size, then point ``latest`` at the tag
+    (both atomic replacements; ``latest`` last), then prune."""
+    files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*")) if p.is_file()}
+    atomic_write_text(tag_dir / META, json.dumps({**meta, "files": files}, indent=1))
+    atomic_write_text(ckpt_dir / LATEST, tag_dir.name)
+    if keep:
+        _prune(ckpt_dir, keep)
 
-    def __init__(self, ckpt_dir: Path, interval: int, keep: int, meta: dict):
+
+class Checkpointer:
+    """Owns when the run saves (every ``interval`` steps and at its last step), what travels with it, and, with
+    ``background``, the write that goes on while training continues (one in flight at a time)."""
+
+    def __init__(self, ckpt_dir: Path, interval: int, keep: int, meta: dict, background: bool = False):
         self.ckpt_dir, self.interval, self.keep, self.meta = ckpt_dir, int(interval), int(keep), meta
+        self.background = background
+        self.writer: BackgroundWriter | None = None
+        self.pending: tuple[int, Path, dict] | None = None
+        self.last_saved = -1
+        self.write_s = 0.0
+        """Seconds the background thread spent writing the checkpoint committed last."""
+
+    def attach(self, engine) -> None:
+        """Plug the background writer into the engine (after it is built, before any save)."""
+        if self.background:
+            self.writer = BackgroundWriter()
+            engine.checkpoint_engine = self.writer
 
     def due(self, step: int, last_step: int) -> bool:
         return step == last_step or bool(self.interval and step % self.interval == 0)
 
-    def save(self, engine, step: int, client: dict) -> Path:
-        """Collective. ``client`` is trainer state restored by :func:`load` (the data offset, stability)."""
-        meta = {**self.meta, "data_offset": client.get("data_offset", 0)}
-        return save(engine, self.ckpt_dir, step, meta, keep=self.keep, client=client)
+    def saved(self, step: int) -> bool:
+        return self.last_saved == step
+
+    def save(self, engine, step: int, client: dict, write_delay: float = 0.0) -> float:
+        """Collective. ``client`` is trainer state restored by :func:`load` (the data offset, stability).
+        Returns the seconds spent waiting for the previous background write (0 when it was done)."""
+        waited = self.flush_wait()
+        meta = {**self.meta, "data_offset": client.get("data_offset", 0), "step": step, "tag": tag_for(step)}
+        tag_dir = save(engine, self.ckpt_dir, step, meta, keep=self.keep, client=client, writer=self.writer,
+                       write_delay=write_delay)  # fmt: skip
+        self.last_saved = step
+        if self.writer is not None:
+            self.pending = (step, tag_dir, meta)
+        return waited
+
+    def written(self) -> int:
+        """This rank's newest completely written background checkpoint (-1: none, or not writing in the
+        background); raises if the write failed."""
+        return self.writer.written() if self.writer is not None else -1
+
+    def commit_written(self, agreed: int) -> Path | None:
+        """Every rank passes the step all ranks agree they have written; when it covers the checkpoint in
+        flight, rank 0 makes it ``latest`` (no collective: the agreement was the collective). Returns it."""
+        if self.pending is None or agreed < self.pending[0]:
+            return None
+        _, tag_dir, meta = self.pending
+        self.pending = None
+        self.write_s = self.writer.take_write_s() if self.writer is not None else 0.0
+        if dist.is_rank0():
+            commit(self.ckpt_dir, tag_dir, meta, self.keep)
+        return tag_dir
+
+    def flush_wait(self) -> float:
+        """Collective: wait for the write in flight on every rank, then commit it. Returns the seconds waited."""
+        if self.pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.writer.wait()
+        dist.barrier()
+        self.commit_written(self.pending[0])
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def flush(self) -> Path | None:
+        """Collective: commit the checkpoint in flight, if any (the run's end, a stop, a rollback). Returns it."""
+        tag = self.pending[1] if self.pending is not None else None
+        self.flush_wait()
+        return tag
 
     def latest(self) -> Path | None:
         pointer = self.ckpt_dir / LATEST
@@ -138,8 +215,14 @@ def verify(tag_dir: Path) -> dict:
     return meta
 
 
-def find_resume(ckpt_dir: Path, resume: str, universal: bool) -> Path | None:
-    """The tag directory to resume from, or None for a fresh start. Verifies it before returning."""
+def find_resume(ckpt_dir: Path, resume: str, universal: bool, skipped: list[str] | None = None) -> Path | None:
+    """The tag directory to resume from, or None for a fresh start. Verifies it before returning.
+
+    With ``resume=auto`` a ``latest`` that turns out truncated, incomplete or gone (a disk that filled up, a
+    file deleted by hand) falls back to the newest older checkpoint that verifies: one bad checkpoint must not
+    stop a run that has a good one. Each skipped checkpoint's reason is appended to ``skipped`` for the caller
+    to warn with. An explicit path is never second-guessed.
+    """
     if resume == "never":
         return None
     if resume != "auto":
@@ -157,6 +240,8 @@ def find_resume(ckpt_dir: Path, resume: str, universal: bool) -> Path | None:
                 raise CheckpointError(f"train.resume={resume}: {latest} not found")
             return None
         target = ckpt_dir / latest.read_text().strip()
+        if resume == "auto":
+            target = _newest_that_verifies(ckpt_dir, target, skipped if skipped is not None else [])
     verify(target)
     if universal:
         uni = target.with_name(target.name + UNIVERSAL_SUFFIX)
@@ -167,6 +252,19 @@ def find_resume(ckpt_dir: Path, resume: str, universal: bool) -> Path | None:
             )
         return uni
     return target
+
+
+def _newest_that_verifies(ckpt_dir: Path, latest: Path, skipped: list[str]) -> Path:
+    """``latest`` if it verifies, else the newest older complete checkpoint that does (the reasons go to
+    ``skipped``); when none does, ``latest``, whose error the caller then raises."""
+    candidates = [latest, *(ckpt_dir / t for t in reversed(_complete_tags(ckpt_dir)) if t < latest.name)]
+    for tag_dir in candidates:
+        try:
+            verify(tag_dir)
+            return tag_dir
+        except CheckpointError as e:
+            skipped.append(str(e).split(": delete ", 1)[0])
+    return latest
 
 
 def load(engine, tag_dir: Path, same_world: bool) -> tuple[int, dict]:

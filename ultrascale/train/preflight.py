@@ -15,11 +15,13 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ultrascale.config.compose import resolve_path
+from ultrascale.config.decide import Decisions
 from ultrascale.data.prepare import check_prepared
 from ultrascale.data.shards import MANIFEST, load_manifest
 from ultrascale.errors import DataError
 from ultrascale.model.build import build_hf_config
 from ultrascale.train import checkpoint
+from ultrascale.train.resume import check_resume
 
 
 @dataclass(frozen=True)
@@ -28,18 +30,37 @@ class Preflight:
     """{what: finding}, printed by the dry run."""
     data_checked: bool
     """The prepared data existed and was checked (hashed) here, so setup need not do it again."""
+    resume_from: Path | None = None
+    """The verified checkpoint the run continues from (None: a fresh start)."""
+    skipped: tuple[str, ...] = ()
+    """Newer checkpoints passed over because they did not verify (truncated, incomplete), with the reason."""
+    changes: tuple[str, ...] = ()
+    """Allowed differences between this config and the checkpoint's run, in words."""
 
 
-def preflight(cfg: DictConfig) -> Preflight:
-    """What was checked; raises the user error that would otherwise come mid-setup, after files were written."""
+def preflight(cfg: DictConfig, d: Decisions) -> Preflight:
+    """What was checked; raises the user error that would otherwise come mid-setup, after files were written.
+
+    That includes a resume this config cannot continue (another layout, ZeRO stage, precision, model shape or a
+    schedule that jumps): :func:`ultrascale.train.resume.check_resume` refuses it here, so the run directory's
+    ``config.yaml`` and ``ds_config.json`` still describe the run that made the checkpoint."""
     hf = build_hf_config(cfg.model)  # a missing model.pretrained_path fails here
     data_checked = (resolve_path(cfg.data.path) / MANIFEST).exists()
-    found = {"data": check_prepared(cfg.data, hf.vocab_size)}
+    found = {"data": check_prepared(cfg.data, hf.vocab_size, dry_run=bool(cfg.get("dry_run", False)))}
     if cfg.model.pretrained_path:
         found["weights"] = f"from {cfg.model.pretrained_path}"
     ckpt_dir = resolve_path(cfg.output_dir) / "checkpoints"
-    tag_dir = checkpoint.find_resume(ckpt_dir, str(cfg.train.resume), cfg.train.universal_checkpoint)
+    skipped: list[str] = []
+    tag_dir = checkpoint.find_resume(ckpt_dir, str(cfg.train.resume), cfg.train.universal_checkpoint, skipped)
     found["resume"] = f"from {tag_dir}" if tag_dir else "fresh start (no checkpoint to resume)"
+    changes: list[str] = []
+    if tag_dir is not None:
+        meta = checkpoint.read_meta(tag_dir)
+        changes = check_resume(cfg, d, meta, tag_dir.name, cfg.train.universal_checkpoint)
+    if skipped:
+        found["resume"] += f" (skipped: {'; '.join(skipped)})"
+    if changes:
+        found["resume"] += f"; {'; '.join(changes)}"
     n = cfg.train.eval_humaneval
     if n:
         from ultrascale.eval.sandbox import check_available
@@ -49,7 +70,7 @@ def preflight(cfg: DictConfig) -> Preflight:
             humaneval_tokenizer(data, n)
         check_available()
         found["humaneval"] = f"greedy pass@1 on {n} problems at every eval, in the sandbox"
-    return Preflight(found, data_checked)
+    return Preflight(found, data_checked, tag_dir, tuple(skipped), tuple(changes))
 
 
 def humaneval_tokenizer(data: Path, n: int) -> Path:

@@ -162,23 +162,37 @@ class StabilityMonitor:
         self.lr_cut_until = int(state.get("lr_cut_until", -1))
 
 
-def agree(verdict: Verdict) -> Verdict:
-    """All ranks adopt the most severe verdict any rank reached, as one (action, reason, z-score) record.
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank adopts at a step: the stability verdict, whether the run stops after this step (the
+    first stopping rank's code, see :mod:`ultrascale.train.stop`), and the newest checkpoint step whose
+    background write every rank has finished (-1: none)."""
+
+    verdict: Verdict
+    stop: int = 0
+    written: int = -1
+
+
+def agree(verdict: Verdict, stop: int = 0, written: int = -1) -> Agreement:
+    """All ranks adopt the most severe verdict any rank reached, as one (action, reason, z-score) record, plus
+    the stop request and the written checkpoint, in the same all-gather (a stop costs no extra collective).
 
     Action and reason travel as one code (action-major), so the reason every rank reports is the reason of
     the rank whose action won, never the worst reason of some other rank. Collective.
     """
     if not (tdist.is_initialized() and tdist.get_world_size() > 1):
-        return verdict
+        return Agreement(verdict, stop, written)
     code = ACTIONS.index(verdict.action) * len(REASONS) + REASONS.index(verdict.reason)
     z = math.nan if verdict.zscore is None else float(verdict.zscore)
-    mine = torch.tensor([float(code), z], dtype=torch.float64)
+    mine = torch.tensor([float(code), z, float(stop), float(written)], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
     tdist.all_gather(rows, mine)
     best = max(rows, key=lambda r: int(r[0]))  # the lowest rank among ties
     action, reason = divmod(int(best[0]), len(REASONS))
     zscore = None if math.isnan(float(best[1])) else float(best[1])
-    return Verdict(ACTIONS[action], REASONS[reason], zscore)
+    stops = [int(r[2]) for r in rows if int(r[2])]
+    return Agreement(Verdict(ACTIONS[action], REASONS[reason], zscore), stops[0] if stops else 0,
+                     min(int(r[3]) for r in rows))  # fmt: skip
 
 
 class StepGate:
@@ -264,9 +278,16 @@ class FaultInjector:
 
     def stall(self, kind: str, step: int) -> None:
         """Sleep for a planted ``slow_data``/``slow_ckpt`` at ``step``: the caller's timer must book it."""
+        time.sleep(self.take(kind, step))
+
+    def take(self, kind: str, step: int) -> float:
+        """The seconds of a planted stall at ``step`` (0 if none), for a caller that sleeps elsewhere (the
+        background checkpoint writer plants a slow disk in its own thread)."""
+        secs = 0.0
         for f in [f for f in self.pending if f.step == step and f.kind == kind]:
             self.pending.remove(f)
-            time.sleep(f.factor)
+            secs += f.factor
+        return secs
 
     def fired(self, step: int) -> None:
         """The step's loss faults have been applied (a rolled-back replay of the step runs clean)."""

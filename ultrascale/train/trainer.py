@@ -44,7 +44,7 @@ from ultrascale.model.flops import train_flops_per_token
 from ultrascale.model.moe import MoEStats
 from ultrascale.model.moe import shard_report as moe_shard_report
 from ultrascale.peak import device_peak_flops
-from ultrascale.rundir import CONFIG, DS_CONFIG, METRICS, SUMMARY
+from ultrascale.rundir import ATTEMPTS, CONFIG, DS_CONFIG, METRICS, STOP_REQUEST, STOPPED, SUMMARY
 from ultrascale.train import checkpoint
 from ultrascale.train.banner import banner
 from ultrascale.train.breakdown import StepBreakdown
@@ -55,8 +55,9 @@ from ultrascale.train.loggers import MetricLogger, read_metrics
 from ultrascale.train.metrics import memory_gb, throughput
 from ultrascale.train.optim import apply_lr
 from ultrascale.train.plot import plot_curves
-from ultrascale.train.preflight import humaneval_tokenizer, preflight
+from ultrascale.train.preflight import Preflight, humaneval_tokenizer, preflight
 from ultrascale.train.profiler import StepProfiler
+from ultrascale.train.resume import checkpoint_meta
 from ultrascale.train.stability import (
     FaultInjector,
     StabilityMonitor,
@@ -65,11 +66,15 @@ from ultrascale.train.stability import (
     agree,
     grads_finite_norm,
 )
+from ultrascale.train.stop import StopRequest
 
 log = logging.getLogger("ultrascale")
 
-# Test hook: SIGKILL rank 0 at the start of this step, to prove kill-then-resume loses nothing.
+# Test hook: SIGKILL a rank at the start of this step (``STEP`` or ``STEP:RANK``, rank 0 by default), once per
+# run directory, to prove kill-then-resume (and kill-then-restart) loses nothing.
 FAULT_ENV = "ULTRASCALE_FAULT_AT_STEP"
+# Set by the launch paths that restart a job themselves (our deepspeed driver, the sbatch script's loop).
+RESTART_ENV = "ULTRASCALE_RESTART_COUNT"
 # Test hook: SIGKILL rank 0 right after a rollback, before any later checkpoint could record it.
 FAULT_ROLLBACK_ENV = "ULTRASCALE_FAULT_AFTER_ROLLBACK"
 # Test hook: this global rank raises at its first step while its peers wait in a collective, to prove a
@@ -92,13 +97,31 @@ class _LossReduce:
         return float(self.value)
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """After a resume, drop rows logged past the checkpoint: they will be recomputed identically.
+def _truncate_metrics(path: Path, step: int) -> tuple[int, float]:
+    """At a start, drop rows logged past the checkpoint (step 0 for a fresh start): they will be recomputed
+    identically. Returns what the interrupted attempt lost: the steps it had run past the checkpoint and
+    their logged seconds (the cost of the interval between checkpoints, which the report books as "lost").
 
     Rollback events stay: a rollback after the checkpoint still holds (it is recorded beside the checkpoints).
     """
-    if path.exists():
-        write_jsonl(path, [r for r in read_metrics(path) if r["step"] <= step or r.get("event") == "rollback"])
+    if not path.exists():
+        return 0, 0.0
+    rows = read_metrics(path)
+    lost = [r for r in rows if r["step"] > step and "event" not in r]
+    write_jsonl(path, [r for r in rows if r["step"] <= step or r.get("event") == "rollback"])
+    steps = max((r["step"] for r in lost), default=step) - step
+    return steps, sum(float(r.get("step_s") or 0.0) for r in lost)
+
+
+def restart_count() -> dict[str, int]:
+    """How many times the launcher restarted this job after a lost rank (torchrun's ``--max-restarts``, our
+    deepspeed driver's and the sbatch script's loop) and how often Slurm requeued it."""
+    out = {}
+    for key, names in (("restart", ("TORCHELASTIC_RESTART_COUNT", RESTART_ENV)), ("requeue", ("SLURM_RESTART_COUNT",))):
+        n = max((int(os.environ[v]) for v in names if os.environ.get(v, "").isdigit()), default=0)
+        if n:
+            out[key] = n
+    return out
 
 
 @dataclass
@@ -110,6 +133,10 @@ class StepState:
     loss: float = math.nan
     lr: float = 0.0
     verdict: Verdict = field(default_factory=Verdict)
+    stop: int = 0
+    """The stop every rank agreed on in this step (a signal number, the STOP file's code, or 0)."""
+    written: int = -1
+    """The newest checkpoint step every rank had finished writing in the background, as agreed in this step."""
 
 
 @dataclass
@@ -123,18 +150,21 @@ class FitResult:
     loop_s: float = 0.0
     first_step_unix: float | None = None
     """Wall clock at the end of the first step (start-up, compile included, is what users wait through)."""
+    stopped: str | None = None
+    """What stopped the run before its last step (a signal's name or the STOP file), None when it finished."""
 
 
 class Trainer:
-    def __init__(self, cfg: RootConfig, d: Decisions, out: Path, config_dict: dict, data_checked: bool = False):
+    def __init__(self, cfg: RootConfig, d: Decisions, out: Path, config_dict: dict, found: Preflight,
+                 stop: StopRequest | None = None):  # fmt: skip
         self.cfg, self.decisions, self.topo, self.out = cfg, d, d.topo, out
-        self.config_dict, self.data_checked = config_dict, data_checked
+        self.config_dict, self.found, self.data_checked = config_dict, found, found.data_checked
         self.ds_config = build_ds_config(cfg, d)
         self.rank = dist.rank()
+        self.stop = stop or StopRequest(self.rank)
         self.checkpointer = checkpoint.Checkpointer(
-            out / "checkpoints", cfg.train.checkpoint_interval, cfg.train.keep_checkpoints,
-            {"world_size": d.topo.world, "topology": d.topo.as_dict(), "precision": str(cfg.precision.dtype),
-             "zero_stage": d.zero_stage},
+            out / "checkpoints", cfg.train.checkpoint_interval, cfg.train.keep_checkpoints, checkpoint_meta(cfg, d),
+            background=cfg.train.checkpoint_async,
         )  # fmt: skip
 
     # ---- setup: each job a named step ------------------------------------------------------------
@@ -143,9 +173,16 @@ class Trainer:
         self._build()
         self.start_step, self.data_offset = 0, 0
         resumed_from = self._resume()
+        lost_steps, lost_s = _truncate_metrics(self.out / METRICS, self.start_step) if dist.is_rank0() else (0, 0.0)
         self.metrics = MetricLogger(self.cfg.logger, self.out, dist.is_rank0(), self.config_dict, self.ds_config)
-        if resumed_from is not None:
-            self.metrics.event(self.start_step, "resume", from_step=self.start_step, checkpoint=str(resumed_from))
+        restarts = restart_count()
+        if resumed_from is not None or lost_steps or restarts:
+            self.metrics.event(self.start_step, "resume", from_step=self.start_step,
+                               checkpoint=str(resumed_from) if resumed_from else None, steps_lost=lost_steps,
+                               lost_s=lost_s, **restarts, changes="; ".join(self.found.changes) or None,
+                               skipped="; ".join(self.found.skipped) or None)  # fmt: skip
+        if dist.is_rank0():
+            (self.out / STOPPED).unlink(missing_ok=True)  # an earlier attempt's stop is answered by this one
         dist.barrier()
         tokenizer = self._humaneval_tokenizer()
         self.evaluator = Evaluator(
@@ -168,6 +205,7 @@ class Trainer:
         """The engine, and everything that reads its groups: data-parallel rank, batches, timers, monitors."""
         cfg, d = self.cfg, self.decisions
         self.engine, self.info = build_engine(cfg, d, self.ds_config)
+        self.checkpointer.attach(self.engine)
         self.gate = self.info.gate
         self.raw_optimizer = self.engine.optimizer is self.engine.basic_optimizer  # ZeRO-0 fp32: nothing checks
         self.dp_rank = tdist.get_rank(self.engine.data_parallel_group) if self.topo.dp > 1 else 0
@@ -189,16 +227,17 @@ class Trainer:
         self.breakdown = StepBreakdown(self.engine, d.step_breakdown.on, d.pipeline)
 
     def _resume(self) -> Path | None:
-        """Load the checkpoint to resume from, if any, and drop the metrics rows logged after it (before the
-        metrics file is opened for appending again). Returns the checkpoint's directory."""
-        cfg = self.cfg.train
-        tag_dir = checkpoint.find_resume(self.checkpointer.ckpt_dir, str(cfg.resume), cfg.universal_checkpoint)
+        """Load the checkpoint preflight chose and checked (the newest that verifies), if any. Returns its
+        directory."""
+        tag_dir = self.found.resume_from
+        for why in self.found.skipped:
+            log.warning(f"resume: skipped a newer checkpoint: {why}; resuming from {tag_dir or 'scratch'}")
         if tag_dir is None:
             return None
         self.start_step = self._load(tag_dir, checkpoint.read_meta(tag_dir).get("world_size"))
         log.info(f"resumed from {tag_dir} at step {self.start_step} (data offset {self.data_offset})")
-        if dist.is_rank0():
-            _truncate_metrics(self.out / METRICS, self.start_step)
+        for change in self.found.changes:
+            log.info(f"resume: {change}")
         return tag_dir
 
     def _load(self, tag_dir: Path, saved_world: int | None) -> int:
@@ -234,8 +273,8 @@ class Trainer:
         inputs = (b.input_ids, b.position_ids) if b.position_ids is not None else b.input_ids
         return inputs, b.labels
 
-    def train_step(self, step: int) -> tuple[dict, Verdict]:
-        """One optimizer step; returns its metrics row and the (all-ranks) stability verdict."""
+    def train_step(self, step: int) -> tuple[dict, StepState]:
+        """One optimizer step; returns its metrics row and what the ranks agreed in it (verdict, stop, writes)."""
         st = StepState(step, self.injector.factor(step + 1))  # planted faults name steps as logged (1-based)
         self.breakdown.start()
         (self._pipeline_step if self.decisions.pipeline else self._dense_step)(st)
@@ -247,7 +286,7 @@ class Trainer:
                **self.breakdown.finish(), "mem_gb": memory_gb(),
                "epoch": self.batches.epoch(step + self.data_offset + 1), **(self.moe.flush() if self.moe else {})}  # fmt: skip
         row.update(throughput(self.tokens_per_step, row["step_s"], self.flops_per_token, self.topo.world, self.peak))
-        return row, st.verdict
+        return row, st
 
     def _fetch(self, st: StepState, micro: int) -> Batch:
         """A micro-batch, timed as data wait (a planted ``slow_data`` stall lands here too)."""
@@ -299,9 +338,14 @@ class Trainer:
             self.breakdown.after_micro_step()
 
     def _judge(self, st: StepState, loss: float) -> None:
-        """Agree on a verdict for the step's (all-reduced) loss, start an lr cut if that is it, set the lr."""
+        """Agree on a verdict for the step's (all-reduced) loss, start an lr cut if that is it, set the lr.
+
+        The same all-gather carries a pending stop (a signal on any rank, or rank 0's STOP file) and the newest
+        checkpoint every rank has written in the background, so neither costs a collective of its own."""
         st.loss = loss
-        st.verdict = agree(self.stability.judge(loss))
+        agreed = agree(self.stability.judge(loss), self.stop.local(check_file=self.rank == 0),
+                       self.checkpointer.written())  # fmt: skip
+        st.verdict, st.stop, st.written = agreed.verdict, agreed.stop, agreed.written
         if st.verdict.action == "lr_cut":
             self.stability.start_lr_cut(st.step)
         st.lr = self._apply_lr(st.step)
@@ -346,16 +390,31 @@ class Trainer:
 
     # ---- checkpoints and rollbacks ----------------------------------------------------------------------
     def save(self, step: int) -> None:
+        """Save step ``step``: whole (``latest`` moves before this returns), or with ``train.checkpoint_async`` a
+        snapshot that is written in the background and becomes ``latest`` once every rank has written it.
+        ``checkpoint_s`` is what training waited either way (the stall the comb report shows)."""
         t0 = time.perf_counter()
-        self.injector.stall("slow_ckpt", step)
+        delay = self.injector.take("slow_ckpt", step)  # a planted slow disk
+        if not self.checkpointer.background:
+            time.sleep(delay)
         client = {"data_offset": self.data_offset, "stability": self.stability.state()}
-        self.checkpointer.save(self.engine, step, client)
+        waited = self.checkpointer.save(self.engine, step, client, write_delay=delay)
         secs = time.perf_counter() - t0
-        log.info(f"checkpoint {checkpoint.tag_for(step)} saved in {secs:.1f}s")
-        self.metrics.event(step, "checkpoint", checkpoint_s=secs, console=False)
+        how = "snapshot taken, writing in the background" if self.checkpointer.background else "saved"
+        log.info(f"checkpoint {checkpoint.tag_for(step)} {how} in {secs:.1f}s")
+        self.metrics.event(step, "checkpoint", checkpoint_s=secs, wait_s=waited or None, console=False,
+                           background=self.checkpointer.background or None)  # fmt: skip
+
+    def _commit_written(self, step: int, written: int) -> None:
+        """A background checkpoint every rank has written becomes ``latest`` (rank 0 writes the pointer)."""
+        done = self.checkpointer.commit_written(written)
+        if done is not None:
+            self.metrics.event(step, "checkpoint_written", checkpoint=done.name, write_s=self.checkpointer.write_s,
+                               console=False)  # fmt: skip
 
     def _rollback(self, step: int, verdict: Verdict) -> int:
         """Reload the newest checkpoint and skip the data window from it through the bad step; returns its step."""
+        self._flush_checkpoint(step)  # roll back to the newest checkpoint, written or in flight
         tag_dir = self.checkpointer.latest()
         if tag_dir is None:
             raise TrainingHealthError(
@@ -383,12 +442,16 @@ class Trainer:
         bar = self._progress_bar(steps)
         profiler = StepProfiler(self.out, self.rank, self.cfg.train.profile_start, self.cfg.train.profile_steps,
                                 self.start_step)  # fmt: skip
-        step, t_first = self.start_step, None
+        step, t_first, t_last = self.start_step, None, None
+        if self._stop_before_training():
+            res.stopped = self.stop.describe(self.stop.code)
+            step = steps  # nothing to run; the checkpoint resumed from is current
         while step < steps:
             self._planted_failures(step)
             t_step = time.perf_counter()
             profiler.before(res.steps_run)
-            res.last, verdict = self.train_step(step)
+            res.last, st = self.train_step(step)
+            verdict = st.verdict
             profiler.after(res.steps_run)
             self.injector.fired(step + 1)
             done = step + 1
@@ -408,10 +471,15 @@ class Trainer:
             # are its exit, not its speed (evals and checkpoints between steps stay inside the window).
             t_last = time.perf_counter()
             self._after_step(done, steps, res)
+            self._commit_written(done, st.written)
             if t_first is None:
                 t_first, res.first_step_unix = time.perf_counter(), time.time()
             step = done
-        res.loop_s = t_last - t_first if t_first and res.steps_run > 1 else 0.0
+            if st.stop and done < steps:
+                res.stopped = self._stop_after(done, st.stop)
+                break
+        self._flush_checkpoint(step)
+        res.loop_s = t_last - t_first if t_first and t_last and res.steps_run > 1 else 0.0
         profiler.close(res.steps_run)
         if bar:
             bar.close()
@@ -431,9 +499,52 @@ class Trainer:
         if self.checkpointer.due(done, last_step):
             self.save(done)
 
+    def _stop_before_training(self) -> bool:
+        """A stop asked for during setup (model build, resume, compile of nothing yet) ends the run before its
+        first step: every rank agrees on it in one all-gather, and the checkpoint it resumed from is current."""
+        code = agree(Verdict(), self.stop.local(check_file=self.rank == 0)).stop
+        if code:
+            self.stop.code = self.stop.code or code
+            self._record_stop(self.start_step, code, self.checkpointer.latest())
+        return bool(code)
+
+    def _stop_after(self, done: int, code: int) -> str:
+        """Every rank agreed to stop after step ``done``: save it (unless just saved), wait for the write, record
+        the stop. The run then ends like a finished one (summary, report, exit code 0)."""
+        if not self.checkpointer.saved(done):
+            self.save(done)
+        self._flush_checkpoint(done)
+        self._record_stop(done, code, self.checkpointer.latest())
+        return self.stop.describe(code)
+
+    def _record_stop(self, step: int, code: int, tag_dir: Path | None) -> None:
+        name = self.stop.describe(code)
+        self.metrics.event(step, "stop", signal=name, checkpoint=tag_dir.name if tag_dir else None)
+        if dist.is_rank0():
+            from ultrascale.atomic import atomic_write_text
+
+            record = {"signal": name, "step": step, "checkpoint": str(tag_dir) if tag_dir else None,
+                      "time": time.time()}  # fmt: skip
+            atomic_write_text(self.out / STOPPED, json.dumps(record) + "\n")
+            self.stop.consume_file()
+        log.info(f"stopped by {name} after step {step}: checkpoint {tag_dir}; run the same command again to resume")
+
+    def _flush_checkpoint(self, step: int) -> None:
+        """Collective: wait for a background write in flight and make it ``latest`` (before a rollback reads
+        ``latest``, and when the run ends). The wait is booked as checkpoint time."""
+        t0 = time.perf_counter()
+        done = self.checkpointer.flush()
+        if done is not None:
+            self.metrics.event(step, "checkpoint_written", checkpoint=done.name, write_s=self.checkpointer.write_s,
+                               wait_s=time.perf_counter() - t0, console=False)  # fmt: skip
+
     def _planted_failures(self, step: int) -> None:
-        if step == int(os.environ.get(FAULT_ENV, -1)) and dist.is_rank0():
-            os.kill(os.getpid(), signal.SIGKILL)
+        at, _, who = os.environ.get(FAULT_ENV, "").partition(":")
+        if at and step == int(at) and self.rank == int(who or 0):
+            marker = self.out / f".fault_fired_{at}_{self.rank}"  # once per run directory: a restart runs clean
+            if not marker.exists():
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
         raise_on = int(os.environ.get(RAISE_ENV, -1))
         if step == self.start_step and self.rank == raise_on:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {step} ({RAISE_ENV}={raise_on})")
@@ -466,7 +577,10 @@ class Trainer:
             log.warning(f"data-parallel replicas hold different parameters: {digests}")
         if self.moe is not None:  # expert shards differ by design; the rest must agree
             out.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
-        out.update(self.stability.counters(), data_offset=self.data_offset, mfu_peak=self.peak_src)
+        out.update(self.stability.counters(), data_offset=self.data_offset, mfu_peak=self.peak_src,
+                   complete=res.stopped is None)  # fmt: skip
+        if res.stopped:
+            out["stopped_by"] = res.stopped
         if res.first_step_unix is not None:  # from the process's creation, as the launcher started it
             started = psutil.Process().create_time()
             out.update(first_step_unix=res.first_step_unix, time_to_first_step_s=res.first_step_unix - started)
@@ -502,6 +616,12 @@ class Trainer:
         if report:
             lines.append(f"  report      {report}  (python -m ultrascale.report run_dir={self.out})")
         lines.append(f"  checkpoint  {self.checkpointer.latest()}")
+        if summary.get("stopped_by"):
+            lines.insert(
+                1,
+                f"  stopped     by {summary['stopped_by']} before step {self.cfg.train.steps}: run the "
+                "same command again to resume from the checkpoint",
+            )
         if self.cfg.logger.tensorboard:
             lines.append(f"  tensorboard tensorboard --logdir {self.out / 'tensorboard'}")
         if wandb_dir:
@@ -521,26 +641,48 @@ def _write_report(out: Path) -> Path | None:
         return None
 
 
-def _prepare_run_dir(cfg: DictConfig, out: Path, ds_config: dict) -> None:
-    """Rank 0 alone creates and writes the run directory; the others wait for it."""
+def _prepare_run_dir(cfg: DictConfig, out: Path, ds_config: dict) -> Path | None:
+    """Rank 0 alone creates the run directory and writes this attempt's resolved config and DeepSpeed JSON to
+    ``attempts/NNN/``; the others wait. Returns that directory on rank 0.
+
+    The run's own ``config.yaml`` and ``ds_config.json`` are replaced only by :func:`_promote_attempt`, once the
+    checkpoint has loaded: an attempt that fails (a resume DeepSpeed refuses, a crash while building) leaves
+    them describing the run that made the checkpoints, and its own config beside them."""
+    attempt = None
     if dist.is_rank0():
         (out / "logs").mkdir(parents=True, exist_ok=True)
         (out / "checkpoints").mkdir(exist_ok=True)
-        (out / CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        write_json(out / DS_CONFIG, ds_config)
+        n = 1 + max((int(p.name) for p in (out / ATTEMPTS).glob("[0-9]*") if p.name.isdigit()), default=0)
+        attempt = out / ATTEMPTS / f"{n:03d}"
+        attempt.mkdir(parents=True)
+        (attempt / CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        write_json(attempt / DS_CONFIG, ds_config)
     dist.barrier()
+    return attempt
+
+
+def _promote_attempt(attempt: Path | None, out: Path) -> None:
+    """Rank 0: this attempt is the run now (its checkpoint loaded, or it started fresh): its config becomes the
+    run's, each file replaced atomically."""
+    if attempt is not None:
+        from ultrascale.atomic import atomic_write_bytes
+
+        for name in (CONFIG, DS_CONFIG):
+            atomic_write_bytes(out / name, (attempt / name).read_bytes())
 
 
 def run(cfg: DictConfig, d: Decisions) -> dict | None:
     """Train with an already-validated config and its decisions. Collective: every rank calls it."""
     out = resolve_path(cfg.output_dir)
-    found = preflight(cfg)  # read-only, on every rank: nothing is written for a run that cannot start
+    found = preflight(cfg, d)  # read-only, on every rank: nothing is written for a run that cannot start
     dist.init_distributed()
+    stop = StopRequest(dist.rank(), out / STOP_REQUEST).install()  # from here a signal is a stop, not a kill
     typed: Any = OmegaConf.to_object(cfg)  # typed settings from here on: components get their sub-configs
-    trainer = Trainer(typed, d, out, OmegaConf.to_container(cfg, resolve=True), data_checked=found.data_checked)
-    _prepare_run_dir(cfg, out, trainer.ds_config)
+    trainer = Trainer(typed, d, out, OmegaConf.to_container(cfg, resolve=True), found, stop)
+    attempt = _prepare_run_dir(cfg, out, trainer.ds_config)
     dist.setup_logging(str(out / "logs" / f"rank{dist.rank():05d}.log"))
     trainer.setup()
+    _promote_attempt(attempt, out)
     summary = trainer.summary(trainer.fit())
     trainer.finish(summary)
     trainer.close()

@@ -1,0 +1,154 @@
+"""Checkpoints that do not stall training: snapshot the state at the step boundary, write it in the background.
+
+DeepSpeed 0.19.8's own overlapped writer (``DecoupledCheckpointEngine``) runs ``FastCheckpointEngine`` in a
+spawned process, which writes through DeepNVMe's ``AsyncIOBuilder`` op: it needs libaio and a JIT build, and is
+made for GPU pinned buffers. So this module plugs a :class:`~deepspeed.runtime.checkpoint_engine.checkpoint_engine.
+CheckpointEngine` of our own into the engine (the interface DeepSpeed hands every state dict to, for every ZeRO
+stage, the pipeline engine's layer files and MoE expert files alike):
+
+- ``save()`` copies the state dict's tensors to host memory (a ``clone`` on CPU, a device-to-host copy on GPU),
+  so the training step that follows may change the live tensors, and queues the copy;
+- one background thread per rank ``torch.save``\\ s the queue to disk and fsyncs each file;
+- the trainer learns which checkpoint every rank has finished through the all-gather it makes each step anyway,
+  and only then does rank 0 write the file list and move ``latest`` (:class:`ultrascale.train.checkpoint.
+  Checkpointer`). A crash while the thread writes leaves the previous checkpoint as ``latest``.
+
+The price is host memory for one snapshot (the checkpoint's size per rank) while it is written; one save is in
+flight at a time (a save waits for the previous one to be written).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+
+def snapshot(obj: Any, memo: dict | None = None) -> Any:
+    """A copy of ``obj`` whose tensors live in their own host memory (a tensor met twice is copied once).
+    Containers are rebuilt; anything else (numbers, strings, sizes, config objects) is kept as it is."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            t = obj.detach()
+            memo[id(obj)] = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out = {} if type(obj) is dict else type(obj)()
+        for k, v in obj.items():
+            out[k] = snapshot(v, memo)
+        return out
+    if isinstance(obj, list):
+        return [snapshot(v, memo) for v in obj]
+    if isinstance(obj, tuple):
+        items = [snapshot(v, memo) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj  # nothing mutable inside (torch.Size, plain tuples): keep its type
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    return obj
+
+
+class BackgroundWriter(CheckpointEngine):
+    """DeepSpeed's checkpoint engine interface, writing snapshots on a thread; loading is plain ``torch.load``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "ultrascale.BackgroundWriter"
+        self._jobs: queue.Queue = queue.Queue()
+        self._written = -1
+        self._queued = -1
+        self._error: BaseException | None = None
+        self._write_s = 0.0
+        self._done = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ckpt-writer", daemon=True)
+        self._thread.start()
+
+    # ---- DeepSpeed's CheckpointEngine interface ---------------------------------------------------------
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self.raise_if_failed()
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self._jobs.put(("file", path, snapshot(state_dict), 0.0))
+
+    def load(self, path: str, map_location=None) -> Any:
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # the snapshot copies each tensor on its own; DeepSpeed need not clone first
+
+    # ---- ours ----------------------------------------------------------------------------------------------
+    def put(self, path: str, obj: Any) -> None:
+        """Queue one more file (already a private object, e.g. this rank's RNG state)."""
+        self._jobs.put(("file", path, obj, 0.0))
+
+    def begin(self, step: int, delay_s: float = 0.0) -> None:
+        """Checkpoint ``step``'s files follow. ``delay_s`` (a planted slow disk, ``ULTRASCALE_INJECT=slow_ckpt@...``)
+        is slept by the thread before it writes them."""
+        self._queued = step
+        if delay_s:
+            self._jobs.put(("sleep", None, None, delay_s))
+
+    def mark(self, step: int) -> None:
+        """Everything queued so far belongs to checkpoint ``step``: it counts as written once the thread gets here."""
+        self._jobs.put(("mark", None, step, 0.0))
+
+    def written(self) -> int:
+        """The newest checkpoint step this rank has completely written (-1: none yet)."""
+        self.raise_if_failed()
+        return self._written
+
+    def pending(self) -> bool:
+        return self._queued > self._written
+
+    def wait(self, timeout: float | None = None) -> float:
+        """Block until every queued file is written; returns the seconds waited (the stall it caused)."""
+        t0 = time.perf_counter()
+        with self._done:
+            self._done.wait_for(lambda: self._error is not None or self._written >= self._queued, timeout)
+        self.raise_if_failed()
+        return time.perf_counter() - t0
+
+    def take_write_s(self) -> float:
+        """Seconds the thread spent writing since the last call (the write the stall no longer contains)."""
+        s, self._write_s = self._write_s, 0.0
+        return s
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            from ultrascale.errors import CheckpointError
+
+            raise CheckpointError(f"background checkpoint write failed: {self._error}") from None
+
+    def _run(self) -> None:
+        while True:
+            kind, path, obj, delay = self._jobs.get()
+            try:
+                t0 = time.perf_counter()
+                if kind == "sleep":
+                    time.sleep(delay)
+                    continue
+                if kind == "mark":
+                    with self._done:
+                        self._written = obj
+                        self._done.notify_all()
+                    continue
+                with open(path, "wb") as f:
+                    torch.save(obj, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self._write_s += time.perf_counter() - t0
+            except BaseException as e:  # kept and raised on the training thread
+                with self._done:
+                    self._error = RuntimeError(f"{path}: {type(e).__name__}: {e}")
+                    self._done.notify_all()
+                return
+            finally:
+                del obj
