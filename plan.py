@@ -16,7 +16,15 @@ from ultrascale.errors import ConfigError
 def main(cfg: DictConfig) -> list:
     from ultrascale.model.arch import arch_from_cfg
     from ultrascale.plan.cluster import resolve_cluster
-    from ultrascale.plan.report import header, override_line, plot, rejection_summary, table, write_json
+    from ultrascale.plan.report import (
+        checkpoint_advice,
+        header,
+        override_line,
+        plot,
+        rejection_summary,
+        table,
+        write_json,
+    )
     from ultrascale.plan.search import plan
 
     cfg = resolve_cluster(cfg)
@@ -45,6 +53,7 @@ def main(cfg: DictConfig) -> list:
             "data.seq_len / data.micro_batch"
         )
     print("\nbest:\n  " + override_line(cfg, fits[0]))
+    print(checkpoint_advice(cfg, arch, fits[0]))
     if cfg.output_json:
         write_json(cfg.output_json, cfg, arch, cands)
         print(f"wrote {cfg.output_json}")

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +29,11 @@ from omegaconf import DictConfig
 from launch.hostfile import read_hostfile
 from ultrascale.config.compose import PROJECT_ROOT, resolve_path
 from ultrascale.config.schema import LauncherName
-from ultrascale.dist import free_port
+from ultrascale.dist import RESTART_ENV, free_port
 from ultrascale.errors import ConfigError
 from ultrascale.jsonio import write_json
 from ultrascale.rundir import STOP_REQUEST, STOPPED
 
-RESTART_ENV = "ULTRASCALE_RESTART_COUNT"  # the trainer's restart_count() reads it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 CONFIG_ERROR = 2
 """Exit code of a rank that refused its config or data (``error:`` line): restarting cannot help."""
@@ -144,6 +144,7 @@ def run_launcher(cmd: list[str], env: dict[str, str], out_dir: Path, restart: in
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     print("launching: " + " ".join(cmd), flush=True)
+    started = time.time()
     with open(out_dir / "launcher.log", "a") as log, _StopForwarder(out_dir / STOP_REQUEST) as fwd:
         log.write("$ " + " ".join(cmd) + "\n")
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env={**env, RESTART_ENV: str(restart)}, stdout=subprocess.PIPE,
@@ -155,10 +156,13 @@ def run_launcher(cmd: list[str], env: dict[str, str], out_dir: Path, restart: in
             rc = proc.wait()
         finally:
             sys.stdout.flush()
-    stopped = fwd.signal if fwd.signal and (out_dir / STOPPED).exists() else None
+    # The ranks saved and stopped (STOPPED is written by this launch's rank 0 once the checkpoint is `latest`):
+    # a clean stop, whatever exit code the launcher chose for the signal it also got.
+    marker = out_dir / STOPPED
+    clean = fwd.signal is not None and marker.exists() and marker.stat().st_mtime >= started
     (out_dir / STOP_REQUEST).unlink(missing_ok=True)  # answered, or the run ended before it could be
-    write_json(out_dir / STATUS_FILE, {"returncode": rc, "command": cmd, "stopped": stopped}, indent=None)
-    return LaunchResult(rc, stopped or fwd.signal)
+    write_json(out_dir / STATUS_FILE, {"returncode": rc, "command": cmd, "stopped": fwd.signal}, indent=None)
+    return LaunchResult(0 if clean else rc, fwd.signal)
 
 
 def spawn(cfg: DictConfig, script: str, args: list[str]) -> LaunchResult:

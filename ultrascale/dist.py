@@ -19,6 +19,9 @@ log = logging.getLogger("ultrascale")
 _ACCEL_NOTE: list[str] = []
 # This rank's log file, named in crash reports (ultrascale/cli.py) as where the traceback went.
 _LOG_FILE: list[str] = []
+RESTART_ENV = "ULTRASCALE_RESTART_COUNT"
+"""How many times a launch path that restarts a job itself (the train.py driver's loop over the deepspeed
+launcher, the sbatch script's loop over srun) has restarted it; torchrun says TORCHELASTIC_RESTART_COUNT."""
 # The CPU threads init_distributed gave this rank and why, for the banner.
 _THREADS_NOTE: list[str] = []
 
@@ -126,6 +129,7 @@ def init_distributed(timeout_min: int = 60) -> str:
     if not dist.is_initialized():
         import deepspeed
 
+        _init_after_torchrun_restart(backend, timedelta(minutes=timeout_min))
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_min))
     import torch
 
@@ -136,6 +140,25 @@ def init_distributed(timeout_min: int = 60) -> str:
         torch.set_num_threads(threads)
         _THREADS_NOTE[:] = [f"{threads} thread(s) per rank x {local_world_size()} local rank(s) ({why})"]
     return backend
+
+
+def _init_after_torchrun_restart(backend: str, timeout) -> None:
+    """After a ``torchrun --max-restarts`` restart, join the process group through a store prefix of its own.
+
+    torchrun's static rendezvous (``--master_port``, what ``launcher=torchrun`` and most users type) keeps one
+    TCPStore for every attempt, and ``env://`` workers use it unprefixed (torch 2.13), so the restarted ranks read
+    the dead attempt's gloo addresses and fail with "Connection refused". Prefixing by the restart count gives
+    each attempt clean keys; the first attempt is left to DeepSpeed as usual."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    import torch.distributed as dist
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)  # fmt: skip
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/ultrascale/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)  # fmt: skip
 
 
 def local_world_size() -> int:

@@ -9,6 +9,7 @@ It lives with the planner because it is the planner's view of one composed layou
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -33,6 +34,59 @@ def host_memory_line(cfg: Any, d: Decisions) -> str:
             f"~{host_step_bytes(arch, lay) / GIB:.2f} GiB")  # fmt: skip
 
 
+def checkpoint_line(cfg: Any, d: Decisions) -> str:
+    """The suggested checkpoint interval (Young/Daly) for this layout: from the run's own measured saves and
+    steps when its output_dir has them, else from the planner's step time and checkpoint size on the default
+    cluster (``plan.py``'s ``cluster`` group: node MTBF, storage rate) at this launcher's node count."""
+    from ultrascale.config.compose import resolve_path
+    from ultrascale.config.schema import ClusterConfig, SearchConfig
+    from ultrascale.plan.checkpointing import advise, checkpoint_bytes
+    from ultrascale.plan.memory import DTYPE_BYTES
+    from ultrascale.plan.timing import step_time
+
+    c = ClusterConfig(nodes=cfg.launcher.nnodes, gpus_per_node=cfg.launcher.nproc_per_node)
+    arch, lay = arch_from_hf(d.hf_config), decided(layout_from_cfg(cfg, d.topo.world), d)
+    total = checkpoint_bytes(arch.total_params, DTYPE_BYTES[lay.dtype], lay.zero_stage)
+    background = bool(cfg.train.checkpoint_async)
+    measured = _measured_saves(resolve_path(cfg.output_dir) / "metrics.jsonl")
+    s = SearchConfig()
+    step_s = measured["step_s"] if measured else step_time(arch, lay, c, overlap=s.overlap,
+                                                           recompute_overhead=s.recompute_overhead).step  # fmt: skip
+    adv = advise(total / c.nodes, total / lay.world, step_s, c.nodes, c.node_mtbf_hours, c.storage_write_gbps,
+                 c.host_link_gbps, background)  # fmt: skip
+    if measured:  # the run's own stall and write times replace the estimates
+        from dataclasses import replace
+
+        from ultrascale.plan.checkpointing import lost_share, young_daly
+
+        mtbf_s = adv.mtbf_h * 3600
+        interval = max(young_daly(measured["stall_s"], mtbf_s), measured["write_s"], step_s)
+        steps = max(1, round(interval / step_s))
+        save, rework = lost_share(steps * step_s, measured["stall_s"], mtbf_s, measured["write_s"])
+        adv = replace(adv, stall_s=measured["stall_s"], write_s=measured["write_s"], interval_s=steps * step_s,
+                      interval_steps=steps, save_share=save, rework_share=rework)  # fmt: skip
+    src = (f"measured in {cfg.output_dir}/metrics.jsonl" if measured else
+           f"planner estimate for {c.name} x {c.nodes} node(s): python plan.py ... cluster.node_mtbf_hours=H "
+           "cluster.storage_write_gbps=G to change")  # fmt: skip
+    return adv.describe(cfg.train.checkpoint_interval or None) + f"\n({src})"
+
+
+def _measured_saves(metrics: Path) -> dict | None:
+    """Median step time, checkpoint stall and background write time of an existing run, if it has saved."""
+    import statistics
+
+    if not metrics.is_file():
+        return None
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    steps = [r["step_s"] for r in rows if "event" not in r and r.get("step_s")]
+    stalls = [r["checkpoint_s"] for r in rows if r.get("event") == "checkpoint" and r.get("checkpoint_s")]
+    writes = [r["write_s"] for r in rows if r.get("event") == "checkpoint_written" and r.get("write_s")]
+    if not steps or not stalls:
+        return None
+    stall = statistics.median(stalls)
+    return {"step_s": statistics.median(steps), "stall_s": stall, "write_s": statistics.median(writes or [stall])}
+
+
 def dry_run_report(cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[str, str]) -> str:
     """The report, as text (rank 0 prints it)."""
     from ultrascale.model.build import count_params
@@ -53,6 +107,8 @@ def dry_run_report(cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[s
         f"model FLOPs per step {flops:.3e}  ({flops / tokens:.3e} per token; causal attention over the lower triangle)",
         "== host memory per rank (planner, fp32 build) ==",
         host_memory_line(cfg, d),
+        "== checkpointing ==",
+        checkpoint_line(cfg, d),
         "== decisions ==",
         f"{'zero':<10} {zero_line(cfg, d)}",
         *(f"{k:<10} {'on ' if c.on else 'off'} {c.why}" for k, c in d.features().items()),

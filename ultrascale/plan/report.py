@@ -215,3 +215,20 @@ def write_budget_json(path: str | Path, bp: BudgetPlan) -> None:
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=1))
+
+
+def checkpoint_advice(cfg: DictConfig, arch: Arch, best: Candidate) -> str:
+    """How often the best layout should checkpoint (Young/Daly), from the checkpoint's size and the cluster's
+    storage rate and node MTBF."""
+    from ultrascale.plan.checkpointing import advise, checkpoint_bytes
+    from ultrascale.plan.memory import DTYPE_BYTES
+
+    c, lay = cfg.cluster, best.layout
+    total = checkpoint_bytes(arch.total_params, DTYPE_BYTES[lay.dtype], lay.zero_stage)
+    adv = advise(total / c.nodes, total / lay.world, best.timing.step, c.nodes, c.node_mtbf_hours,
+                 c.storage_write_gbps, c.host_link_gbps, background=bool(cfg.train.checkpoint_async))  # fmt: skip
+    how = "background writer (train.checkpoint_async)" if cfg.train.checkpoint_async else "synchronous save"
+    return (
+        f"checkpointing ({how}; cluster.node_mtbf_hours={c.node_mtbf_hours:g}, "
+        f"cluster.storage_write_gbps={c.storage_write_gbps:g}):\n  " + adv.describe().replace("\n", "\n  ")
+    )

@@ -37,6 +37,7 @@ LABELS = {
     "eval": "evaluation",
     "warmup": "warm-up",
     "outside": "outside logged steps",
+    "lost": "lost to failures",
 }
 # Events drawn as markers and listed one by one (checkpoints and evals are counted and timed instead).
 MARKED = ("skip", "lr_cut", "rollback", "stop", "resume")
@@ -146,6 +147,12 @@ class Analysis:
     final_step: int
     min_loss: float | None
     evals: list[dict]
+    restarts: int = 0
+    """Restarts after a lost rank (the launcher's count) and Slurm requeues, the highest seen."""
+    requeues: int = 0
+    steps_lost: int = 0
+    """Steps run past a checkpoint by an attempt that then died: run again after the restart."""
+    lost_s: float = 0.0
 
     @property
     def largest(self) -> Stall | None:
@@ -338,6 +345,10 @@ def analyze(run: Run) -> Analysis:
                 part_s[p] += min(t.parts[p], m) + (t.represents - 1) * m
                 warm_s += max(0.0, t.parts[p] - m)
     step_time = sum(part_s.values()) + warm_s
+    resumed = [r for r in run.events if r["event"] == "resume"]
+    steps_lost = sum(int(_num(r.get("steps_lost")) or 0) for r in resumed)
+    lost_s = sum(_num(r.get("lost_s")) or 0.0 for r in resumed)
+    wall += lost_s  # the dead attempts' rows were dropped at the resume; their time was still spent
     ckpts = [t for t in comb if t.kind == "checkpoint"]
     evals = [t for t in comb if t.kind == "eval"]
     ckpt_s, eval_s = sum(t.seconds for t in ckpts), sum(t.seconds for t in evals)
@@ -354,6 +365,11 @@ def analyze(run: Run) -> Analysis:
         st = _event_stall(key, ticks, denom, noun)
         if st is not None:
             stalls.append(st)
+    if lost_s > 0:
+        restarts = max((int(_num(r.get("restart")) or 0) for r in resumed), default=0)
+        stalls.append(Stall("lost", lost_s, lost_s / denom, detail=f"{steps_lost} steps run again after "
+                            f"{len([r for r in resumed if r.get('steps_lost')])} failure(s) ({restarts} restart(s)): "
+                            "the part of a checkpoint interval a failure costs"))  # fmt: skip
     if warm_s > 0 and steady_bd is not None:
         first = ", ".join(f"{secs_str(t.seconds)} at step {t.step}" for t in warm[:3]) + (
             ", ..." if len(warm) > 3 else ""
@@ -419,4 +435,8 @@ def analyze(run: Run) -> Analysis:
         final_step=curve[-1]["step"],
         min_loss=min(v for _, v in losses) if losses else None,
         evals=[last_eval[s] for s in sorted(last_eval)],
+        restarts=max((int(_num(r.get("restart")) or 0) for r in resumed), default=0),
+        requeues=max((int(_num(r.get("requeue")) or 0) for r in resumed), default=0),
+        steps_lost=steps_lost,
+        lost_s=lost_s,
     )

@@ -6,7 +6,7 @@ loss, and which is faster by how much) and then one section each, so the same re
 
 from __future__ import annotations
 
-from ultrascale.report.analyze import LABELS, Analysis, pct
+from ultrascale.report.analyze import LABELS, Analysis, pct, secs_str
 
 _STATS = (
     ("tokens_per_s", "tokens/s", "{:,.0f}", 1.0),
@@ -75,6 +75,11 @@ def _what_ran(a: Analysis) -> list[list[str]]:
     if a.resumes:
         wall += f" over {a.resumes + 1} segments ({a.resumes} resume{'s' if a.resumes > 1 else ''})"
     rows.append(["wall time", wall])
+    if a.restarts or a.requeues or a.steps_lost:
+        failures = [f"{a.restarts} restart{'s' if a.restarts != 1 else ''}"] if a.restarts else []
+        failures += [f"{a.requeues} requeue{'s' if a.requeues != 1 else ''}"] if a.requeues else []
+        failures.append(f"{a.steps_lost} step{'s' if a.steps_lost != 1 else ''} lost ({secs_str(a.lost_s)} run again)")
+        rows.append(["failures", ", ".join(failures)])
     return rows
 
 

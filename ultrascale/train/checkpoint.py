@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,8 @@ class Checkpointer:
         self.writer: BackgroundWriter | None = None
         self.pending: tuple[int, Path, dict] | None = None
         self.last_saved = -1
+        self.beat: Callable[[], None] | None = None
+        """Called while waiting for a write (the stop watchdog's heartbeat)."""
         self.write_s = 0.0
         """Seconds the background thread spent writing the checkpoint committed last."""
 
@@ -157,7 +160,7 @@ class Checkpointer:
         if self.pending is None:
             return 0.0
         t0 = time.perf_counter()
-        self.writer.wait()
+        self.writer.wait(self.beat)
         dist.barrier()
         self.commit_written(self.pending[0])
         dist.barrier()

@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,11 +109,14 @@ class BackgroundWriter(CheckpointEngine):
     def pending(self) -> bool:
         return self._queued > self._written
 
-    def wait(self, timeout: float | None = None) -> float:
-        """Block until every queued file is written; returns the seconds waited (the stall it caused)."""
+    def wait(self, beat: Callable[[], None] | None = None) -> float:
+        """Block until every queued file is written; returns the seconds waited (the stall it caused). ``beat``
+        is called every second meanwhile (a long write is progress, not a hang)."""
         t0 = time.perf_counter()
         with self._done:
-            self._done.wait_for(lambda: self._error is not None or self._written >= self._queued, timeout)
+            while not self._done.wait_for(lambda: self._error is not None or self._written >= self._queued, 1.0):
+                if beat is not None:
+                    beat()
         self.raise_if_failed()
         return time.perf_counter() - t0
 

@@ -15,6 +15,13 @@ Who cannot send a signal to every rank (a Slurm batch script whose job steps run
 process, a user) writes the request file ``<output_dir>/STOP`` (its text, e.g. ``USR1``, names the cause);
 rank 0 looks for it once per step and removes it once the run has stopped.
 
+A rank can only act on a signal at a step boundary; one stuck in a collective whose peer died (a killed rank:
+gloo, DeepSpeed's shared-memory all-reduce and NCCL all wait for it) never gets there. So the first signal also
+starts a watchdog thread (woken through ``signal.set_wakeup_fd``, which the C-level handler writes even while
+the main thread is blocked in C++): if the rank makes no progress for ``30 s + 3 x its longest step`` after
+the signal, it exits at once with code 1 and a line saying why, keeping the newest complete checkpoint, so a
+launcher restarts the job in seconds instead of waiting out its shutdown timeout.
+
 And a launcher that dies is a stop too: the ``deepspeed`` command does not forward SIGTERM on one node (it
 dies of it and leaves its ``launch.py`` and the ranks running, unwatched), so each rank also checks, once per
 step, that the launcher processes above it are still there.
@@ -22,9 +29,11 @@ step, that the launcher processes above it are still there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -56,17 +65,68 @@ class StopRequest:
         self._previous: dict[int, object] = {}
         self.launchers = launcher_ancestors()
         self.gone = ""
+        self._beat = time.monotonic()
+        self._longest: float | None = None
+        self._settled = False
+        self._paused = 0
 
     def install(self) -> StopRequest:
         """Take over SIGTERM, SIGINT and SIGUSR1 (main thread only: Python delivers signals there)."""
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._on_signal)
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            threading.Thread(target=self._watchdog, args=(read,), name="stop-watchdog", daemon=True).start()
         return self
 
+    def beat(self, step_s: float | None = None) -> None:
+        """The main thread made progress (a step, a part of the save); ``step_s`` sizes the watchdog's grace."""
+        self._beat = time.monotonic()
+        if step_s:
+            self._longest = max(self._longest or 0.0, float(step_s))
+
+    def settle(self) -> None:
+        """The stop is done (checkpoint saved), or training is over: the watchdog has nothing left to guard."""
+        self._settled = True
+
+    @contextlib.contextmanager
+    def unguarded(self):
+        """A stretch where a rank may legitimately wait long without a step (an evaluation: rank 0 generates
+        HumanEval while the others wait in a collective): the watchdog does not judge it."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self.beat()
+
+    def _watchdog(self, fd: int) -> None:
+        try:  # the C handler writes each handled signal's number here; wait for one of ours
+            while os.read(fd, 1)[0] not in SIGNALS:
+                pass
+        except OSError:
+            return
+        since = time.monotonic()
+        while not self._settled:
+            time.sleep(0.5)
+            if self._longest is None or self._paused:  # start-up, a first-step compile, an eval: the launcher decides
+                continue
+            grace = 30.0 + 3.0 * self._longest
+            quiet = time.monotonic() - max(self._beat, since)
+            if quiet > grace and not self._settled:
+                os.write(2, (f"rank {self.rank}: no progress {quiet:.0f}s after a stop signal (a collective whose peer "
+                             "is gone never returns): exiting without a new checkpoint; the newest complete one is "
+                             "kept\n").encode())  # fmt: skip
+                os._exit(1)
+
     def restore(self) -> None:
+        self._settled = True
         for s, handler in self._previous.items():
             signal.signal(s, handler)  # type: ignore[arg-type]
+        if self._previous:
+            signal.set_wakeup_fd(self._previous_wakeup)
         self._previous.clear()
 
     def _on_signal(self, signum: int, _frame) -> None:

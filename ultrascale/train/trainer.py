@@ -73,8 +73,6 @@ log = logging.getLogger("ultrascale")
 # Test hook: SIGKILL a rank at the start of this step (``STEP`` or ``STEP:RANK``, rank 0 by default), once per
 # run directory, to prove kill-then-resume (and kill-then-restart) loses nothing.
 FAULT_ENV = "ULTRASCALE_FAULT_AT_STEP"
-# Set by the launch paths that restart a job themselves (our deepspeed driver, the sbatch script's loop).
-RESTART_ENV = "ULTRASCALE_RESTART_COUNT"
 # Test hook: SIGKILL rank 0 right after a rollback, before any later checkpoint could record it.
 FAULT_ROLLBACK_ENV = "ULTRASCALE_FAULT_AFTER_ROLLBACK"
 # Test hook: this global rank raises at its first step while its peers wait in a collective, to prove a
@@ -117,7 +115,8 @@ def restart_count() -> dict[str, int]:
     """How many times the launcher restarted this job after a lost rank (torchrun's ``--max-restarts``, our
     deepspeed driver's and the sbatch script's loop) and how often Slurm requeued it."""
     out = {}
-    for key, names in (("restart", ("TORCHELASTIC_RESTART_COUNT", RESTART_ENV)), ("requeue", ("SLURM_RESTART_COUNT",))):
+    for key, names in (("restart", ("TORCHELASTIC_RESTART_COUNT", dist.RESTART_ENV)),
+                       ("requeue", ("SLURM_RESTART_COUNT",))):  # fmt: skip
         n = max((int(os.environ[v]) for v in names if os.environ.get(v, "").isdigit()), default=0)
         if n:
             out[key] = n
@@ -166,6 +165,7 @@ class Trainer:
             out / "checkpoints", cfg.train.checkpoint_interval, cfg.train.keep_checkpoints, checkpoint_meta(cfg, d),
             background=cfg.train.checkpoint_async,
         )  # fmt: skip
+        self.checkpointer.beat = self.stop.beat
 
     # ---- setup: each job a named step ------------------------------------------------------------
     def setup(self) -> None:
@@ -452,6 +452,7 @@ class Trainer:
             profiler.before(res.steps_run)
             res.last, st = self.train_step(step)
             verdict = st.verdict
+            self.stop.beat(res.last["step_s"])
             profiler.after(res.steps_run)
             self.injector.fired(step + 1)
             done = step + 1
@@ -494,7 +495,8 @@ class Trainer:
     def _after_step(self, done: int, last_step: int, res: FitResult) -> None:
         """What is due after a step: the evaluator's run, then the checkpointer's save."""
         if self.evaluator.due(done, last_step):
-            res.last_eval = self.evaluator.run(done)
+            with self.stop.unguarded():
+                res.last_eval = self.evaluator.run(done)
             self.metrics.event(done, "eval", **res.last_eval)
         if self.checkpointer.due(done, last_step):
             self.save(done)
@@ -515,6 +517,7 @@ class Trainer:
             self.save(done)
         self._flush_checkpoint(done)
         self._record_stop(done, code, self.checkpointer.latest())
+        self.stop.settle()
         return self.stop.describe(code)
 
     def _record_stop(self, step: int, code: int, tag_dir: Path | None) -> None:
@@ -683,7 +686,10 @@ def run(cfg: DictConfig, d: Decisions) -> dict | None:
     dist.setup_logging(str(out / "logs" / f"rank{dist.rank():05d}.log"))
     trainer.setup()
     _promote_attempt(attempt, out)
-    summary = trainer.summary(trainer.fit())
+    result = trainer.fit()
+    stop.settle()  # training is over: nothing left for the stop watchdog to guard
+    summary = trainer.summary(result)
     trainer.finish(summary)
     trainer.close()
+    stop.restore()
     return summary
