@@ -9,7 +9,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale soak-exit clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale bench-launch bench-checkpoint soak-exit clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,12 @@ bench-attention: setup
 
 bench-scale: setup
 	$(BIN)/python bench/scale_memory.py --json bench/results/scale_memory.json
+
+bench-launch: setup
+	$(BIN)/python bench/launchers.py --json bench/results/launchers.json
+
+bench-checkpoint: setup
+	$(BIN)/python bench/checkpoint_stall.py --json bench/results/checkpoint_stall.json
 
 bench-parallel: setup
 	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json

@@ -37,7 +37,7 @@ def test_eval_and_humaneval_during_training_runs_every_completion_in_the_sandbox
     evals = [r for r in rows if r.get("event") == "eval"]
     assert [e["step"] for e in evals] == [2, 4]
     for e in evals:
-        assert e["eval_ppl"] == pytest.approx(math.exp(e["eval_loss"]), rel=1e-6) and e["eval_s"] > 0
+        assert e["eval_perplexity"] == pytest.approx(math.exp(e["eval_loss"]), rel=1e-6) and e["eval_s"] > 0
         assert e["humaneval_problems"] == 2
         samples = [json.loads(x) for x in (out / "humaneval" / f"step_{e['step']:08d}.jsonl").read_text().splitlines()]
         assert [s["task_id"] for s in samples] == ["HumanEval/0", "HumanEval/1"]

@@ -292,11 +292,12 @@ def test_a_resume_trap_is_one_error_line_and_leaves_the_run_record_untouched(nam
     out, args = zero3_run
     record = {p: (out / p).read_bytes() for p in ("config.yaml", "ds_config.json", "metrics.jsonl")}
     attempts = sorted(p.name for p in (out / "attempts").iterdir())
-    proc = launch([*args, *extra], nproc=nproc)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = launch([*args, *extra], nproc=nproc if nproc > 1 else 0)  # one rank: plain python
+    assert proc.returncode == (2 if nproc == 1 else 1), proc.stdout[-2000:] + proc.stderr[-2000:]  # torchrun: 1
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and needle in errors[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    if "Traceback" in proc.stderr:  # torchrun's own report of a worker that exited 2; none through our code
+        assert "ChildFailedError" in proc.stderr and "ultrascale/" not in proc.stderr, proc.stderr[-3000:]
     assert {p: (out / p).read_bytes() for p in record} == record
     assert sorted(p.name for p in (out / "attempts").iterdir()) == attempts  # refused before anything was written
 

@@ -78,7 +78,7 @@ def synth(
         if eval_every and s % eval_every == 0:
             t += 0.8
             rows.append({"step": s, "time_s": t, "event": "eval", "eval_loss": 2.5 + 6.0 * math.exp(-s / 150),
-                         "eval_ppl": 20.0, "eval_s": 0.8})  # fmt: skip
+                         "eval_perplexity": 20.0, "eval_s": 0.8})  # fmt: skip
         if ckpt_every and s % ckpt_every == 0:
             t += ckpt_s
             last_ckpt = s
@@ -269,7 +269,12 @@ def test_two_runs_side_by_side(tmp_path):
     md_path, png = write_report([a, b])
     assert md_path.parent == tmp_path / "a" / "compare_run_vs_run"
     md = md_path.read_text()
-    assert re.search(r"\*\*b/run is 1\.\d\d× as fast as a/run\*\*", md)
+    head = re.search(
+        r"\*\*b/run is (1\.\d\d)× as fast as a/run\*\* \(steady mean tokens/s: b/run ([\d,]+) vs a/run ([\d,]+)\)", md
+    )
+    assert head, md[:400]
+    fast, slow = (float(x.replace(",", "")) for x in head.groups()[1:])
+    assert fast > slow and float(head.group(1)) == pytest.approx(fast / slow, abs=0.01)  # each number by its run
     assert "## Side by side" in md and "## a/run" in md and "## b/run" in md
     line = next(ln for ln in md.splitlines() if ln.startswith("| largest stall |"))
     assert "data wait" in line and "after step 400" in line

@@ -154,7 +154,11 @@ def _loss(a: Analysis) -> list[str]:
     eval_loss = ev.get("eval_loss") if ev else a.run.summary.get("eval_loss")
     if eval_loss is not None:
         where = f" at step {ev['step']}" if ev else ""
-        ppl = ev.get("eval_ppl") if ev else a.run.summary.get("eval_ppl")
+        ppl = (
+            ev.get("eval_perplexity", ev.get("eval_ppl"))
+            if ev
+            else a.run.summary.get("eval_perplexity", a.run.summary.get("eval_ppl"))
+        )
         lines.append(f"- eval loss {_f(eval_loss)}" + (f" (perplexity {_f(ppl)})" if ppl is not None else "") + where)
     he = (ev or {}).get("humaneval_pass@1", a.run.summary.get("humaneval_pass@1"))
     if he is not None:
@@ -164,7 +168,12 @@ def _loss(a: Analysis) -> list[str]:
         lines += _table(
             ["step", "eval loss", "perplexity", "eval s"],
             [
-                [str(e["step"]), _f(e.get("eval_loss")), _f(e.get("eval_ppl")), _f(e.get("eval_s"), "{:.2f}")]
+                [
+                    str(e["step"]),
+                    _f(e.get("eval_loss")),
+                    _f(e.get("eval_perplexity", e.get("eval_ppl"))),
+                    _f(e.get("eval_s"), "{:.2f}"),
+                ]
                 for e in a.evals[-20:]
             ],
         )
@@ -249,10 +258,10 @@ def _faster(base: Analysis, other: Analysis) -> str:
         ratio = o / b if higher_better else b / o
         if abs(ratio - 1) < 0.01:
             return f"{other.run.label} and {base.run.label} are equally fast ({name} within 1 %)."
-        fast, slow = (other, base) if ratio > 1 else (base, other)
-        return (
+        (fast, f), (slow, sl) = ((other, o), (base, b)) if ratio > 1 else ((base, b), (other, o))
+        return (  # the numbers in the order the sentence names the runs, each with its name
             f"**{fast.run.label} is {max(ratio, 1 / ratio):.2f}× as fast as {slow.run.label}** "
-            f"(steady mean {name} {fmt.format(o)} vs {fmt.format(b)})."
+            f"(steady mean {name}: {fast.run.label} {fmt.format(f)} vs {slow.run.label} {fmt.format(sl)})."
         )
     return f"{other.run.label} vs {base.run.label}: no common throughput column to compare."
 

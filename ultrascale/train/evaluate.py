@@ -1,5 +1,6 @@
-"""Evaluation during training: held-out loss over every rank's share of the validation split, and greedy
-HumanEval on rank 0. The evaluator decides when it is due, so the training loop stays a loop."""
+"""Evaluation during training: held-out loss over the first ``data.eval_batches`` micro-batches per data-parallel
+rank of the validation split (the same samples each time; the row says how many and which share of the split),
+and greedy HumanEval on rank 0. The evaluator decides when it is due, so the training loop stays a loop."""
 
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ class Evaluator:
         t, t0 = self.t, time.perf_counter()
         t.engine.eval()
         total = torch.zeros(2, dtype=torch.float64)  # sum of per-token losses, number of targets
-        data = t.cfg.data
+        data, rows = t.cfg.data, 0
         with eager(t.decisions.compile.on):
             for b in eval_batches(t.val_split, data.micro_batch, data.eval_batches, t.dp_rank, t.topo.dp, t.eos,
                                   t.decisions.document_masking.on):  # fmt: skip
+                rows += b.input_ids.shape[0]
                 if t.decisions.pipeline:
                     loss = t.engine.eval_batch(iter([t.pipe_inputs(b)]), num_micro_batches=1)
                 else:
@@ -56,7 +58,11 @@ class Evaluator:
         if tdist.is_initialized() and tdist.get_world_size() > 1:
             tdist.all_reduce(total)
         loss = float(total[0] / total[1]) if total[1] else float("nan")
-        result = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        # The same first data.eval_batches x micro_batch x dp samples of the validation split every time: say how
+        # much of it that is (all of it only when the split is that small).
+        samples = rows * t.topo.dp
+        result = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_samples": samples,
+                  "eval_coverage": samples / max(len(t.val_split), 1)}  # fmt: skip
         if self.humaneval:
             result.update(self._humaneval(step))
         t.breakdown.reset_engine_timers()

@@ -24,8 +24,10 @@ from ultrascale.train.parts import PARTS
 log = logging.getLogger("ultrascale")
 
 CONSOLE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "mem_gb", "data_wait")
-PERF_KEYS = {"tokens_per_s", "tflops", "mfu", "mem_gb", "step_s", *PARTS, "data_wait", "checkpoint_s"}
-EVAL_KEYS = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl", "eval_s": "eval/seconds"}
+PERF_KEYS = {"tokens_per_s", "tflops", "mfu", "mem_gb", "step_s", *PARTS, "data_wait", "checkpoint_s", "write_s", "wait_s",
+             "steps_lost", "lost_s", "restart", "requeue"}  # fmt: skip
+EVAL_KEYS = {"eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity", "eval_s": "eval/seconds",
+             "eval_samples": "eval/samples", "eval_coverage": "eval/coverage"}  # fmt: skip
 STABILITY_EVENTS = ("skip", "lr_cut", "rollback", "stop")
 
 
@@ -110,14 +112,14 @@ class MetricLogger:
             log.info(f"step {step:>6} | " + " | ".join(parts))
 
     def event(self, step: int, kind: str, console: bool = True, **fields) -> None:
-        """An event row (eval, checkpoint, skip, lr_cut, rollback, stop, resume)."""
+        """An event row (eval, checkpoint, checkpoint_written, skip, lr_cut, rollback, stop, resume)."""
         if not self.enabled:
             return
         fields = {k: v for k, v in fields.items() if v is not None}
         self._write(step, {"event": kind, **fields})
         nums = {k: float(v) for k, v in fields.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         numbers = {dashboard_key(k): v for k, v in nums.items()}
-        if kind in STABILITY_EVENTS:
+        if kind in STABILITY_EVENTS and "signal" not in fields:  # a signal's stop is not a health verdict
             self.counts[kind] += 1
             numbers = {f"stability/{kind}_{k}": v for k, v in nums.items()}
             numbers.update({f"stability/{k}s": float(n) for k, n in self.counts.items()})

@@ -590,7 +590,7 @@ class Trainer:
         if res.steps_run and res.last_eval is not None:
             tps = res.tokens_per_s
             out.update(final_loss=res.last["loss"], eval_loss=res.last_eval["eval_loss"],
-                       eval_ppl=res.last_eval["eval_ppl"],
+                       eval_perplexity=res.last_eval["eval_perplexity"],
                        tokens_per_s=sum(tps) / len(tps) if tps else res.last["tokens_per_s"],
                        wall_tokens_per_s=self.tokens_per_step * (res.steps_run - 1) / res.loop_s if res.loop_s else None,
                        mfu=res.last["mfu"], mem_gb=res.last["mem_gb"])  # fmt: skip

@@ -1,0 +1,101 @@
+"""How long training waits for a checkpoint: the synchronous save against the background writer, on the same job.
+
+Both sides run ``train.py`` under torchrun on 2 CPU ranks with the same model, data and checkpoint interval;
+only ``train.checkpoint_async`` differs. From each run's metrics.jsonl:
+
+    stall s        ``checkpoint_s`` of each save: what the step loop waited (the comb report's checkpointing part)
+    write s        the background thread's time writing it (``checkpoint_written`` events); the sync save's
+                   stall is its write
+    share of wall  the stalls over the run's wall time (first step to last)
+    step s         the median step: a background write competes with the next steps for the cores
+
+The default job is SmolLM2-135M's architecture at seq 2,048 (as ``make bench-train``'s; set up on first use), so
+one checkpoint is ~1.35 GB across the two ranks (fp32 weights on rank 0, each rank's half of the fp32 master copy
+and Adam moments).
+
+    python bench/checkpoint_stall.py [--job smollm2_135m|tiny] [--steps 9] [--interval 3] [--rounds 1] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _harness import torchrun  # noqa: E402
+
+MODES = {"sync": "train.checkpoint_async=false", "async": "train.checkpoint_async=true"}
+
+
+def job_args(job: str) -> list[str]:
+    if job == "tiny":
+        return ["recipe=cpu_smoke"]
+    from train_overhead import smollm2_data
+
+    data, _ = smollm2_data(2048)
+    return ["model=smollm2_135m", f"data.path={data}", "data.seq_len=2048", "data.micro_batch=1",
+            "data.global_batch=2", "optim.sched.warmup_steps=2"]  # fmt: skip
+
+
+def run_once(job: list[str], mode: str, steps: int, interval: int, out: Path) -> dict:
+    args = ["train.py", *job, MODES[mode], f"train.steps={steps}", f"train.checkpoint_interval={interval}",
+            "train.eval_interval=0", "train.compile=false", "logger=none", "train.keep_checkpoints=1",
+            f"output_dir={out}"]  # fmt: skip
+    torchrun(2, args)
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    stalls = [r["checkpoint_s"] for r in rows if r.get("event") == "checkpoint"]
+    writes = [r["write_s"] for r in rows if r.get("event") == "checkpoint_written"]
+    steps_s = [r["step_s"] for r in rows if "loss" in r]
+    times = [r["time_s"] for r in rows if "loss" in r]
+    wall = times[-1] - times[0] + steps_s[0]
+    size = sum(p.stat().st_size for p in (out / "checkpoints").rglob("*") if p.is_file() and "step_" in str(p))
+    return {"mode": mode, "saves": len(stalls), "stall_s": statistics.mean(stalls), "stall_max_s": max(stalls),
+            "write_s": statistics.mean(writes) if writes else statistics.mean(stalls), "step_s": statistics.median(steps_s),
+            "wall_s": wall, "stall_share": sum(stalls) / wall, "checkpoint_gb": size / 1e9}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", choices=("smollm2_135m", "tiny"), default="smollm2_135m")
+    ap.add_argument("--steps", type=int, default=9, help="optimizer steps per run (default 9)")
+    ap.add_argument("--interval", type=int, default=3, help="train.checkpoint_interval (default 3)")
+    ap.add_argument("--rounds", type=int, default=1, help="paired rounds, alternating order (default 1)")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    job = job_args(a.job)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
+        for r in range(a.rounds):
+            for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
+                rows.append({"round": r, **run_once(job, mode, a.steps, a.interval, Path(tmp) / f"{mode}{r}")})
+                print(f"round {r} {mode:<5} stall {rows[-1]['stall_s']:.2f} s per save", flush=True)
+    print(
+        f"\n{a.job}: {a.steps} steps, a checkpoint every {a.interval} and at the end (~{rows[0]['checkpoint_gb']:.2f} GB)"
+    )
+    print(
+        f"{'mode':<7}{'saves':>6}{'stall s':>9}{'max s':>8}{'write s':>9}{'step s':>8}{'wall s':>8}{'stall share':>13}"
+    )
+    med: dict[str, dict] = {}
+    for mode in MODES:
+        mine = [row for row in rows if row["mode"] == mode]
+        med[mode] = {k: statistics.median(row[k] for row in mine) for k in mine[0] if k not in ("mode", "round")}
+        m = med[mode]
+        print(f"{mode:<7}{m['saves']:>6.0f}{m['stall_s']:>9.2f}{m['stall_max_s']:>8.2f}{m['write_s']:>9.2f}"
+              f"{m['step_s']:>8.2f}{m['wall_s']:>8.1f}{100 * m['stall_share']:>12.1f}%")  # fmt: skip
+    cut = med["sync"]["stall_s"] / max(med["async"]["stall_s"], 1e-9)
+    print(f"\nstall per save: {med['sync']['stall_s']:.2f} s -> {med['async']['stall_s']:.2f} s ({cut:.1f}x less); "
+          f"share of wall time {100 * med['sync']['stall_share']:.1f} % -> {100 * med['async']['stall_share']:.1f} %")  # fmt: skip
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"job": a.job, "rows": rows, "median": med}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
