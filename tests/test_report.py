@@ -359,7 +359,8 @@ def test_real_run_books_planted_stalls_in_their_own_parts_and_names_the_largest(
     data_delay, ckpt_delay, slow = 0.8, 1.5, range(4, 10)
     plant = ",".join([*(f"slow_data@{s}:0x{data_delay}" for s in slow), f"slow_ckpt@6x{ckpt_delay}"])
     check(launch(["recipe=cpu_smoke", *FAST, f"data.path={tiny_data}", f"output_dir={run}", "train.steps=12",
-                  "train.log_interval=1", "train.eval_interval=6", "train.checkpoint_interval=6"],
+                  "train.log_interval=1", "train.eval_interval=6", "train.checkpoint_interval=6",
+                  "train.checkpoint_async=false"],  # the planted slow disk stalls a synchronous save
                  env={"ULTRASCALE_INJECT": plant}))  # fmt: skip
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = {r["step"]: r for r in rows if "event" not in r}

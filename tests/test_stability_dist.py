@@ -84,7 +84,9 @@ def test_spike_rolls_back_to_the_checkpoint_and_skips_the_window(rolled_back):
 
 def test_a_kill_after_the_rollback_resumes_with_the_window_still_skipped(rolled_back, tiny_data, tmp_path):
     out = tmp_path / "killed"
-    args = [*ROLLBACK, f"data.path={tiny_data}", f"output_dir={out}"]
+    # synchronous saves: the kill comes right after step 6's checkpoint, which must be `latest` by then (a
+    # background write becomes `latest` only at the next step's agreement; test_failures_dist covers that case)
+    args = [*ROLLBACK, f"data.path={tiny_data}", f"output_dir={out}", "train.checkpoint_async=false"]
     killed = launch(args, env={"ULTRASCALE_INJECT": "spike@5:0", "ULTRASCALE_FAULT_AT_STEP": "6"})
     assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_00000006"
     check(launch(args))  # no fault this time: the resumed run must not need it
