@@ -9,7 +9,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale bench-launch bench-checkpoint soak-exit clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale bench-launch bench-checkpoint bench-generate soak-exit clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,9 @@ bench-launch: setup
 
 bench-checkpoint: setup
 	$(BIN)/python bench/checkpoint_stall.py --json bench/results/checkpoint_stall.json
+
+bench-generate: setup
+	$(BIN)/python bench/bench_generate.py --limit 32 --sampled --json bench/results/bench_generate.json
 
 bench-parallel: setup
 	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json

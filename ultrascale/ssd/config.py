@@ -101,8 +101,8 @@ class SampleConfig:
     """Nucleus sampling cutoff."""
     max_new_tokens: int = num(192, ge=1)
     """Generation budget per completion; the stop sequences (next top-level statement) usually end it sooner."""
-    batch_size: int = num(8, ge=1)
-    """Prompts per ``generate`` call; each expands to ``n`` rows."""
+    batch_size: int = num(32, ge=1)
+    """Rows the sampler keeps in flight (each prompt's ``n`` samples take n rows, sharing one prefill)."""
     heal_newline: bool = True
     """Sample from the prompt without its trailing newline and re-align the completion to the full prompt.
     BPE tokenizers merge a newline with the next line's indentation (newline + 3 spaces is one SmolLM2 token),
@@ -180,8 +180,8 @@ class SSDEvalConfig:
     """First N HumanEval problems (null = all 164)."""
     max_new_tokens: int = num(256, ge=1)
     """Generation budget per HumanEval completion."""
-    batch_size: int = num(8, ge=1)
-    """Prompts per ``generate`` call."""
+    batch_size: int = num(32, ge=1)
+    """Rows the sampler keeps in flight."""
     passk_samples: int = num(0, ge=0)
     """Sampled completions per problem for pass@k (0 = greedy pass@1 only; pass@k needs >= max(passk_k))."""
     passk_k: list[int] = num(default_factory=lambda: [1, 5], ge=1)

@@ -1,7 +1,7 @@
 """Sample completions from the current model, execute each in the sandbox, keep the ones that pass.
 
-Generation is HumanEval's (:func:`ultrascale.eval.humaneval.generate`: batched HF ``generate``, temperature,
-top-p, the same stop sequences), so the completions SSD learns from are cut exactly like the ones it is
+Generation is HumanEval's (:func:`ultrascale.eval.humaneval.generate` over :mod:`ultrascale.generate`'s sampler:
+temperature, top-p, the same stop sequences, a seed per sample), so the completions SSD learns from are cut exactly like the ones it is
 scored on. Provided candidates (``extra_candidates`` of a JSONL problem, e.g. human solutions) are executed
 and filtered by the same code and recorded with ``source: provided``: they are never presented as the
 model's own samples.
@@ -48,35 +48,16 @@ def normalized(problem: dict, completion: str) -> str:
 def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = "fp32") -> tuple[list[list[str]], dict]:
     """``cfg.n`` completions per problem (in problem order) and timing stats."""
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ultrascale.eval.humaneval import STOP_SEQUENCES, generate
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, DTYPES[dtype]))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    # Similar lengths share a batch: left padding then wastes little compute on pad tokens.
-    order = sorted(range(len(problems)), key=lambda i: len(problems[i]["prompt"]))
-    out: list[list[str]] = [[] for _ in problems]
     t0 = time.perf_counter()
-    batches = range(0, len(order), cfg.batch_size)
-    for b, start in enumerate(tqdm(batches, desc="sample", unit="batch", mininterval=5.0)):
-        idx = order[start : start + cfg.batch_size]
-        comps = generate(
-            model,
-            tokenizer,
-            [problems[i]["prompt"] for i in idx],
-            n_samples=cfg.n,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            batch_size=len(idx),
-            seed=cfg.seed + b,
-            stops=(*STOP_SEQUENCES, *cfg.extra_stops),
-            heal_newline=cfg.heal_newline,
-        )
-        for i, cs in zip(idx, comps):
-            out[i] = cs
+    out = generate(model, tokenizer, [p["prompt"] for p in problems], n_samples=cfg.n, temperature=cfg.temperature,
+                   top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, seed=cfg.seed,
+                   stops=(*STOP_SEQUENCES, *cfg.extra_stops), heal_newline=cfg.heal_newline, progress=True)  # fmt: skip
     return out, {"generate_s": round(time.perf_counter() - t0, 2)}
 
 

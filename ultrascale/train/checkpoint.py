@@ -70,12 +70,17 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0, client: d
     """
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
+    t0 = time.perf_counter()
     if dist.is_rank0() and tag_dir.exists():  # a leftover partial save of the same step
         shutil.rmtree(tag_dir)
     dist.barrier()
+    t1 = time.perf_counter()
     if writer is not None:
         writer.begin(step, write_delay)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**(client or {}), "step": step}, save_latest=False)
+    t2 = time.perf_counter()
+    log.debug(f"save {tag}: barrier {t1 - t0:.2f}s, engine.save_checkpoint {t2 - t1:.2f}s"
+              + (f" (snapshot {writer.snapshot_s:.2f}s of it)" if writer is not None else ""))  # fmt: skip
     rng = tag_dir / f"rng_state_rank{dist.rank():05d}.pt"
     if writer is not None:
         writer.put(str(rng), rng_state())
