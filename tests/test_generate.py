@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_eval import make_tokenizer
-from ultrascale.generate import Sampler, SamplingParams, process_logits
+from ultrascale.generate import Sampler, SamplingParams, _lookup, process_logits
 
 PROMPTS = [
     "def add(a, b):\n",
@@ -71,6 +71,30 @@ def test_greedy_tokens_equal_hf_generate_through_refills_and_compaction(tiny, ba
                 assert list(c.ids) == ref and c.finish == ("eos" if eos is not None else "length") and c.text == full
 
 
+def test_prompt_lookup_drafts_are_verified_so_greedy_output_does_not_change(tiny):
+    """Drafting on (the default) and off give the same tokens; drafts were proposed and some accepted, so the
+    verify-forward, the holes left by rejected drafts and their compaction were all exercised."""
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=48, stop=("VE",))
+    plain = Sampler(model, tok, batch_size=4, draft=0)
+    off = plain.generate(PROMPTS, params)
+    drafting = Sampler(model, tok, batch_size=4, draft=8)
+    on = drafting.generate(PROMPTS, params)
+    assert [c.ids for (c,) in on] == [c.ids for (c,) in off]
+    assert [(c.text, c.finish) for (c,) in on] == [(c.text, c.finish) for (c,) in off]
+    st = drafting.stats
+    assert 0 < st.accepted < st.drafted  # some drafts kept, some rejected (holes)
+    assert st.decode_steps < plain.stats.decode_steps  # accepted drafts are tokens without a step of their own
+
+
+def test_the_draft_is_what_followed_the_last_ngram_most_recently():
+    prompt = [5, 6, 7, 8, 9, 5, 6, 1, 2]
+    assert _lookup(prompt, [5, 6], k=3) == [1, 2, 5]  # the 2-gram (5, 6) last occurred at 5..6: 1, 2, then 5, 6
+    assert _lookup(prompt, [7, 8], k=2) == [9, 5]  # a 3-gram (6, 7, 8) has no earlier match; (7, 8) does
+    assert _lookup(prompt, [42], k=4) == []  # never seen: no draft
+    assert _lookup([], [3, 3, 3], k=2) == [3]  # only what exists is copied
+
+
 def test_sampling_applies_temperature_then_top_k_then_top_p_as_hf_does():
     from transformers.generation.logits_process import (
         LogitsProcessorList,
@@ -104,6 +128,10 @@ def test_a_row_that_hits_a_stop_sequence_stops_and_the_others_go_on(tiny):
     assert got[0][0].tokens < free[0][0].tokens  # it stopped generating, not just cut the text
     for p in (1, 2):  # the other rows generated their full completions
         assert got[p][0].text == free[p][0].text and got[p][0].finish == free[p][0].finish
+    # a stop for one prompt only (a method's end): the same cut for it, nothing for the others
+    own = Sampler(model, tok, batch_size=8).generate(prompts, SamplingParams(max_new_tokens=20),
+                                                     extra_stops=[(stop,), (), ()])  # fmt: skip
+    assert [(c.text, c.finish) for (c,) in own] == [(c.text, c.finish) for (c,) in got]
 
 
 def test_the_samples_of_a_prompt_share_one_prefill_and_still_differ(tiny):
@@ -130,9 +158,9 @@ def test_in_training_humaneval_and_ssd_sampling_generate_through_the_sampler(tin
     calls = []
     real = gen.Sampler.generate
 
-    def spy(self, prompts, params, progress=False):
+    def spy(self, prompts, params, progress=False, extra_stops=None):
         calls.append(params)
-        return real(self, prompts, params, progress)
+        return real(self, prompts, params, progress, extra_stops)
 
     monkeypatch.setattr(gen.Sampler, "generate", spy)
     monkeypatch.setattr(humaneval, "check_available", lambda: None)

@@ -123,6 +123,11 @@ def test_config_typo_fails_at_compose():
     with pytest.raises(ConfigError, match=r"sample\.temprature"):
         ssd_cfg("sample.temprature=0.5")
     assert ssd_cfg("ssd=smollm2_135m").problems.train_repos_from == "data/stdlib_smollm2"
+    from ultrascale.ssd.config import check
+
+    for preset in sorted((ROOT / "conf" / "ssd").glob("*.yaml")):  # every preset composes and passes the rules
+        check(ssd_cfg(f"ssd={preset.stem}"))
+    assert ssd_cfg("ssd=smollm2_135m_rft").method == "rft" and ssd_cfg("ssd=smollm2_135m").method == "ssd"
 
 
 def test_entry_point_errors_are_one_line_and_help_lists_the_keys(tmp_path):
@@ -189,6 +194,49 @@ def test_select_keeps_passing_dedupes_caps_and_marks_provided():
     assert kept[0]["prompt"] == add["prompt"]
 
 
+def test_the_papers_filter_drops_only_empty_and_stub_responses_and_executes_nothing(monkeypatch):
+    """method=ssd: no sandbox (a call would fail the test), a wrong sample is kept, empty and single-line stubs are
+    dropped and counted, a real one-line body is kept, a truncated and an unparsable sample are counted and kept."""
+    import ultrascale.ssd.sample as sample
+    from ultrascale.ssd.problems import load_jsonl
+
+    def no_sandbox(*a, **k):
+        raise AssertionError("method=ssd executed a sample")
+
+    monkeypatch.setattr(sample, "verdicts", no_sandbox)
+    add, is_even = load_jsonl(PROBLEMS, Counter())[:2]
+    c = lambda text, finish="stop": {"text": text, "finish": finish, "tokens": 5}  # noqa: E731
+    completions = [
+        [c("    return a - b\n"), c("\n   \n"), c("    pass\n"), c("    # todo\n    ...\n"), c("    return a + b")],
+        [c("    if n:\n        return (n %\n", "length"), c("    raise NotImplementedError\n")],
+    ]
+    rows, stats = sample.select_raw([add, is_even], completions)
+    assert [r["reason"] for r in rows] == ["kept", "empty", "stub", "stub", "kept", "kept", "stub"]
+    assert rows[0]["kept"] and "return a - b" in rows[0]["completion"]  # wrong (a - b), kept: no correctness filter
+    assert stats == {**stats, "sampled": 7, "kept": 3, "dropped_empty": 1, "dropped_stub": 3, "truncated": 1,
+                     "no_code": 1, "executed": 0}  # fmt: skip
+    assert rows[5].get("no_code") and rows[5]["finish"] == "length"
+    kept = sample.kept_records([add, is_even], rows)
+    assert [k["completion"] for k in kept] == [
+        "    return a - b\n",
+        "    return a + b",
+        "    if n:\n        return (n %\n",
+    ]
+
+
+def test_ssd_is_the_default_method_and_warns_at_the_zero_signal_setting():
+    from ultrascale.ssd.config import Method, zero_signal
+
+    cfg = ssd_cfg()
+    assert cfg.method == Method.ssd and cfg.sample.n == 1
+    assert (cfg.sample.temperature, cfg.sample.top_k, cfg.sample.top_p) == (1.6, 20, 0.8)  # the paper's Table 3
+    assert not zero_signal(cfg.sample)
+    assert zero_signal(ssd_cfg("sample.temperature=1.0", "sample.top_k=0", "sample.top_p=1.0").sample)
+    assert not zero_signal(ssd_cfg("sample.temperature=1.0", "sample.top_k=0", "sample.top_p=0.95").sample)
+    with pytest.raises(ConfigError, match="method"):
+        ssd_cfg("method=rejection")
+
+
 # ---- the finetuning set -----------------------------------------------------------------------------------
 def test_sft_sample_masks_the_prompt_and_appends_eos(tokenizer_dir):
     from transformers import AutoTokenizer
@@ -250,6 +298,8 @@ def test_finetune_steps_and_command_line():
     assert [steps_for(r, cfg) for r in (1, 8, 12, 100)] == [1, 2, 3, 5]
     args = train_overrides(cfg, Path("/m"), Path("/d"), Path("/r"), 3, 128)
     assert "~model" in args and "model.pretrained_path=/m" in args and "data.prepare_if_missing=false" in args
+    # the paper's optimizer: AdamW (0.9, 0.95), weight decay 0.1, cosine to lr x 0.2 (5e-6 -> 1e-6)
+    assert {"optim.betas=[0.9,0.95]", "optim.weight_decay=0.1", "optim.sched.min_lr_ratio=0.2"} <= set(args)
     assert args[-2:] == ["launcher=torchrun", "launcher.nproc_per_node=2"]
 
 
@@ -303,7 +353,8 @@ def test_tiny_round_end_to_end_then_resume(tiny_start_model, tmp_path):
     from ultrascale.ssd.rounds import STAGES
 
     out = tmp_path / "ssd"
-    args = ["ssd=tiny", f"start_model={tiny_start_model}", f"problems.jsonl={PROBLEMS}", f"output_dir={out}"]
+    args = ["ssd=tiny", "method=rft", f"start_model={tiny_start_model}", f"problems.jsonl={PROBLEMS}",
+            f"output_dir={out}"]  # fmt: skip
     proc = _ssd(args)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rnd = out / "round_00"
@@ -370,3 +421,28 @@ def test_tiny_round_end_to_end_then_resume(tiny_start_model, tmp_path):
     # Settings that would mix two configurations in one directory are refused with the key that changed.
     changed = _ssd([*args, "sample.n=3"])
     assert changed.returncode == 2 and "sample.n: 2 -> 3" in changed.stderr
+
+
+@pytest.mark.dist
+def test_a_prompts_only_jsonl_runs_a_round_of_the_papers_method(tiny_start_model, tmp_path):
+    """method=ssd (the default) on prompts without tests: sampled, filtered without execution, finetuned on 2
+    ranks and exported; the sample stage's manifest carries the paper's counts and no sandbox is needed."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (
+        "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n",
+        "def is_even(n):\n    \"\"\"True if n is even.\"\"\"\n",
+        "class Stack:\n    def push(self, item):\n        \"\"\"Put item on top.\"\"\"\n")))  # fmt: skip
+    out = tmp_path / "ssd"
+    args = ["ssd=tiny", f"start_model={tiny_start_model}", f"problems.jsonl={prompts}", f"output_dir={out}",
+            "eval.enabled=false", "sample.max_new_tokens=24"]  # fmt: skip
+    proc = _ssd(args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rnd = out / "round_00"
+    stats = json.loads((rnd / "manifest.json").read_text())["stages"]["sample"]
+    assert {"sampled", "kept", "dropped_empty", "dropped_stub", "truncated", "no_code", "executed"} <= stats.keys()
+    assert stats["sampled"] == 3 * 2 and stats["executed"] == 0  # ssd=tiny samples n=2 per prompt
+    assert stats["kept"] == stats["sampled"] - stats["dropped_empty"] - stats["dropped_stub"]
+    samples = _rows(rnd / "samples.jsonl")
+    assert all("status" not in r for r in samples)  # nothing ran in a sandbox
+    assert (rnd / "model" / "config.json").exists()
+    assert "method=ssd" in proc.stdout + proc.stderr

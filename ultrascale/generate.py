@@ -1,27 +1,32 @@
 """One sampler for every place the project generates code: HumanEval (``eval.py`` and during training) and the
 sampling stage of self-distillation.
 
-Plain batched HF ``generate`` spends most of a CPU's time where the work is not: it re-decodes every row at
-every step to look for stop strings, re-allocates the KV cache at every step (``torch.cat`` of every layer's
-keys and values), prefills each of the n samples of a prompt separately, pads a batch to its longest prompt,
-and keeps a finished row in the batch until the whole batch is done. This sampler, in the shape of gpt-fast:
+Plain batched HF ``generate`` spends most of a CPU's time where the work is not: it keeps a finished row in the
+batch until the whole batch is done, pads a batch to its longest prompt, prefills each of the n samples of a
+prompt separately, concatenates the KV cache into a new tensor at every step, copies every layer's cache to the
+query heads' count for SDPA (``repeat_kv``), and (HumanEval's old stopping criterion) re-decodes every row at
+every step. This sampler, in the shape of gpt-fast and vLLM's scheduler, measured lever by lever in
+bench/README.md (``make bench-generate``):
 
+- **continuous batching**: a row that finishes (stop sequence, EOS, length) leaves the batch, and new prompts
+  take the free slots; prompts are taken in length order and prefilled in groups of similar length;
 - **prefill once per prompt**: the n samples of a prompt share its prefill; their KV rows are copies;
-- **a KV cache that is written in place**: each layer's keys and values live in a buffer sized for the batch's
-  longest possible sequence, written at the next position every step (:class:`SlotLayer`);
-- **continuous batching**: a row that finishes (stop sequence, EOS, length) leaves the batch at once, and new
-  prompts, prefilled together, take the free slots; prompts are taken in length order so a prefill group and
-  the cache columns are mostly real tokens, and columns no row needs any more are cut off;
+- **a KV cache written in place** (:class:`SlotLayer`), and **grouped-query attention in the kernel** for
+  decoding steps (:func:`decode_attn_forward`);
 - **stop checks on the new text of unfinished rows only**;
+- **prompt-lookup drafting** (greedy): each row proposes the tokens that followed the last occurrence of its
+  latest n-gram in its prompt or completion, one forward verifies them all, and the row keeps the drafted tokens
+  greedy decoding would have chosen plus the model's next one. Code repeats its names and lines, so on the
+  long-tailed rows that hold a batch open most drafts are kept;
 - **sampling as HF applies it**: temperature, then top-k, then top-p, from a generator per sample seeded by
   (seed, prompt, sample), so a sample does not depend on what else shared its batch.
 
-Greedy output is HF ``generate``'s: the same model forward, the same argmax. A token can differ only where two
-candidates' logits are closer than floating-point reordering (another batch composition, another padding) can
-separate: ``bench/bench_generate.py`` counts those near-ties.
+Greedy output is HF ``generate``'s: the same model, the same argmax. A token can differ only where two
+candidates' logits are closer than floating-point reordering (another batch composition, another padding, a
+verify-forward of several positions) can separate: ``bench/bench_generate.py`` counts those near-ties.
 
-On CUDA the same code runs on the model's device. vLLM is a faster engine there; it is not a dependency and is
-not used here.
+On CUDA the same code runs on the model's device (untested here: no GPU on the project's CI). vLLM is the
+faster engine there; it is not a dependency and is not used.
 """
 
 from __future__ import annotations
@@ -95,6 +100,9 @@ class GenerationStats:
     cache_pad: int = 0
     """Key positions attended over in decode steps, and how many of them were padding."""
     capacity: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    """Prompt-lookup draft tokens proposed and accepted (greedy)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -113,7 +121,8 @@ class GenerationStats:
     def line(self) -> str:
         return (f"generated {self.tokens:,} tokens for {self.completions} completions of {self.prompts} prompts in "
                 f"{self.seconds:.1f}s = {self.tokens_per_s:,.1f} tokens/s (prefill {self.prefill_s:.1f}s); batch slots "
-                f"filled {100 * self.batch_fill:.0f} %, padding {100 * self.pad_share:.1f} % of the positions processed")  # fmt: skip
+                f"filled {100 * self.batch_fill:.0f} %, padding {100 * self.pad_share:.1f} % of the positions processed"
+                + (f"; prompt-lookup drafts {self.accepted:,}/{self.drafted:,} accepted" if self.drafted else ""))  # fmt: skip
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -194,14 +203,29 @@ class _Row:
     checked: int = 0
     """Characters of the decoded text already searched for stop sequences."""
     done: bool = False
+    prompt_ids: list[int] = field(default_factory=list)
 
 
 class Sampler:
     """Generation for a causal LM and its tokenizer: ``batch_size`` rows in flight (the KV cache holds them and the
     weights are read once per step for all of them), refilled as rows finish."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 32, refill_at: float = 0.75, autocast: str = "none"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        batch_size: int = 32,
+        refill_at: float = 0.75,
+        autocast: str = "none",
+        draft: int = 8,
+        draft_budget: int = 32,
+        prefill_tokens: int = 2048,
+    ):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, int(batch_size)
+        self.draft, self.draft_budget, self.prefill_tokens = int(draft), int(draft_budget), int(prefill_tokens)
+        """Prompt-lookup drafting (greedy only): up to ``draft`` tokens per row, copied from where the row's last
+        n-gram occurred before in its prompt or completion, verified in one forward; rows x (1 + drafts) stays
+        within ``draft_budget`` positions, where a forward still costs about what one token does. 0: off."""
         self.refill_at = refill_at
         """Refill when the rows in flight drop below this share of ``batch_size`` (a prefill is a rebuild of the
         cache: doing it for every single free slot would cost more than the slot is worth)."""
@@ -215,21 +239,48 @@ class Sampler:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos), 0)
         self.device = next(model.parameters()).device
         self.stats = GenerationStats()
+        self.head = _plain_head(model)
+        """(base model, head weight) where the logits are a plain product with the head (no bias, scale or
+        softcap) and can be computed here; None: the model's own forward computes them."""
 
     # ---- the model ---------------------------------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache, keep: int = 1):
+        """The logits of the last ``keep`` positions of every row, fp32: [rows, vocab] for keep=1, else
+        [rows, keep, vocab]."""
         ctx = torch.autocast(*self.autocast) if self.autocast else _null()
         with ctx:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)  # fmt: skip
-        return out.logits[:, -1, :].float()
+            if self.head is None:
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                 use_cache=True, logits_to_keep=keep)  # fmt: skip
+                logits = out.logits[:, -keep:, :]
+            else:
+                base, weight = self.head
+                h = base(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True).last_hidden_state[:, -keep:, :]  # fmt: skip
+                # W @ h^T rather than h @ W^T: with a few rows, MKL's tall-skinny GEMM reads the 49k x 576 head
+                # 1.5-1.8x faster than F.linear's (bench/README.md)
+                logits = torch.mm(weight, h.reshape(-1, h.shape[-1]).t()).t().view(*h.shape[:2], -1)
+        logits = logits.float()
+        return logits[:, -1, :] if keep == 1 else logits
 
     # ---- one call --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
-        self, prompts: Sequence[str], params: SamplingParams, progress: bool = False
+        self,
+        prompts: Sequence[str],
+        params: SamplingParams,
+        progress: bool = False,
+        extra_stops: Sequence[Sequence[str]] | None = None,
     ) -> list[list[Completion]]:
-        """``params.n`` completions for each prompt, in prompt order."""
+        """``params.n`` completions for each prompt, in prompt order. ``extra_stops[i]``: stop sequences for prompt
+        i on top of ``params.stop`` (a method's body ends where the class's next member starts)."""
+        with decode_attention(self.model):
+            self._stops = [
+                tuple(params.stop) + tuple(extra_stops[i] if extra_stops else ()) for i in range(len(prompts))
+            ]
+            return self._generate(prompts, params, progress)
+
+    def _generate(self, prompts: Sequence[str], params: SamplingParams, progress: bool) -> list[list[Completion]]:
         from tqdm import tqdm
 
         t0 = self._t0 = time.perf_counter()
@@ -245,13 +296,16 @@ class Sampler:
         while pending or (batch is not None and batch.alive()):
             alive = batch.alive() if batch is not None else 0
             if pending and alive <= self.refill_at * cap:  # free slots: prefill the next prompts into them
-                new = self._prefill(self._take(pending, cap - alive, params.n), ids, params)
-                self._advance(new, new.last, params, results, left, bar)
-                batch = self._merge(batch, new, params)
+                news = []
+                for group in self._groups(self._take(pending, cap - alive, params.n), ids):
+                    news.append(self._prefill(group, ids, params))
+                    self._advance(news[-1], news[-1].last, params, results, left, bar)
+                batch = self._merge([batch, *news], params)
                 continue
-            if batch.dead() * 4 > len(batch.rows):  # finished rows cost compute: let them go
-                batch = self._compact(batch, params)
-            self._step(batch, params, results, left, bar)
+            if batch.dead() * 4 > len(batch.rows) or batch.holes * 2 > batch.mask.shape[1]:
+                batch = self._compact(batch, params)  # finished rows and rejected drafts cost compute: drop them
+            if not (params.greedy and self.draft and self._draft_step(batch, params, results, left, bar)):
+                self._step(batch, params, results, left, bar)
         bar.close()
         st.completions = sum(len(r) for r in results)
         st.seconds = time.perf_counter() - t0
@@ -269,6 +323,66 @@ class Sampler:
         b.pos = b.pos + 1
         b.last = self._pick(logits, b.rows, params)
         self._advance(b, b.last, params, results, left, bar)
+
+    def _draft_step(self, b: _Batch, params: SamplingParams, results, left, bar) -> bool:
+        """One forward that verifies each row's prompt-lookup draft: the row keeps the drafted tokens up to the
+        first one greedy decoding would not have chosen, plus the model's own token after them, so the output is
+        greedy decoding's. Rejected drafts stay in the cache as masked columns (holes) until compaction. False
+        (nothing done) when no row has a draft or the batch is too full for drafts to pay."""
+        alive = b.alive()
+        k = min(self.draft, self.draft_budget // max(alive, 1) - 1)
+        if k < 1:
+            return False
+        drafts = [[] if row.done else _lookup(row.prompt_ids, row.tokens, k) for row in b.rows]
+        q = 1 + max(len(d) for d in drafts)
+        if q == 1:
+            return False
+        rows, width = len(b.rows), b.mask.shape[1]
+        ids = torch.full((rows, q), self.pad, dtype=torch.long)
+        new = torch.zeros((rows, q), dtype=b.mask.dtype)
+        ids[:, 0], new[:, 0] = b.last.cpu(), 1
+        for r, d in enumerate(drafts):
+            if d:
+                ids[r, 1 : 1 + len(d)] = torch.tensor(d)
+                new[r, 1 : 1 + len(d)] = 1
+        st = self.stats
+        st.decode_steps += 1
+        st.row_steps += alive
+        st.cache_cells += b.mask.numel() + (q - 1) * rows
+        st.cache_pad += int((b.mask == 0).sum())
+        b.mask = torch.cat([b.mask, new.to(self.device)], dim=1)
+        pos = b.pos[:, None] + torch.arange(q, device=self.device)
+        targets = self._forward(ids.to(self.device), b.mask, pos, b.cache, keep=q).argmax(dim=-1).tolist()
+        step_pos, last = b.pos.tolist(), b.last.tolist()
+        for r, (row, d) in enumerate(zip(b.rows, drafts)):
+            if row.done:
+                step_pos[r] += 1
+                continue
+            m = next((j for j, tok in enumerate(d) if tok != targets[r][j]), len(d))
+            st.drafted += len(d)
+            st.accepted += m
+            if q - 1 > m:  # the rejected drafts' columns (and a shorter draft's padding) are holes from now on
+                b.mask[r, width + 1 + m :] = 0
+                b.holes_by_row[r] += q - 1 - m
+            step_pos[r] += m + 1
+            last[r] = targets[r][m]
+            for tok in [*d[:m], targets[r][m]]:
+                if self._advance_row(row, tok, params, results, left, bar):
+                    break
+        b.pos = torch.tensor(step_pos, device=self.device)
+        b.last = torch.tensor(last, device=self.device)
+        return True
+
+    def _groups(self, prompts: list[int], ids: list[list[int]]) -> list[list[int]]:
+        """Prefill groups of prompts in length order, each within ``prefill_tokens`` positions once left-padded
+        to its longest: one group of 32 HumanEval prompts of 50 to 500 tokens would be half padding."""
+        groups: list[list[int]] = []
+        for i in sorted(prompts, key=lambda i: len(ids[i])):
+            if groups and (len(groups[-1]) + 1) * len(ids[i]) <= self.prefill_tokens:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
 
     def _take(self, pending: deque, slots: int, n: int) -> list[int]:
         """The next prompts (in length order) whose n samples fit the free slots (at least one prompt)."""
@@ -300,7 +414,7 @@ class Sampler:
             for layer in cache.layers:
                 layer.rebuild(layer.keys[rep], layer.values[rep])
             mask, pos, logits = mask[rep], pos[rep], logits[rep]
-        rows = [_Row(i, s, self._generator(params, i, s)) for i in group for s in range(params.n)]
+        rows = [_Row(i, s, self._generator(params, i, s), prompt_ids=ids[i]) for i in group for s in range(params.n)]
         b = _Batch(cache, mask, pos[:, -1] + 1, None, rows)
         b.last = self._pick(logits, rows, params)
         st.prefill_s += time.perf_counter() - t0
@@ -331,68 +445,87 @@ class Sampler:
     def _advance(self, b: _Batch, picks: torch.Tensor, params, results, left, bar) -> None:
         """Append each unfinished row's new token; finish rows on EOS, a stop sequence or the length limit."""
         for row, tok in zip(b.rows, picks.tolist()):
-            if row.done:
-                continue
-            row.tokens.append(tok)
-            finish, text = None, None
-            if tok in self.eos:
-                finish, text = "eos", self._decode(row.tokens[:-1])
-            elif params.stop:
-                text = self._decode(row.tokens)
-                start = max(0, row.checked - max(len(s) for s in params.stop) + 1)
-                hits = [i for i in (text.find(s, start) for s in params.stop) if i >= 0]
-                if hits:
-                    finish, text = "stop", text[: min(hits)]
-                row.checked = len(text)
-            if finish is None and len(row.tokens) >= params.max_new_tokens:
-                finish, text = "length", text if text is not None else self._decode(row.tokens)
-            if finish is not None:
-                row.done = True
-                results[row.prompt][row.sample] = Completion(text, len(row.tokens), finish, tuple(row.tokens))
-                self.stats.tokens += len(row.tokens)
-                left[row.prompt] -= 1
-                if not left[row.prompt]:
-                    bar.update(1)
-                    bar.set_postfix(tok_s=f"{self.stats.tokens / max(time.perf_counter() - self._t0, 1e-9):.0f}")
+            if not row.done:
+                self._advance_row(row, tok, params, results, left, bar)
+
+    def _advance_row(self, row: _Row, tok: int, params, results, left, bar) -> bool:
+        """Append ``tok`` to ``row``; True when that finished it."""
+        row.tokens.append(tok)
+        finish, text = None, None
+        if tok in self.eos:
+            finish, text = "eos", self._decode(row.tokens[:-1])
+        elif stops := self._stops[row.prompt]:
+            text = self._decode(row.tokens)
+            start = max(0, row.checked - max(len(s) for s in stops) + 1)
+            hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+            if hits:
+                finish, text = "stop", text[: min(hits)]
+            row.checked = len(text)
+        if finish is None and len(row.tokens) >= params.max_new_tokens:
+            finish, text = "length", text if text is not None else self._decode(row.tokens)
+        if finish is not None:
+            row.done = True
+            results[row.prompt][row.sample] = Completion(text, len(row.tokens), finish, tuple(row.tokens))
+            self.stats.tokens += len(row.tokens)
+            left[row.prompt] -= 1
+            if not left[row.prompt]:
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{self.stats.tokens / max(time.perf_counter() - self._t0, 1e-9):.0f}")
+        return finish is not None
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     # ---- the batch -----------------------------------------------------------------------------------------------
     def _compact(self, b: _Batch, params: SamplingParams) -> _Batch | None:
-        """Only the unfinished rows stay; key columns none of them attends to (left padding) are cut off."""
+        """Only the unfinished rows stay; key columns none of them attends to (left padding) are cut off, and
+        rejected drafts' holes squeezed out (each row's kept columns, in order, left-padded to the longest)."""
         keep = [r for r, row in enumerate(b.rows) if not row.done]
         if not keep:
             return None
         idx = torch.tensor(keep, device=self.device)
         mask = b.mask[idx]
+        if any(b.holes_by_row[r] for r in keep):
+            counts = mask.sum(dim=1)
+            width = int(counts.max())
+            # for each row, the kept columns in order, right-aligned: a stable sort puts the masked ones first
+            order = torch.sort(mask, dim=1, stable=True).indices[:, -width:]
+            for layer in b.cache.layers:
+                layer.reserve(params.max_new_tokens + 1)
+                gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+                layer.rebuild(layer.keys[idx].gather(2, gather), layer.values[idx].gather(2, gather))
+            mask = (torch.arange(width, device=self.device)[None, :] >= (width - counts)[:, None]).to(mask.dtype)
+            return _Batch(b.cache, mask, b.pos[idx], b.last[idx], [b.rows[r] for r in keep])
         first = int(mask.any(dim=0).nonzero()[0])  # the first column a remaining row attends to
         for layer in b.cache.layers:
             layer.reserve(params.max_new_tokens + 1)
             layer.rebuild(layer.keys[idx, :, first:], layer.values[idx, :, first:])
         return _Batch(b.cache, mask[:, first:], b.pos[idx], b.last[idx], [b.rows[r] for r in keep])
 
-    def _merge(self, cur: _Batch | None, new: _Batch, params: SamplingParams) -> _Batch | None:
-        """The unfinished rows in flight and of a freshly prefilled group as one batch: the shorter side's keys are
-        left-padded (masked) to the longer's length. One rebuild of the cache."""
-        cur = self._compact(cur, params) if cur is not None else None
-        new = self._compact(new, params) if any(r.done for r in new.rows) else new
-        if cur is None or new is None:
-            return cur or new
-        a, b = cur.mask.shape[1], new.mask.shape[1]
-        width = max(a, b)
+    def _merge(self, batches: list[_Batch | None], params: SamplingParams) -> _Batch | None:
+        """The unfinished rows of several batches (the one in flight, freshly prefilled groups) as one batch: each
+        side's keys are left-padded (masked) to the longest. One rebuild of the cache."""
+        parts = [b if not (b.holes or any(r.done for r in b.rows)) else self._compact(b, params)
+                 for b in batches if b is not None]  # fmt: skip
+        parts = [b for b in parts if b is not None]
+        if len(parts) < 2:
+            return parts[0] if parts else None
+        width = max(b.mask.shape[1] for b in parts)
 
-        def padded(t: torch.Tensor, n: int) -> torch.Tensor:  # [rows, heads, n, dim] -> [rows, heads, width, dim]
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [rows, heads, n, dim] -> [rows, heads, width, dim]
+            n = t.shape[2]
             return torch.cat([t.new_zeros((*t.shape[:2], width - n, t.shape[-1])), t], dim=2) if n < width else t
 
-        for layer, other in zip(cur.cache.layers, new.cache.layers):
+        cache = parts[0].cache
+        for li, layer in enumerate(cache.layers):
+            keys = torch.cat([padded(b.cache.layers[li].keys) for b in parts])
+            values = torch.cat([padded(b.cache.layers[li].values) for b in parts])
             layer.reserve(params.max_new_tokens + 1)
-            layer.rebuild(torch.cat([padded(layer.keys, a), padded(other.keys, b)]),
-                          torch.cat([padded(layer.values, a), padded(other.values, b)]))  # fmt: skip
+            layer.rebuild(keys, values)
         pad = torch.nn.functional.pad
-        mask = torch.cat([pad(cur.mask, (width - a, 0)), pad(new.mask, (width - b, 0))])
-        return _Batch(cur.cache, mask, torch.cat([cur.pos, new.pos]), torch.cat([cur.last, new.last]),
-                      cur.rows + new.rows)  # fmt: skip
+        mask = torch.cat([pad(b.mask, (width - b.mask.shape[1], 0)) for b in parts])
+        return _Batch(cache, mask, torch.cat([b.pos for b in parts]), torch.cat([b.last for b in parts]),
+                      [r for b in parts for r in b.rows])  # fmt: skip
 
 
 @dataclass
@@ -404,12 +537,99 @@ class _Batch:
     pos: torch.Tensor
     last: torch.Tensor | None
     rows: list[_Row]
+    holes_by_row: list[int] = field(default_factory=list)
+    """Masked columns left inside each row by rejected drafts."""
+
+    def __post_init__(self) -> None:
+        self.holes_by_row = self.holes_by_row or [0] * len(self.rows)
+
+    @property
+    def holes(self) -> int:
+        return max(self.holes_by_row, default=0)
 
     def alive(self) -> int:
         return sum(not r.done for r in self.rows)
 
     def dead(self) -> int:
         return sum(r.done for r in self.rows)
+
+
+def _plain_head(model) -> tuple[torch.nn.Module, torch.Tensor] | None:
+    """The base model and head weight of a causal LM whose logits are ``hidden @ W^T`` and nothing else."""
+    from ultrascale.model.attention import CAUSAL_MODEL_TYPES
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    base = getattr(model, "base_model", None)
+    if getattr(model.config, "model_type", None) not in CAUSAL_MODEL_TYPES or base is None or base is model:
+        return None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or hasattr(head.weight, "ds_id"):
+        return None  # a bias, or a ZeRO-3 partitioned weight that only the module's hooks gather
+    return base, head.weight
+
+
+DECODE_QUERIES = 16
+"""Calls with at most this many new positions per row (decoding, draft verification) take the GQA path."""
+
+
+def decode_attn_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
+    """SDPA with the key/value heads shared in the kernel (``enable_gqa``) for decoding steps. HF's ``sdpa`` copies
+    every layer's whole KV cache to the query heads' count (``repeat_kv``) when there is a mask, which is every
+    step of a left-padded batch: 3x the cache read and a copy, 20x slower at 8 rows x 400 keys (bench/README.md).
+    Prefill (many queries, HF's causal mask) goes to HF's own path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q = query.shape[2]
+    if q > DECODE_QUERIES or (attention_mask is None and q > 1) or kw.get("position_bias") is not None or kw.get("softcap") is not None:  # fmt: skip
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kw)
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                                           enable_gqa=gqa)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+DECODE_ATTENTION = "ultrascale_decode"
+
+
+class decode_attention:
+    """Switch a causal ``sdpa`` decoder (HF's, or training's blocked one) to :func:`decode_attn_forward` while
+    generating, and back afterwards: the in-training eval generates with the model being trained."""
+
+    def __init__(self, model) -> None:
+        from ultrascale.model.attention import CAUSAL_MODEL_TYPES
+
+        self.model = model
+        self.before = getattr(model.config, "_attn_implementation", None)
+        ok = self.before == "sdpa" or str(self.before).startswith("ultrascale_sdpa_blocks")
+        self.on = ok and getattr(model.config, "model_type", None) in CAUSAL_MODEL_TYPES
+
+    def __enter__(self):
+        if self.on:
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+            AttentionInterface.register(DECODE_ATTENTION, decode_attn_forward)
+            AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+            self.model.set_attn_implementation(DECODE_ATTENTION)
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.model.set_attn_implementation(self.before)
+        return False
+
+
+def _lookup(prompt: list[int], tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
+    """Prompt-lookup drafting (Saxena, 2023; HF's ``prompt_lookup_num_tokens``): the up-to-``k`` tokens that
+    followed the most recent earlier occurrence of the sequence's last n-gram (longest n first), in the prompt and
+    the completion so far. Code repeats its names and its lines, so the copy is often what the model writes."""
+    seq = prompt + tokens
+    end = len(seq)
+    for n in range(min(max_ngram, end - 1), 0, -1):
+        tail = seq[end - n :]
+        for start in range(end - n - 1, -1, -1):
+            if seq[start : start + n] == tail:
+                return seq[start + n : start + n + k]
+    return []
 
 
 class _null:

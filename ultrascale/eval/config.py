@@ -53,6 +53,9 @@ class HumanEvalConfig:
     autocast: Autocast = Autocast.none
     """``bf16``: decode under bf16 autocast where the hardware computes bf16 natively (off elsewhere, with the
     reason in the log); ``none`` (default) decodes in the weights' dtype, token for token what HF generate gives."""
+    draft: int = num(8, ge=0)
+    """Greedy only: prompt-lookup draft tokens per row (copied from where the row's last n-gram occurred before
+    in its prompt or completion), verified in one forward; the output stays greedy decoding's. 0 = off."""
     k: list[int] = num(default_factory=lambda: [1], ge=1)
     """The k values to report pass@k for; each must be <= n_samples."""
     max_new_tokens: int = num(256, ge=1)

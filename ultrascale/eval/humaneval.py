@@ -77,13 +77,18 @@ def generate(
     stops: Sequence[str] = STOP_SEQUENCES,
     heal_newline: bool = True,
     autocast: str = "none",
+    draft: int = 8,
     progress: bool = False,
-) -> list[list[str]]:
+    details: bool = False,
+    extra_stops: Sequence[Sequence[str]] | None = None,
+) -> list[list[str]] | list[list[dict]]:
     """``n_samples`` truncated completions per prompt, each aligned to its full prompt (see :func:`heal`), from
     the project's sampler (:mod:`ultrascale.generate`: ``batch_size`` rows in flight, refilled as rows finish).
 
     temperature 0 means greedy (then n_samples must be 1; top-k/top-p do not apply). ``progress`` draws a bar over
     the prompts with tokens/s: all 164 problems take minutes on a CPU, and a silent log looks like a hang.
+    ``details``: each completion as ``{"text", "finish", "tokens"}`` (why it ended: ``stop``, ``eos``, ``length``).
+    ``extra_stops[i]``: more stop sequences for prompt i only.
     """
     from ultrascale.generate import Sampler, SamplingParams
 
@@ -92,10 +97,14 @@ def generate(
     params = SamplingParams(n=n_samples, temperature=temperature, top_k=0 if greedy else top_k,
                             top_p=1.0 if greedy else top_p, max_new_tokens=max_new_tokens, stop=tuple(stops),
                             seed=seed)  # fmt: skip
-    sampler = Sampler(model, tokenizer, batch_size=batch_size, autocast=autocast)
-    completions = sampler.generate([h for h, _ in healed], params, progress=progress)
+    sampler = Sampler(model, tokenizer, batch_size=batch_size, autocast=autocast, draft=draft)
+    completions = sampler.generate([h for h, _ in healed], params, progress=progress, extra_stops=extra_stops)
+    row_stops = [(*stops, *(extra_stops[i] if extra_stops else ())) for i in range(len(prompts))]
     log.info(f"humaneval generate: {sampler.stats.line()}; autocast {sampler.autocast_why}")
-    return [[truncate(unheal(c.text, k), stops) for c in cs] for cs, (_, k) in zip(completions, healed)]
+    if details:
+        return [[{"text": truncate(unheal(c.text, k), st), "finish": c.finish, "tokens": c.tokens} for c in cs]
+                for cs, (_, k), st in zip(completions, healed, row_stops)]  # fmt: skip
+    return [[truncate(unheal(c.text, k), st) for c in cs] for cs, (_, k), st in zip(completions, healed, row_stops)]
 
 
 def evaluate(
@@ -108,6 +117,7 @@ def evaluate(
     top_p: float = 0.95,
     top_k: int = 0,
     autocast: str = "none",
+    draft: int = 8,
     ks: Sequence[int] = (1,),
     max_new_tokens: int = 256,
     batch_size: int = 32,
@@ -133,6 +143,7 @@ def evaluate(
         seed=seed,
         heal_newline=heal_newline,
         autocast=autocast,
+        draft=draft,
         progress=progress,
     )
     programs = [check_program(p, c) for p, cs in zip(problems, completions) for c in cs]

@@ -123,6 +123,7 @@ def run(cfg: DictConfig) -> dict:
                 top_p=h.top_p,
                 top_k=h.top_k,
                 autocast=str(h.autocast),
+                draft=h.draft,
                 ks=list(h.k),
                 max_new_tokens=h.max_new_tokens,
                 batch_size=h.batch_size,

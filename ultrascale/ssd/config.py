@@ -31,6 +31,20 @@ class Stage(StrEnum):
 STAGES = tuple(Stage)
 
 
+class Method(StrEnum):
+    """What a round learns from (``method``).
+
+    ``ssd``: the SSD paper's method (Zhang et al. 2026, "Embarrassingly Simple Self-Distillation Improves Code
+    Generation", arXiv 2604.01193): sample from the model at a training temperature with top-k/top-p truncation,
+    drop only empty responses and single-line stubs, and finetune on the raw samples. No tests, no execution.
+    ``rft``: rejection-sampling finetuning: execute every sample against its problem's tests in the sandbox and
+    finetune only on those that pass (needs problems with tests).
+    """
+
+    ssd = "ssd"
+    rft = "rft"
+
+
 class ProblemSource(StrEnum):
     """Where a round's problems come from (``problems.source``)."""
 
@@ -93,12 +107,17 @@ class ProblemsConfig:
 
 @dataclass
 class SampleConfig:
-    n: int = num(4, ge=1)
-    """Completions sampled per problem from the current model."""
-    temperature: float = num(0.8, ge=0)
-    """Sampling temperature (> 0: n identical greedy samples teach nothing)."""
-    top_p: float = num(0.95, gt=0, le=1)
-    """Nucleus sampling cutoff."""
+    n: int = num(1, ge=1)
+    """Completions sampled per prompt from the round's input model (the paper: 1; ``method=rft`` wants several,
+    since only the passing ones are kept)."""
+    temperature: float = num(1.6, ge=0)
+    """T_train, applied before the truncation (HF's order: temperature, then top-k, then top-p). The paper's
+    Qwen3-4B-Instruct setting is 1.6 with top-k 20 and top-p 0.8. T = 1 without truncation gives a zero expected
+    gradient (the samples are the model's own distribution): the run warns."""
+    top_k: int = num(20, ge=0)
+    """Keep the k most likely tokens (0 = off)."""
+    top_p: float = num(0.8, gt=0, le=1)
+    """Nucleus cutoff after top-k (1 = off)."""
     max_new_tokens: int = num(192, ge=1)
     """Generation budget per completion; the stop sequences (next top-level statement) usually end it sooner."""
     batch_size: int = num(32, ge=1)
@@ -115,11 +134,11 @@ class SampleConfig:
     seed: int = num(1234, ge=0)
     """Seeds sampling (each batch gets seed + its index), so a round's samples are reproducible."""
     dedupe: bool = True
-    """Keep one of several passing samples with the same AST (comments, spacing and docstrings ignored)."""
+    """``rft``: keep one of several passing samples with the same AST (comments, spacing and docstrings ignored)."""
     max_kept_per_problem: int = num(4, ge=1)
-    """Cap on kept samples per problem, so easy problems do not dominate the finetuning set."""
+    """``rft``: cap on kept samples per problem, so easy problems do not dominate the finetuning set."""
     timeout_s: float = num(5.0, gt=0)
-    """Sandbox wall-clock limit per sample program."""
+    """``rft``: sandbox wall-clock limit per sample program."""
     memory_mb: int = num(1024, ge=16)
     """Sandbox address-space limit per sample program."""
     workers: int = num(2, ge=1)
@@ -163,6 +182,14 @@ class FinetuneConfig:
     """Rows per optimizer step (micro_batch x nproc x gradient accumulation)."""
     warmup_steps: int = num(2, ge=0)
     """Linear warmup steps (capped at steps - 1)."""
+    min_lr_ratio: float = num(0.2, ge=0, le=1)
+    """Cosine decay to ``lr x min_lr_ratio`` (the paper: 5e-6 to 1e-6, a ratio of 0.2)."""
+    weight_decay: float = num(0.1, ge=0)
+    """AdamW decoupled weight decay (the paper: 0.1)."""
+    betas: list[float] = num(default_factory=lambda: [0.9, 0.95], ge=0, lt=1)
+    """AdamW betas (the paper: 0.9, 0.95)."""
+    keep_checkpoints: int = num(1, ge=1)
+    """Checkpoints kept with ``checkpoint_interval``: several let an evaluation pick one on the dev split."""
     checkpoint_interval: int = num(0, ge=0)
     """Checkpoint every N steps so a killed finetune resumes mid-way (0 = only at the end; each checkpoint of
     a 135M model with Adam state is ~1.6 GB and ~7 s on CPU)."""
@@ -199,6 +226,9 @@ class SSDConfig:
     its tokenizer. Round r + 1 starts from round r's export."""
     output_dir: str = "runs/ssd"
     """Where rounds, manifests and models go. Rerunning with the same directory continues where it stopped."""
+    method: Method = Method.ssd
+    """``ssd`` (default): the paper's self-distillation, raw samples, nothing executed; ``rft``: execute every
+    sample against its tests and keep only the passing ones (rejection-sampling finetuning)."""
     rounds: int = num(1, ge=1)
     """Sample -> execute -> filter -> finetune -> export -> eval cycles."""
     stop_after: Stage | None = None
@@ -214,6 +244,12 @@ class SSDConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     eval: SSDEvalConfig = field(default_factory=SSDEvalConfig)
+
+
+def zero_signal(sample: Any) -> bool:
+    """T = 1 with no truncation samples the model's own distribution: training on it has zero expected gradient
+    (the paper's analysis), so a round would spend its compute to change nothing."""
+    return abs(float(sample.temperature) - 1.0) < 1e-9 and int(sample.top_k) == 0 and float(sample.top_p) >= 1.0
 
 
 def check(cfg: Any) -> None:

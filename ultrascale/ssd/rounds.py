@@ -182,6 +182,7 @@ class SSDRun:
 
     # ---- the stages --------------------------------------------------------------------------------------
     def _problems(self, rnd: Round) -> dict:
+        from ultrascale.ssd.config import Method, ProblemSource
         from ultrascale.ssd.problems import build
 
         if rnd.index > 0:  # later rounds revisit the same problems with a better model (STaR / ReST style)
@@ -189,16 +190,32 @@ class SSDRun:
             shutil.copyfile(first, rnd.path("problems.jsonl.tmp"))
             rnd.path("problems.jsonl.tmp").replace(rnd.path("problems.jsonl"))
             return {"count": len(read_jsonl(first)), "from": str(first)}
-        problems, report = build(self.cfg.problems)
+        if self.cfg.method == Method.ssd:  # prompts only: no tests, no reference checked in the sandbox
+            from ultrascale.ssd.prompts import build_prompts, load_prompt_jsonl
+
+            if self.cfg.problems.source == ProblemSource.jsonl:
+                if not self.cfg.problems.jsonl:
+                    raise ConfigError('problems.source=jsonl needs problems.jsonl=FILE (one {"prompt": ...} per line)')
+                problems = load_prompt_jsonl(resolve_path(self.cfg.problems.jsonl))
+                report = {"jsonl": str(self.cfg.problems.jsonl), "kept": len(problems)}
+            else:
+                problems, report = build_prompts(self.cfg.problems)
+        else:
+            problems, report = build(self.cfg.problems)
         write_jsonl(rnd.path("problems.jsonl"), problems)
         return {"count": len(problems), "report": report}
 
     def _sample(self, rnd: Round) -> dict:
-        from ultrascale.ssd.sample import generate_all, kept_records, select
+        from ultrascale.ssd.config import Method
+        from ultrascale.ssd.sample import generate_all, kept_records, select, select_raw
 
         problems = read_jsonl(rnd.path("problems.jsonl"))
-        completions, timing = generate_all(rnd.input_model, problems, self.cfg.sample, self.cfg.dtype)
-        rows, stats = select(problems, completions, self.cfg.sample)
+        raw = self.cfg.method == Method.ssd
+        completions, timing = generate_all(rnd.input_model, problems, self.cfg.sample, self.cfg.dtype, details=raw)
+        if raw:  # the paper's filter: empty responses and single-line stubs, nothing executed
+            rows, stats = select_raw(problems, completions)
+        else:
+            rows, stats = select(problems, completions, self.cfg.sample)
         write_jsonl(rnd.path("samples.jsonl"), rows)
         write_jsonl(rnd.path("kept.jsonl"), kept_records(problems, rows))
         return {**stats, **timing}
@@ -207,6 +224,12 @@ class SSDRun:
         from ultrascale.ssd.sft import build
 
         kept = read_jsonl(rnd.path("kept.jsonl"))
+        if not kept and self.cfg.method == "ssd":
+            s = rnd.manifest["stages"][Stage.sample]
+            raise DataError(
+                f"round {rnd.index}: all {s['sampled']} samples were empty or single-line stubs "
+                f"({rnd.path('samples.jsonl')}): nothing to finetune on; check the prompts and sample.max_new_tokens"
+            )
         if not kept:
             s = rnd.manifest["stages"][Stage.sample]
             raise DataError(
@@ -264,13 +287,23 @@ class SSDRun:
 
     def run(self) -> dict:
         from ultrascale.eval.sandbox import check_available
-        from ultrascale.ssd.config import check
+        from ultrascale.ssd.config import Method, check, zero_signal
 
         cfg = self.cfg
         check(cfg)
         model = resolve_path(cfg.start_model)
         check_model_dir(model, "start_model")
-        check_available()  # every stage but finetune runs model-written code: refuse before any work
+        if cfg.method == Method.rft or cfg.eval.enabled:
+            check_available()  # these stages run model-written code: refuse before any work
+        if cfg.method == Method.ssd and zero_signal(cfg.sample):
+            log.warning(
+                "ssd: warning: sample.temperature=1 with sample.top_k=0 and sample.top_p=1 samples the model's own "
+                "distribution, which the SSD paper shows gives zero expected gradient: set a training temperature "
+                "and truncation (e.g. sample.temperature=1.6 sample.top_k=20 sample.top_p=0.8)"
+            )
+        log.info(
+            f"ssd: method={cfg.method} ({'raw samples, nothing executed' if cfg.method == Method.ssd else 'samples executed, passing ones kept'})"
+        )
         if cfg.threads:
             import torch
 

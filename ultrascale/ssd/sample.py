@@ -45,8 +45,11 @@ def normalized(problem: dict, completion: str) -> str:
     return "\n".join(ast.dump(s) for s in body)
 
 
-def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = "fp32") -> tuple[list[list[str]], dict]:
-    """``cfg.n`` completions per problem (in problem order) and timing stats."""
+def generate_all(
+    model_dir, problems: list[dict], cfg: DictConfig, dtype: str = "fp32", details: bool = False
+) -> tuple[list[list], dict]:
+    """``cfg.n`` completions per problem (in problem order; with ``details`` each a dict with ``text``, ``finish``
+    and ``tokens``) and timing stats."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,9 +59,67 @@ def generate_all(model_dir, problems: list[dict], cfg: DictConfig, dtype: str = 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     t0 = time.perf_counter()
     out = generate(model, tokenizer, [p["prompt"] for p in problems], n_samples=cfg.n, temperature=cfg.temperature,
-                   top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, seed=cfg.seed,
-                   stops=(*STOP_SEQUENCES, *cfg.extra_stops), heal_newline=cfg.heal_newline, progress=True)  # fmt: skip
+                   top_p=cfg.top_p, top_k=cfg.get("top_k", 0), max_new_tokens=cfg.max_new_tokens,
+                   batch_size=cfg.batch_size, seed=cfg.seed, stops=(*STOP_SEQUENCES, *cfg.extra_stops),
+                   heal_newline=cfg.heal_newline, progress=True, details=details,
+                   extra_stops=[METHOD_STOPS if p.get("kind") == "method" else () for p in problems])  # fmt: skip
     return out, {"generate_s": round(time.perf_counter() - t0, 2)}
+
+
+METHOD_STOPS = ("\n    def ", "\n    async def ", "\n    @")
+"""A method's body (indented 8 under its class) ends where the class's next member starts at indent 4; HumanEval's
+stops only see column 0, so without these a model writes the rest of the class."""
+STUB_LINES = frozenset({"pass", "...", "return", "return None", "raise NotImplementedError",
+                        "raise NotImplementedError()"})  # fmt: skip
+
+
+def stub_reason(completion: str) -> str | None:
+    """Why the paper's filter drops a response: ``empty`` (nothing but whitespace and comments) or ``stub`` (a
+    single line that does nothing: ``pass``, ``...``, ``return None``, ``raise NotImplementedError``). A real
+    one-line body (``return a + b``) is kept: the paper drops stubs, not short solutions."""
+    lines = [ln.strip() for ln in completion.splitlines()]
+    code = [ln for ln in lines if ln and not ln.startswith("#")]
+    if not code:
+        return "empty"
+    if len(code) == 1 and code[0].split("#")[0].strip() in STUB_LINES:
+        return "stub"
+    return None
+
+
+def select_raw(problems: list[dict], completions: list[list[dict]]) -> tuple[list[dict], dict]:
+    """The paper's filter (``method=ssd``): keep every sample but empty responses and single-line stubs. Nothing
+    is executed; ``no_code`` counts kept samples that do not even parse as Python after their prompt (they are
+    kept, as the paper keeps them: it has no correctness filter of any kind)."""
+    rows: list[dict] = []
+    counts: Counter = Counter()
+    for p, comps in zip(problems, completions):
+        for i, c in enumerate(comps):
+            why = stub_reason(c["text"])
+            row = {"task_id": p["task_id"], "index": i, "source": "model", "completion": c["text"],
+                   "finish": c["finish"], "tokens": c["tokens"], "kept": why is None, "reason": why or "kept"}  # fmt: skip
+            counts["truncated"] += c["finish"] == "length"
+            if why is None:
+                try:
+                    ast.parse(p["prompt"] + c["text"])
+                except SyntaxError:
+                    row["no_code"] = True
+                    counts["no_code"] += 1
+            counts[why or "kept"] += 1
+            rows.append(row)
+    stats = {
+        "problems": len(problems),
+        "sampled": len(rows),
+        "kept": counts["kept"],
+        "dropped_empty": counts["empty"],
+        "dropped_stub": counts["stub"],
+        "truncated": counts["truncated"],
+        "no_code": counts["no_code"],
+        "executed": 0,
+        "candidates": len(rows),
+        "problems_with_kept": len({r["task_id"] for r in rows if r["kept"]}),
+        "sampled_tokens": sum(r["tokens"] for r in rows),
+    }
+    return rows, stats
 
 
 def select(problems: list[dict], completions: list[list[str]], cfg: DictConfig) -> tuple[list[dict], dict]:
@@ -99,6 +160,8 @@ def select(problems: list[dict], completions: list[list[str]], cfg: DictConfig) 
             counts[f"{row['source']}_kept"] += 1
     stats = {
         "problems": len(problems),
+        "sampled": counts["model_samples"],
+        "executed": len(rows),
         "candidates": len(rows),
         "model_samples": counts["model_samples"],
         "model_passed": counts["model_passed"],
