@@ -446,3 +446,24 @@ def test_a_prompts_only_jsonl_runs_a_round_of_the_papers_method(tiny_start_model
     assert all("status" not in r for r in samples)  # nothing ran in a sandbox
     assert (rnd / "model" / "config.json").exists()
     assert "method=ssd" in proc.stdout + proc.stderr
+
+
+@needs_sandbox
+def test_the_comparison_runs_on_real_models_and_reports_an_identical_pair_as_no_gain(tiny_start_model, tmp_path):
+    """python -m ultrascale.ssd.evaluate end to end: real generation, the sandbox, the split, the grid, the CI."""
+    out = tmp_path / "compare.json"
+    env = {**os.environ, **TEST_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ultrascale.ssd.evaluate", "--model", f"base={tiny_start_model}", "--model",
+         f"same={tiny_start_model}", "--limit", "6", "--temperatures", "0.8", "--n-dev", "1", "--n-test", "2",
+         "--max-new-tokens", "8", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r = json.loads(out.read_text())["sets"]["humaneval"]
+    assert len(r["split"]["dev"]) == 3 and len(r["split"]["test"]) == 3
+    assert set(r["models"]["base"]["dev_grid"]) == {f"{tiny_start_model}|{s}" for s in
+                                                    ("greedy", "T=0.8,top_k=0,top_p=1", "T=0.8,top_k=20,top_p=0.8")}  # fmt: skip
+    vs = r["models"]["same"]["vs_base"]
+    assert vs["diff"] == 0 and vs["verdict"] == "no measurable gain"
+    assert "no measurable gain" in proc.stdout

@@ -75,6 +75,9 @@ class ProblemsConfig:
     train_repos_from: str | None = None
     """A prepared dataset directory (its ``repos.json``): mine only repositories of its *train* split, so the
     validation repositories stay held out. Null mines every repository of ``input``."""
+    held_out: bool = False
+    """With ``train_repos_from``: mine the *validation* repositories instead (the second evaluation set of
+    ``python -m ultrascale.ssd.evaluate --heldout``), never for training."""
     jsonl: str | None = None
     """``source=jsonl``: one problem per line, ``{"task_id", "prompt", "tests", "entry_point"}`` plus optional
     ``reference`` (verified like mined ones) and ``extra_candidates`` (completions from elsewhere, e.g. human

@@ -1,4 +1,6 @@
-"""HumanEval for a round's model, through ``eval.py``'s own code path (``ultrascale.eval.run``).
+"""HumanEval for a round's model, through ``eval.py``'s own code path (``ultrascale.eval.run``); and, run as
+``python -m ultrascale.ssd.evaluate``, the comparison of any models with a dev/test split, a T_eval grid and a
+paired bootstrap CI (:mod:`ultrascale.ssd.compare`).
 
 Scoring SSD's models exactly as ``python eval.py model_dir=DIR tasks=[humaneval]`` scores any model keeps
 the before/after numbers comparable with every other eval in the project: same prompts, stop sequences,
@@ -38,3 +40,9 @@ def humaneval(model_dir: Path, out_dir: Path, cfg: DictConfig) -> dict:
         result["sampled"] = run(compose([*common, *sampled], "eval"))["tasks"]["humaneval"]
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     return result
+
+
+if __name__ == "__main__":
+    from ultrascale.ssd.compare import main
+
+    main()

@@ -60,7 +60,8 @@ def corpus_documents(cfg: DictConfig, counts: Counter) -> list[dict]:
                 "dataset (python -m data_prep output_dir=...) or set it to null to mine every repository"
             )
         split = json.loads(path.read_text())
-        kept = [d for d in docs if split.get(d["repo"]) == "train"]
+        want = "validation" if cfg.get("held_out") else "train"
+        kept = [d for d in docs if split.get(d["repo"]) == want]
         counts["files_held_out_repo"] = sum(split.get(d["repo"]) == "validation" for d in docs)
         counts["files_not_in_prepared_data"] = sum(d["repo"] not in split for d in docs)
         if docs and not kept:

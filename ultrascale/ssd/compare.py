@@ -1,0 +1,235 @@
+"""A before/after a reviewer would accept: settings chosen on dev, reported on test, a paired bootstrap CI.
+
+``python -m ultrascale.ssd.evaluate`` (this module's :func:`main`) scores any models on HumanEval, split once
+by seed into a dev half and a test half (recorded in the output), and optionally on a second set: problems
+with tests mined from the corpus's *validation* repositories, which no SSD prompt comes from. For each model:
+
+1. every candidate (a checkpoint directory) x every decoding setting of the grid (greedy, and each T_eval with
+   and without the truncation) is scored on the dev half, ``n_dev`` samples per problem, by the unbiased
+   per-problem pass@1;
+2. the best (checkpoint, setting) on dev is scored on the test half with ``n_test`` samples per problem;
+3. each model after the first is compared with the first (the base) on the test half by a paired bootstrap
+   over problems (:mod:`ultrascale.ssd.stats`): an interval that holds 0 is reported as "no measurable gain".
+
+Nothing is tuned on the test half: the test half is generated only for the chosen setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ultrascale.ssd.stats import NO_GAIN, choose_on_dev, paired_bootstrap, per_problem_pass_at_k, split_dev_test
+
+log = logging.getLogger("ultrascale")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One decoding setting of the T_eval grid; ``temperature`` 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def name(self) -> str:
+        if self.temperature <= 0:
+            return "greedy"
+        return f"T={self.temperature:g},top_k={self.top_k},top_p={self.top_p:g}"
+
+
+def grid(temperatures: Sequence[float], top_k: int, top_p: float) -> list[Setting]:
+    """Greedy, then each T_eval without truncation and with the (top_k, top_p) truncation: the paper decodes its
+    SSD models at a separate evaluation temperature with the training truncation, and the base model deserves the
+    same search."""
+    out = [Setting()]
+    for t in temperatures:
+        out.append(Setting(float(t), 0, 1.0))
+        if top_k or top_p < 1:
+            out.append(Setting(float(t), int(top_k), float(top_p)))
+    return out
+
+
+Scorer = Callable[[str, list[dict], Setting, int], dict[str, float]]
+"""(model_dir, problems, setting, n samples) -> per-problem pass@1."""
+
+
+def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 1234, workers: int = 2) -> Scorer:
+    """Generate with the project's sampler and run every completion in the kernel sandbox (HumanEval's programs
+    for HumanEval problems, SSD's for mined ones). Models are loaded once and kept while their candidates are
+    scored."""
+    from ultrascale.eval.humaneval import check_program, generate
+    from ultrascale.eval.sandbox import Limits, run_many
+
+    cache: dict[str, tuple] = {}
+
+    def score(model_dir: str, problems: list[dict], setting: Setting, n: int) -> dict[str, float]:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if model_dir not in cache:
+            cache.clear()  # one model in memory at a time
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            cache[model_dir] = (model, AutoTokenizer.from_pretrained(model_dir))
+        model, tok = cache[model_dir]
+        greedy = setting.temperature <= 0
+        n = 1 if greedy else n
+        completions = generate(model, tok, [p["prompt"] for p in problems], n_samples=n,
+                               temperature=setting.temperature, top_k=setting.top_k, top_p=setting.top_p,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
+        programs = [check_program({"prompt": p["prompt"], "test": p.get("test", p.get("tests")),
+                                   "entry_point": p["entry_point"]}, c) for p, cs in zip(problems, completions)
+                    for c in cs]  # fmt: skip
+        outcomes = run_many(programs, Limits(), workers=workers)
+        passed = {p["task_id"]: [o.passed for o in outcomes[i * n : (i + 1) * n]] for i, p in enumerate(problems)}
+        return per_problem_pass_at_k(passed, k=1)
+
+    return score
+
+
+def evaluate_set(
+    problems: list[dict],
+    models: dict[str, list[str]],
+    settings: list[Setting],
+    scorer: Scorer,
+    n_dev: int,
+    n_test: int,
+    seed: int = 0,
+    n_boot: int = 10000,
+) -> dict:
+    """One problem set: the split, each model's dev grid and choice, its test score, and each model against the
+    first (the base) by a paired bootstrap on the test half."""
+    by_id = {p["task_id"]: p for p in problems}
+    split = split_dev_test(list(by_id), seed=seed)
+    dev, test = [by_id[t] for t in split["dev"]], [by_id[t] for t in split["test"]]
+    out: dict = {"split": split, "n_dev": n_dev, "n_test": n_test, "models": {}}
+    test_scores: dict[str, dict[str, float]] = {}
+    for name, candidates in models.items():
+        t0 = time.perf_counter()
+        per_setting = {}
+        for cand in candidates:
+            for s in settings:
+                per_setting[f"{cand}|{s.name}"] = scorer(cand, dev, s, n_dev)
+                log.info(f"compare: {name} {cand} {s.name}: dev pass@1 {_mean(per_setting[f'{cand}|{s.name}']):.4f}")
+        chosen, dev_score = choose_on_dev(per_setting, split["dev"])
+        cand, setting_name = chosen.split("|", 1)
+        setting = next(s for s in settings if s.name == setting_name)
+        test_scores[name] = scorer(cand, test, setting, n_test)
+        out["models"][name] = {
+            "candidates": list(candidates),
+            "chosen_checkpoint": cand,
+            "chosen_setting": asdict(setting) | {"name": setting.name},
+            "dev_pass@1": dev_score,
+            "test_pass@1": _mean(test_scores[name]),
+            "dev_grid": {k: _mean(v) for k, v in per_setting.items()},
+            "wall_s": round(time.perf_counter() - t0, 1),
+        }
+    names = list(models)
+    for name in names[1:]:
+        ci = paired_bootstrap(
+            test_scores[names[0]], test_scores[name], problems=split["test"], n_boot=n_boot, seed=seed
+        )
+        verdict = "gain" if ci["lo"] > 0 else "loss" if ci["hi"] < 0 else NO_GAIN
+        out["models"][name]["vs_" + names[0]] = {**ci, "verdict": verdict}
+    return out
+
+
+def _mean(scores: dict[str, float]) -> float:
+    return sum(scores.values()) / len(scores) if scores else 0.0
+
+
+def table(result: dict, runs: dict[str, dict] | None = None) -> str:
+    """Base, SSD and RFT side by side: per problem set, each model's chosen setting, pass@1 on test and the CI of
+    its difference to the base; with ``runs`` (each model's ``ssd_manifest.json``) also its prompts, samples, kept
+    and wall time per stage."""
+    lines = []
+    for set_name, r in result["sets"].items():
+        n_test = len(r["split"]["test"])
+        lines.append(f"{set_name}: dev {len(r['split']['dev'])} / test {n_test} problems (seed {result['seed']}); "
+                     f"n_dev {r['n_dev']}, n_test {r['n_test']} samples per problem")  # fmt: skip
+        lines.append(f"  {'model':<10}{'checkpoint':<28}{'setting':<30}{'dev':>7}{'test':>7}  diff vs base [95% CI]")
+        for name, m in r["models"].items():
+            vs = next((v for k, v in m.items() if k.startswith("vs_")), None)
+            ci = f"{vs['diff']:+.4f} [{vs['lo']:+.4f}, {vs['hi']:+.4f}] {vs['verdict']}" if vs else "(base)"
+            ckpt = Path(m["chosen_checkpoint"]).name or m["chosen_checkpoint"]
+            lines.append(f"  {name:<10}{ckpt[:27]:<28}{m['chosen_setting']['name']:<30}{m['dev_pass@1']:>7.4f}"
+                         f"{m['test_pass@1']:>7.4f}  {ci}")  # fmt: skip
+    for name, top in (runs or {}).items():
+        r0 = (top.get("rounds") or {}).get("00", {})
+        s = r0.get("sample", {})
+        walls = {k: r0[k].get("wall_s") for k in ("problems", "sample", "sft_data", "finetune", "export") if k in r0}
+        lines.append(f"{name}: prompts {r0.get('problems', {}).get('count', '-')}, samples "
+                     f"{s.get('sampled', s.get('candidates', '-'))}, kept {s.get('kept', '-')}, wall s {walls}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        prog="python -m ultrascale.ssd.evaluate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: python -m ultrascale.ssd.evaluate --model base=models/smollm2-135m "
+        "--model ssd=runs/ssd_smollm2_135m/round_00/model --out runs/ssd_compare.json",
+    )
+    ap.add_argument("--model", action="append", required=True, metavar="NAME=DIR[,DIR...]",
+                    help="a model and its candidate checkpoints (HF directories); the first --model is the base")  # fmt: skip
+    ap.add_argument("--run", action="append", default=[], metavar="NAME=OUTPUT_DIR",
+                    help="an SSD output_dir whose ssd_manifest.json gives NAME's prompts, samples, kept, stage times")  # fmt: skip
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.2, 0.6, 1.1], help="T_eval grid")
+    ap.add_argument("--top-k", type=int, default=20, help="truncation tried with each T_eval (0 = off)")
+    ap.add_argument("--top-p", type=float, default=0.8, help="truncation tried with each T_eval (1 = off)")
+    ap.add_argument("--n-dev", type=int, default=4, help="samples per problem for the dev grid")
+    ap.add_argument("--n-test", type=int, default=10, help="samples per problem on the test half (>= 10)")
+    ap.add_argument("--limit", type=int, default=None, help="first N HumanEval problems (default all 164)")
+    ap.add_argument("--heldout", metavar="DATA_DIR", help="also the tested problems mined from this prepared "
+                    "dataset's validation repositories (its repos.json)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0, help="the dev/test split and the bootstrap")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--out", type=Path, help="write the result as JSON")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from ultrascale.eval.humaneval import load_problems
+    from ultrascale.eval.sandbox import check_available
+
+    check_available()
+    models = {}
+    for spec in a.model:
+        name, _, dirs = spec.partition("=")
+        models[name] = [d for d in dirs.split(",") if d]
+    sets = {"humaneval": load_problems(a.limit)}
+    if a.heldout:
+        sets["heldout"] = heldout_problems(a.heldout)
+    settings = grid(a.temperatures, a.top_k, a.top_p)
+    scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens)
+    result = {"seed": a.seed, "grid": [s.name for s in settings], "sets": {}}
+    for name, problems in sets.items():
+        result["sets"][name] = evaluate_set(problems, models, settings, scorer, a.n_dev, a.n_test, seed=a.seed)
+    runs = {}
+    for spec in a.run:
+        name, _, d = spec.partition("=")
+        runs[name] = json.loads((Path(d) / "ssd_manifest.json").read_text())
+    print(table(result, runs), flush=True)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def heldout_problems(data_dir: str) -> list[dict]:
+    """Problems with tests (doctests and asserts, references checked in the sandbox) mined from the stdlib
+    repositories that data prep put in ``data_dir``'s *validation* split: code no SSD prompt comes from."""
+    from ultrascale.config.compose import compose
+    from ultrascale.ssd.config import register_ssd_configs
+    from ultrascale.ssd.problems import build
+
+    register_ssd_configs()
+    cfg = compose(["method=rft", f"problems.train_repos_from={data_dir}", "problems.held_out=true",
+                   "problems.max_problems=null"], "ssd").problems  # fmt: skip
+    problems, _ = build(cfg)
+    return problems
