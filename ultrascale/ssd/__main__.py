@@ -1,12 +1,20 @@
-"""Self-distillation rounds: sample n completions per problem, run them in the sandbox, finetune on the passes.
+"""Self-distillation rounds for code models.
 
-    python -m ultrascale.ssd ssd=smollm2_135m                                    # one round from SmolLM2-135M
-    python -m ultrascale.ssd ssd=smollm2_135m start_model=runs/smollm2_135m_cpt/hf output_dir=runs/ssd_cpt rounds=2
+    method=ssd (default): the SSD paper's method (Zhang et al. 2026, arXiv 2604.01193): sample from the frozen
+        input model at T_train with top-k/top-p truncation, drop only empty and single-line-stub responses,
+        finetune on the raw samples. No tests, nothing executed.
+    method=rft: rejection-sampling finetuning: execute every sample against its problem's tests in the sandbox,
+        finetune only on the passing ones.
+
+    python -m ultrascale.ssd ssd=smollm2_135m                                    # the paper's method, SmolLM2-135M
+    python -m ultrascale.ssd ssd=smollm2_135m_rft                                # rejection-sampling finetuning
+    python -m ultrascale.ssd ssd=smollm2_135m problems.source=jsonl problems.jsonl=prompts.jsonl   # {"prompt"} lines
     python -m ultrascale.ssd ssd=tiny start_model=DIR problems.jsonl=problems.jsonl output_dir=runs/ssd_tiny
+    python -m ultrascale.ssd.evaluate --model base=DIR --model ssd=DIR           # dev/test, T_eval grid, paired CI
     python -m ultrascale.ssd --help                                              # every key with its doc
 
 Rerunning with the same output_dir continues where it stopped (finished stages are skipped).
-Needs root for the sandbox (kernel namespaces), as eval.py's HumanEval does.
+HumanEval (and method=rft's execution) needs root for the sandbox (kernel namespaces), as eval.py's does.
 """
 
 from __future__ import annotations
