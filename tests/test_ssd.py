@@ -434,7 +434,8 @@ def test_a_prompts_only_jsonl_runs_a_round_of_the_papers_method(tiny_start_model
         "class Stack:\n    def push(self, item):\n        \"\"\"Put item on top.\"\"\"\n")))  # fmt: skip
     out = tmp_path / "ssd"
     args = ["ssd=tiny", f"start_model={tiny_start_model}", f"problems.jsonl={prompts}", f"output_dir={out}",
-            "eval.enabled=false", "sample.max_new_tokens=24"]  # fmt: skip
+            "eval.enabled=false", "sample.max_new_tokens=24", "finetune.checkpoint_interval=1",
+            "finetune.keep_checkpoints=2"]  # fmt: skip
     proc = _ssd(args)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rnd = out / "round_00"
@@ -446,6 +447,11 @@ def test_a_prompts_only_jsonl_runs_a_round_of_the_papers_method(tiny_start_model
     assert all("status" not in r for r in samples)  # nothing ran in a sandbox
     assert (rnd / "model" / "config.json").exists()
     assert "method=ssd" in proc.stdout + proc.stderr
+    # two checkpoints kept: the earlier one is exported too, a candidate for the evaluation to choose on dev
+    export = json.loads((rnd / "manifest.json").read_text())["stages"]["export"]
+    steps = json.loads((rnd / "manifest.json").read_text())["stages"]["finetune"]["steps"]
+    assert export["candidates"] == [str(rnd / "model_steps" / f"step_{steps - 1:08d}"), str(rnd / "model")]
+    assert (rnd / "model_steps" / f"step_{steps - 1:08d}" / "config.json").exists()
 
 
 @needs_sandbox

@@ -91,13 +91,28 @@ def run_train(args: list[str], log_path: Path) -> None:
         raise FinetuneFailed(f"finetune (train.py) failed: {why}; full output in {log_path}")
 
 
-def export_model(run_dir: Path, out: Path, dtype: str) -> dict:
-    """Export the run's final checkpoint to ``out`` (via a temporary sibling, so ``out`` is complete or absent)."""
+def export_model(run_dir: Path, out: Path, dtype: str, step: int | None = None) -> dict:
+    """Export the run's final checkpoint (or ``step``'s) to ``out`` (via a temporary sibling, so ``out`` is
+    complete or absent)."""
     from ultrascale.export import export
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    stats = export(run_dir, tmp, dtype=dtype)
+    stats = export(run_dir, tmp, step=step, dtype=dtype)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return {k: stats[k] for k in ("tag", "zero_stage", "dtype", "model_mb")}
+
+
+def export_checkpoints(run_dir: Path, out_root: Path, dtype: str) -> list[str]:
+    """Every other kept checkpoint of the finetune as ``out_root/step_XXXXXXXX``: the candidates an evaluation
+    chooses from on its dev split (``python -m ultrascale.ssd.evaluate --model ssd=DIR,DIR,...``)."""
+    from ultrascale.train.checkpoint import complete_tags
+
+    latest = (run_dir / "checkpoints" / LATEST).read_text().strip()
+    out = []
+    for tag in complete_tags(run_dir / "checkpoints"):
+        if tag != latest:
+            export_model(run_dir, out_root / tag, dtype, step=int(tag.split("_")[-1]))
+            out.append(str(out_root / tag))
+    return out

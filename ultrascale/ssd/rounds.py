@@ -44,7 +44,7 @@ OUTPUTS = {
     Stage.sample: ["samples.jsonl", "kept.jsonl"],
     Stage.sft_data: ["sft_data"],
     Stage.finetune: ["train_run", "finetune.log"],
-    Stage.export: ["model"],
+    Stage.export: ["model", "model_steps"],
     Stage.eval: ["eval", "eval.json"],
 }
 """What each stage writes: a stage that (re)runs removes every later stage's outputs, which were made from
@@ -259,9 +259,13 @@ class SSDRun:
         return {"steps": steps, "rows": rows, "command": "python train.py " + " ".join(args), **numbers}
 
     def _export(self, rnd: Round) -> dict:
-        from ultrascale.ssd.finetune import export_model
+        from ultrascale.ssd.finetune import export_checkpoints, export_model
 
-        return export_model(rnd.path("train_run"), rnd.path("model"), self.cfg.finetune.export_dtype)
+        stats = export_model(rnd.path("train_run"), rnd.path("model"), self.cfg.finetune.export_dtype)
+        if self.cfg.finetune.keep_checkpoints > 1:  # the earlier checkpoints too: candidates to choose on dev
+            stats["candidates"] = [*export_checkpoints(rnd.path("train_run"), rnd.path("model_steps"),
+                                                       self.cfg.finetune.export_dtype), str(rnd.path("model"))]  # fmt: skip
+        return stats
 
     def _eval(self, rnd: Round) -> dict:
         from ultrascale.ssd.evaluate import humaneval
@@ -376,7 +380,8 @@ def summary_table(top: dict) -> str:
         p1 = f"{ev['pass@1_greedy']:.4f}" if "pass@1_greedy" in ev else "-"
         lines.append(
             f"{'round ' + r:<10} {e.get('problems', {}).get('count', '-'):>8} {s.get('candidates', '-'):>8} "
-            f"{(s.get('model_passed', 0) + s.get('provided_passed', 0)) if s else '-':>7} {s.get('kept', '-'):>5} "
+            f"{(s['model_passed'] + s.get('provided_passed', 0)) if 'model_passed' in s else '-':>7} "
+            f"{s.get('kept', '-'):>5} "
             f"{ft.get('steps', '-'):>5} {p1:>7} {round(wall, 1):>8}"
         )
     he = (top.get("baseline") or {}).get("humaneval_problems")

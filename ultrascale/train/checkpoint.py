@@ -182,12 +182,12 @@ class Checkpointer:
         return self.ckpt_dir / pointer.read_text().strip() if pointer.exists() else None
 
 
-def _complete_tags(ckpt_dir: Path) -> list[str]:
+def complete_tags(ckpt_dir: Path) -> list[str]:
     return sorted(p.parent.name for p in ckpt_dir.glob(f"step_*/{META}") if not p.parent.name.endswith("_universal"))
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:
-    for tag in _complete_tags(ckpt_dir)[:-keep]:
+    for tag in complete_tags(ckpt_dir)[:-keep]:
         shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
         shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
 
@@ -265,7 +265,7 @@ def find_resume(ckpt_dir: Path, resume: str, universal: bool, skipped: list[str]
 def _newest_that_verifies(ckpt_dir: Path, latest: Path, skipped: list[str]) -> Path:
     """``latest`` if it verifies, else the newest older complete checkpoint that does (the reasons go to
     ``skipped``); when none does, ``latest``, whose error the caller then raises."""
-    candidates = [latest, *(ckpt_dir / t for t in reversed(_complete_tags(ckpt_dir)) if t < latest.name)]
+    candidates = [latest, *(ckpt_dir / t for t in reversed(complete_tags(ckpt_dir)) if t < latest.name)]
     for tag_dir in candidates:
         try:
             verify(tag_dir)
