@@ -36,6 +36,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -247,7 +248,7 @@ class Sampler:
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache, keep: int = 1):
         """The logits of the last ``keep`` positions of every row, fp32: [rows, vocab] for keep=1, else
         [rows, keep, vocab]."""
-        ctx = torch.autocast(*self.autocast) if self.autocast else _null()
+        ctx = torch.autocast(*self.autocast) if self.autocast else nullcontext()
         with ctx:
             if self.head is None:
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
@@ -630,14 +631,6 @@ def _lookup(prompt: list[int], tokens: list[int], k: int, max_ngram: int = 3) ->
             if seq[start : start + n] == tail:
                 return seq[start + n : start + n + k]
     return []
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def decide_autocast(model, asked: str = "none") -> tuple[tuple[str, torch.dtype] | None, str]:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ultrascale.ssd.stats import NO_GAIN, choose_on_dev, paired_bootstrap, per_problem_pass_at_k, split_dev_test
+from ultrascale.ssd.stats import choose_on_dev, paired_bootstrap, per_problem_pass_at_k, split_dev_test, verdict_of
 
 log = logging.getLogger("ultrascale")
 
@@ -135,8 +135,7 @@ def evaluate_set(
         ci = paired_bootstrap(
             test_scores[names[0]], test_scores[name], problems=split["test"], n_boot=n_boot, seed=seed
         )
-        verdict = "gain" if ci["lo"] > 0 else "loss" if ci["hi"] < 0 else NO_GAIN
-        out["models"][name]["vs_" + names[0]] = {**ci, "verdict": verdict}
+        out["models"][name]["vs_" + names[0]] = {**ci, "verdict": verdict_of(ci)}
     return out
 
 

@@ -169,8 +169,15 @@ def _example_names(docstring: str) -> tuple[set[str], bool]:
     return names, ok
 
 
-def _closure(mod: Module, needed: set[str], skip: str, opts: MineOptions) -> tuple[list[ast.stmt], str | None]:
-    """The module statements that define ``needed`` (transitively), or the reason they cannot be had."""
+def closure(
+    mod: Module, needed: set[str], skip: str, helpers: bool, strict: bool = True
+) -> tuple[list[ast.stmt], str | None]:
+    """The module statements that define ``needed`` (transitively), or the reason they cannot be had.
+
+    ``strict`` (a problem, whose tests must run): a name that does not resolve, or a helper when ``helpers`` is
+    off, drops the function with its reason. Not strict (a prompt, which is only read): such a name is simply
+    left out of the context.
+    """
     chosen: dict[int, ast.stmt] = {}
     todo = sorted(needed - BUILTINS - {skip})
     seen: set[str] = set()
@@ -181,12 +188,16 @@ def _closure(mod: Module, needed: set[str], skip: str, opts: MineOptions) -> tup
         seen.add(name)
         stmt = mod.defs.get(name)
         if stmt is None:
-            return [], "unresolved_name"  # conditional, defined twice, star-imported or simply undefined
+            if strict:
+                return [], "unresolved_name"  # conditional, defined twice, star-imported or simply undefined
+            continue
         if id(stmt) in chosen:
             continue
         is_import = isinstance(stmt, ast.Import | ast.ImportFrom)
-        if not is_import and not opts.include_helpers:
-            return [], "needs_module_helpers"
+        if not is_import and not helpers:
+            if strict:
+                return [], "needs_module_helpers"
+            continue
         chosen[id(stmt)] = stmt
         if not is_import:
             todo.extend(sorted(free_names(stmt) - BUILTINS - seen - {skip}))
@@ -282,7 +293,7 @@ def _problem(mod: Module, fn: ast.stmt, path: str, opts: MineOptions) -> tuple[d
             needed |= names
     if not has_doctests and not kept_asserts:
         return None, "unresolved_name"
-    context, why = _closure(mod, needed, fn.name, opts)
+    context, why = closure(mod, needed, fn.name, opts.include_helpers)
     if why:
         return None, why
     used = used_modules_and_names(fn) | set().union(*(used_modules_and_names(s) for s in context))

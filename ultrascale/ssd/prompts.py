@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
-from ultrascale.ssd.mine import BUILTINS, MineOptions, Module, free_names, mine_file, used_modules_and_names
+from ultrascale.ssd.mine import BUILTINS, MineOptions, Module, closure, free_names, mine_file, used_modules_and_names
 from ultrascale.ssd.problems import corpus_documents
 
 log = logging.getLogger("ultrascale")
@@ -71,34 +71,6 @@ class PromptOptions:
 
 
 # ---- one file -------------------------------------------------------------------------------------------
-def _context(mod: Module, needed: set[str], skip: str, helpers: bool) -> list[ast.stmt]:
-    """Module statements defining ``needed``, transitively; a name that does not resolve is left out.
-
-    :func:`ultrascale.ssd.mine._closure` drops such a function because its tests could not run; a prompt is
-    only read, so a name from a star import or a ``try``/``if`` block is simply not shown. ``helpers=False``
-    keeps only imports: for a method, whose prompt shows its class header rather than the module's helpers.
-    """
-    chosen: dict[int, ast.stmt] = {}
-    todo = sorted(needed - BUILTINS - {skip})
-    seen: set[str] = set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        stmt = mod.defs.get(name)
-        if stmt is None or id(stmt) in chosen:
-            continue
-        if not isinstance(stmt, ast.Import | ast.ImportFrom):
-            if not helpers:
-                continue
-            chosen[id(stmt)] = stmt
-            todo.extend(sorted(free_names(stmt) - BUILTINS - seen - {skip}))
-        else:
-            chosen[id(stmt)] = stmt
-    return sorted(chosen.values(), key=lambda s: s.lineno)
-
-
 def _is_stub_statement(stmt: ast.stmt) -> bool:
     if isinstance(stmt, ast.Pass):
         return True
@@ -161,7 +133,9 @@ def _candidate(
         )
     ):
         return None, "needs_module_helpers"  # what include_helpers=false means in the config: drop, not hide
-    context = _context(mod, needed, skip, helpers=cls is None and opts.include_helpers)
+    # a prompt is only read: a name from a star import or a try/if block is left out, not a reason to drop it;
+    # a method's prompt shows its class header, so only the imports
+    context, _ = closure(mod, needed, skip, helpers=cls is None and opts.include_helpers, strict=False)
     if opts.deny:
         used = used_modules_and_names(fn) | set().union(*(used_modules_and_names(s) for s in context))
         if used & opts.deny:

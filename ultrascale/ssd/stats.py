@@ -168,6 +168,15 @@ def report_on_test(per_setting: Mapping[str, Mapping[str, float]], chosen: str, 
     return float(_scores(per_setting[chosen], _check_unique(test, "test"), f"setting {chosen!r}").mean())
 
 
+def verdict_of(ci: Mapping[str, float]) -> str:
+    """``gain`` or ``loss`` only where the interval excludes zero; otherwise :data:`NO_GAIN`."""
+    if ci["lo"] > 0:
+        return "gain"
+    if ci["hi"] < 0:
+        return "loss"
+    return NO_GAIN
+
+
 def compare_models(
     base: Mapping[str, Mapping[str, float]],
     new: Mapping[str, Mapping[str, float]],
@@ -190,12 +199,6 @@ def compare_models(
     base_setting, base_dev = choose_on_dev(base, dev)
     new_setting, new_dev = choose_on_dev(new, dev)
     ci = paired_bootstrap(base[base_setting], new[new_setting], problems=test, n_boot=n_boot, seed=seed, level=level)
-    if ci["lo"] > 0:
-        verdict = "gain"
-    elif ci["hi"] < 0:
-        verdict = "loss"
-    else:
-        verdict = NO_GAIN
     return {
         "base_setting": base_setting,
         "new_setting": new_setting,
@@ -204,5 +207,5 @@ def compare_models(
         "base_test": report_on_test(base, base_setting, test),
         "new_test": report_on_test(new, new_setting, test),
         "ci": ci,
-        "verdict": verdict,
+        "verdict": verdict_of(ci),
     }
