@@ -9,7 +9,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale bench-launch bench-checkpoint bench-generate soak-exit clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale bench-launch bench-checkpoint bench-generate bench-ssd soak-exit clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,12 @@ bench-checkpoint: setup
 
 bench-generate: setup
 	$(BIN)/python bench/bench_generate.py --limit 32 --sampled --json bench/results/bench_generate.json
+
+# the TRL anchor needs a finished SSD round (python -m ultrascale.ssd ssd=smollm2_135m); trl 1.15.0 is the last
+# release with trl.experimental.ssd, installed here only (--no-deps: its requirements are already in the venv)
+bench-ssd: setup
+	$(BIN)/pip install -q --no-deps trl==1.15.0
+	$(BIN)/python bench/bench_ssd.py --json bench/results/bench_ssd.json
 
 bench-parallel: setup
 	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json

@@ -112,10 +112,10 @@ def test_jsonl_problems_are_validated(tmp_path):
     assert [r["task_id"] for r in rows][:2] == ["planted/add", "planted/is_even"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(PROBLEMS.read_text().splitlines()[0] + "\n{not json\n")
-    with pytest.raises(DataError, match=r"bad.jsonl:2: not JSON"):
+    with pytest.raises(DataError, match=r"bad.jsonl line 2 is not valid JSON"):
         load_jsonl(bad, Counter())
     bad.write_text(json.dumps({"task_id": "x", "prompt": "def f():\n", "tests": "assert True", "entry_point": "f"}))
-    with pytest.raises(DataError, match=r"bad.jsonl:1: tests must define check\(candidate\)"):
+    with pytest.raises(DataError, match=r"bad.jsonl line 1: tests must define check\(candidate\)"):
         load_jsonl(bad, Counter())
 
 
@@ -334,8 +334,8 @@ def tiny_start_model(tokenizer_dir, tmp_path_factory) -> Path:
     return out
 
 
-def _ssd(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, **TEST_ENV}
+def _ssd(args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **TEST_ENV, **(extra_env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "ultrascale.ssd", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
@@ -452,6 +452,25 @@ def test_a_prompts_only_jsonl_runs_a_round_of_the_papers_method(tiny_start_model
     steps = json.loads((rnd / "manifest.json").read_text())["stages"]["finetune"]["steps"]
     assert export["candidates"] == [str(rnd / "model_steps" / f"step_{steps - 1:08d}"), str(rnd / "model")]
     assert (rnd / "model_steps" / f"step_{steps - 1:08d}" / "config.json").exists()
+
+    # Killed in the finetune (rank 0 SIGKILLed at the start of step 2): one error line; the rerun keeps the samples,
+    # resumes train.py from its step-1 checkpoint and ends with the uninterrupted run's weights.
+    killed = tmp_path / "killed"
+    kargs = [*args[:3], f"output_dir={killed}", *args[4:]]
+    dead = _ssd(kargs, {"ULTRASCALE_FAULT_AT_STEP": "2"})
+    assert dead.returncode != 0 and "finetune (train.py) failed" in dead.stderr, (dead.stdout + dead.stderr)[-3000:]
+    krnd = killed / "round_00"
+    assert (krnd / "train_run" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    sampled_at = (krnd / "samples.jsonl").stat().st_mtime_ns
+    resumed = _ssd(kargs)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    log = resumed.stdout + resumed.stderr
+    assert "round 0 sample: done, skipping" in log and (krnd / "samples.jsonl").stat().st_mtime_ns == sampled_at
+    assert json.loads((krnd / "manifest.json").read_text())["stages"]["finetune"]["resumed_from"] == 1
+    from safetensors.torch import load_file
+
+    want, got = load_file(rnd / "model" / "model.safetensors"), load_file(krnd / "model" / "model.safetensors")
+    assert want.keys() == got.keys() and all(np.array_equal(want[k].numpy(), got[k].numpy()) for k in want)
 
 
 @needs_sandbox

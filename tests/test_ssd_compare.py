@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ultrascale.ssd.compare import Setting, evaluate_set, grid, table
+from ultrascale.ssd.compare import Setting, cached, evaluate_set, grid, table
 from ultrascale.ssd.stats import NO_GAIN
 
 PROBLEMS = [{"task_id": f"P/{i:03d}", "prompt": "", "test": "", "entry_point": "f"} for i in range(120)]
@@ -71,3 +71,34 @@ def test_a_setting_best_on_test_but_not_on_dev_is_not_chosen():
     solved = {("m", "greedy"): set(sorted(dev)[:20]), ("m", settings[1].name): test}
     r = evaluate_set(PROBLEMS, {"m": ["m"]}, settings, planted(solved, []), 1, 1, seed=3)
     assert r["models"]["m"]["chosen_setting"]["name"] == "greedy" and r["models"]["m"]["test_pass@1"] == 0.0
+
+
+def test_the_score_cache_resumes_a_killed_evaluation_and_misses_a_retrained_model(tmp_path):
+    """A second evaluation with the cache re-scores nothing and gives the same result; a model whose weights were
+    rewritten is scored again; a line torn by a kill is skipped, not fatal."""
+    models = {m: tmp_path / m for m in ("base", "ssd")}
+    for d in models.values():
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"weights")
+    settings = grid([0.6], top_k=0, top_p=1.0)
+    solved = {(str(models["base"]), "greedy"): ids(0, 30), (str(models["ssd"]), "greedy"): ids(0, 50)}
+    path = tmp_path / "compare.scores.jsonl"
+    first: list = []
+    one = evaluate_set(PROBLEMS, {k: [str(v)] for k, v in models.items()}, settings,
+                       cached(planted(solved, first), path), 2, 10, n_boot=500)  # fmt: skip
+    assert len(first) == 2 * len(settings) + 2 and len(path.read_text().splitlines()) == len(first)
+    with open(path, "a") as f:
+        f.write('{"key": "torn')  # killed mid-write
+    second: list = []
+    two = evaluate_set(PROBLEMS, {k: [str(v)] for k, v in models.items()}, settings,
+                       cached(planted(solved, second), path), 2, 10, n_boot=500)  # fmt: skip
+
+    def strip(r: dict) -> dict:
+        return {**r, "models": {k: {**m, "wall_s": None} for k, m in r["models"].items()}}
+
+    assert second == [] and strip(two) == strip(one)
+    (models["ssd"] / "model.safetensors").write_bytes(b"retrained weights")
+    third: list = []
+    evaluate_set(PROBLEMS, {k: [str(v)] for k, v in models.items()}, settings,
+                 cached(planted(solved, third), path), 2, 10, n_boot=500)  # fmt: skip
+    assert third and {c[0] for c in third} == {str(models["ssd"])}

@@ -301,8 +301,8 @@ def test_prompt_jsonl_needs_only_prompt_and_names_a_bad_line(tmp_path):
     assert loaded[0]["prompt"] == rows[0]["prompt"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(rows[0]) + "\n{not json\n")
-    with pytest.raises(DataError, match=r"bad\.jsonl:2: not JSON"):
+    with pytest.raises(DataError, match=r"bad\.jsonl line 2 is not valid JSON"):
         load_prompt_jsonl(bad)
     bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"task_id": "x"}) + "\n")
-    with pytest.raises(DataError, match=r"bad\.jsonl:2: 'prompt' is missing"):
+    with pytest.raises(DataError, match=r"bad\.jsonl line 2: 'prompt' is missing"):
         load_prompt_jsonl(bad)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +33,24 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, sort_k
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Every non-blank line's object; a corrupt line is a DataError naming the file and the line."""
-    rows = []
+def iter_jsonl(path: str | os.PathLike, what: str = "object") -> Iterator[tuple[int, Any]]:
+    """(line number, value) for every non-blank line, 1-based as an editor shows it; a corrupt line is a DataError
+    naming ``file line N`` and what each line should hold, so a large file is fixed without bisecting it."""
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                yield n, json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {n} is not valid JSON ({e}): delete or fix that line") from None
-    return rows
+                raise DataError(
+                    f"{path} line {n} is not valid JSON ({e}): one {what} per line; fix or delete it"
+                ) from None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """Every non-blank line's value; a corrupt line is a DataError naming the file and the line."""
+    return [row for _, row in iter_jsonl(path)]
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:

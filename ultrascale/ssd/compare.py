@@ -17,8 +17,10 @@ Nothing is tuned on the test half: the test half is generated only for the chose
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -89,6 +91,42 @@ def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 
         outcomes = run_many(programs, Limits(), workers=workers)
         passed = {p["task_id"]: [o.passed for o in outcomes[i * n : (i + 1) * n]] for i, p in enumerate(problems)}
         return per_problem_pass_at_k(passed, k=1)
+
+    return score
+
+
+def cached(scorer: Scorer, path: Path, tag: str = "") -> Scorer:
+    """``scorer`` with its results kept in a JSON-lines file, one line per (model files, problems, setting, n):
+    an evaluation killed after hours resumes where it stopped, and a later run with one more model re-scores only
+    that model. A retrained model directory has other file sizes and times, so it never hits a stale line; a line
+    torn by a kill is ignored."""
+    store: dict[str, dict[str, float]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                store[row["key"]] = row["scores"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+
+    def key(model_dir: str, problems: list[dict], setting: Setting, n: int) -> str:
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(model_dir).glob("*.safetensors"))
+        ids = hashlib.sha256("\n".join(p["task_id"] for p in problems).encode()).hexdigest()[:16]
+        n = 1 if setting.temperature <= 0 else n
+        return json.dumps([str(Path(model_dir).resolve()), files, ids, setting.name, n, tag])
+
+    def score(model_dir: str, problems: list[dict], setting: Setting, n: int) -> dict[str, float]:
+        k = key(model_dir, problems, setting, n)
+        if k in store:
+            log.info(f"compare: {Path(model_dir).name} {setting.name} n={n}: from {path}")
+            return store[k]
+        store[k] = scorer(model_dir, problems, setting, n)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"key": k, "scores": store[k]}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return store[k]
 
     return score
 
@@ -191,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0, help="the dev/test split and the bootstrap")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, help="write the result as JSON")
+    ap.add_argument("--cache", type=Path, help="scores kept per (model, problems, setting, n), so a killed or "
+                    "extended evaluation resumes (default: OUT's name + .scores.jsonl)")  # fmt: skip
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     from ultrascale.eval.humaneval import load_problems
@@ -206,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         sets["heldout"] = heldout_problems(a.heldout)
     settings = grid(a.temperatures, a.top_k, a.top_p)
     scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens)
+    cache = a.cache or (a.out.with_name(a.out.stem + ".scores.jsonl") if a.out else None)
+    if cache:
+        scorer = cached(scorer, cache, tag=f"max_new_tokens={a.max_new_tokens}")
     result = {"seed": a.seed, "grid": [s.name for s in settings], "sets": {}}
     for name, problems in sets.items():
         result["sets"][name] = evaluate_set(problems, models, settings, scorer, a.n_dev, a.n_test, seed=a.seed)

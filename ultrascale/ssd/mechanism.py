@@ -54,6 +54,10 @@ def binned(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], bins: Se
         if n:
             row.update({f"{key}_{side}": float(d[key][m].mean()) for side, d in (("base", base), ("new", new))
                         for key in ("entropy", "tail")})  # fmt: skip
+            for key in ("entropy", "tail"):  # the paired change and its standard error over the bin's positions
+                diff = (new[key][m] - base[key][m]).double()
+                row[f"{key}_diff"] = float(diff.mean())
+                row[f"{key}_diff_se"] = float(diff.std() / n**0.5) if n > 1 else 0.0
         out.append(row)
     return out
 
@@ -77,15 +81,25 @@ def plot(rows: list[dict], out: Path, title: str = "") -> Path:
     rows = [r for r in rows if r["positions"]]
     labels = [f"{r['lo']:.2f}-{r['hi']:.2f}\n{r['positions']:,}" for r in rows]
     x = range(len(rows))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for ax, key, name in ((axes[0], "tail", "mass outside the top-k"), (axes[1], "entropy", "entropy (nats)")):
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
+    for col, key, name in ((0, "tail", "mass outside the top-k"), (1, "entropy", "entropy (nats)")):
+        ax = axes[0][col]
         ax.plot(x, [r[f"{key}_base"] for r in rows], "o-", label="base")
         ax.plot(x, [r[f"{key}_new"] for r in rows], "s-", label="after SSD")
-        ax.set_xticks(list(x), labels, fontsize=7)
-        ax.set_xlabel("base model's top-1 probability (positions)  <- forks | locks ->")
         ax.set_title(name)
         ax.grid(alpha=0.3)
         ax.legend()
+        # The change is often far smaller than the level: drawn apart, with 2 standard errors over positions
+        # (positions of one row are correlated, so read the bars as a lower bound on the noise).
+        ax = axes[1][col]
+        diffs = [r[f"{key}_diff"] for r in rows]
+        ax.bar(x, diffs, yerr=[2 * r[f"{key}_diff_se"] for r in rows], capsize=3,
+               color=["tab:green" if d < 0 else "tab:red" for d in diffs])  # fmt: skip
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_title(f"change in {name} (after - base, +-2 SE)")
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.set_xlabel("base model's top-1 probability (positions)  <- forks | locks ->")
+        ax.grid(alpha=0.3)
     fig.suptitle(title or "SSD mechanism on held-out code")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, default=16, help="held-out rows to score")
     ap.add_argument("--top-k", type=int, default=20, help="the truncation's k (the tail is the mass outside it)")
     ap.add_argument("--out", type=Path, default=Path("mechanism"), help="directory for mechanism.json and .png")
+    ap.add_argument("--title", default="", help="the plot's title (default: 'SSD mechanism on held-out code')")
     a = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -116,11 +131,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
               "bins": binned(stats["base"], stats["new"])}  # fmt: skip
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "mechanism.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result["bins"], a.out / "mechanism.png")
+    plot(result["bins"], a.out / "mechanism.png", a.title)
     for r in result["bins"]:
         if r["positions"]:
             print(f"{r['lo']:.2f}-{r['hi']:.2f} {r['positions']:>7} tail {r['tail_base']:.4f} -> {r['tail_new']:.4f}"
-                  f"  entropy {r['entropy_base']:.3f} -> {r['entropy_new']:.3f}")  # fmt: skip
+                  f" ({r['tail_diff']:+.5f} +-{2 * r['tail_diff_se']:.5f})  entropy {r['entropy_base']:.3f} -> "
+                  f"{r['entropy_new']:.3f} ({r['entropy_diff']:+.4f} +-{2 * r['entropy_diff_se']:.4f})")  # fmt: skip
     return result
 
 

@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.eval.sandbox import Limits
+from ultrascale.jsonio import iter_jsonl
 from ultrascale.ssd.config import ProblemSource
 from ultrascale.ssd.execute import verdicts
 from ultrascale.ssd.mine import MineOptions, mine_file
@@ -93,23 +94,17 @@ def load_jsonl(path: str | Path, counts: Counter) -> list[dict]:
     if not p.exists():
         raise ConfigError(f"problems.jsonl={path}: {p} does not exist")
     out, ids = [], set()
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{p}:{lineno}: not JSON ({e}): one problem object per line") from None
+    for lineno, row in iter_jsonl(p, "problem object"):
         missing = [k for k in REQUIRED if not isinstance(row.get(k), str) or not row[k]]
         if missing:
-            raise DataError(f"{p}:{lineno}: missing or non-string {missing}; each line needs {list(REQUIRED)}")
+            raise DataError(f"{p} line {lineno}: missing or non-string {missing}; each line needs {list(REQUIRED)}")
         if "def check(" not in row["tests"]:
-            raise DataError(f"{p}:{lineno}: tests must define check(candidate) (HumanEval style)")
+            raise DataError(f"{p} line {lineno}: tests must define check(candidate) (HumanEval style)")
         extra = row.get("extra_candidates", [])
         if not isinstance(extra, list) or not all(isinstance(c, str) for c in extra):
-            raise DataError(f"{p}:{lineno}: extra_candidates must be a list of completion strings")
+            raise DataError(f"{p} line {lineno}: extra_candidates must be a list of completion strings")
         if row["task_id"] in ids:
-            raise DataError(f"{p}:{lineno}: duplicate task_id {row['task_id']!r}")
+            raise DataError(f"{p} line {lineno}: duplicate task_id {row['task_id']!r}")
         ids.add(row["task_id"])
         counts["seen"] += 1
         out.append(row)

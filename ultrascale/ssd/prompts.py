@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
+from ultrascale.jsonio import iter_jsonl
 from ultrascale.ssd.mine import BUILTINS, MineOptions, Module, closure, free_names, mine_file, used_modules_and_names
 from ultrascale.ssd.problems import corpus_documents
 
@@ -378,23 +379,17 @@ def load_prompt_jsonl(path: str | Path) -> list[dict]:
     if not p.is_file():
         raise DataError(f"{p}: prompt file not found (JSONL, one {{'prompt': ...}} object per line)")
     out, ids = [], set()
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{p}:{lineno}: not JSON ({e}): one prompt object per line") from None
+    for lineno, row in iter_jsonl(p, "prompt object"):
         if not isinstance(row, dict):
-            raise DataError(f"{p}:{lineno}: a {type(row).__name__}, not an object with a 'prompt' key")
+            raise DataError(f"{p} line {lineno}: a {type(row).__name__}, not an object with a 'prompt' key")
         if not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise DataError(f"{p}:{lineno}: 'prompt' is missing or not a non-empty string")
+            raise DataError(f"{p} line {lineno}: 'prompt' is missing or not a non-empty string")
         row.setdefault("task_id", f"jsonl/{lineno}")
         for key in ("task_id", "entry_point"):
             if key in row and not isinstance(row[key], str):
-                raise DataError(f"{p}:{lineno}: {key!r} must be a string, got {row[key]!r}")
+                raise DataError(f"{p} line {lineno}: {key!r} must be a string, got {row[key]!r}")
         if row["task_id"] in ids:
-            raise DataError(f"{p}:{lineno}: duplicate task_id {row['task_id']!r}")
+            raise DataError(f"{p} line {lineno}: duplicate task_id {row['task_id']!r}")
         ids.add(row["task_id"])
         out.append(row)
     return out
