@@ -31,6 +31,7 @@ def test_the_grid_is_greedy_then_each_temperature_with_and_without_truncation():
     assert names == ["greedy", "T=0.6,top_k=0,top_p=1", "T=0.6,top_k=20,top_p=0.8", "T=1.1,top_k=0,top_p=1",
                      "T=1.1,top_k=20,top_p=0.8"]  # fmt: skip
     assert [s.name for s in grid([0.6], top_k=0, top_p=1.0)] == ["greedy", "T=0.6,top_k=0,top_p=1"]
+    assert [s.name for s in grid([], top_k=20, top_p=0.8)] == ["greedy"]  # --temperatures with no value
 
 
 def test_the_choice_is_made_on_dev_and_only_it_is_generated_on_test():

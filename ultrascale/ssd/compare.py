@@ -189,7 +189,7 @@ def table(result: dict, runs: dict[str, dict] | None = None) -> str:
     for set_name, r in result["sets"].items():
         n_test = len(r["split"]["test"])
         lines.append(f"{set_name}: dev {len(r['split']['dev'])} / test {n_test} problems (seed {result['seed']}); "
-                     f"n_dev {r['n_dev']}, n_test {r['n_test']} samples per problem")  # fmt: skip
+                     f"n_dev {r['n_dev']}, n_test {r['n_test']} samples per problem at a sampled setting, 1 at greedy")  # fmt: skip
         lines.append(f"  {'model':<10}{'checkpoint':<28}{'setting':<30}{'dev':>7}{'test':>7}  diff vs base [95% CI]")
         for name, m in r["models"].items():
             vs = next((v for k, v in m.items() if k.startswith("vs_")), None)
@@ -218,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     help="a model and its candidate checkpoints (HF directories); the first --model is the base")  # fmt: skip
     ap.add_argument("--run", action="append", default=[], metavar="NAME=OUTPUT_DIR",
                     help="an SSD output_dir whose ssd_manifest.json gives NAME's prompts, samples, kept, stage times")  # fmt: skip
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.2, 0.6, 1.1], help="T_eval grid")
+    ap.add_argument("--temperatures", type=float, nargs="*", default=[0.2, 0.6, 1.1],
+                    help="T_eval grid (given with no value: greedy only, e.g. to choose among checkpoints cheaply)")  # fmt: skip
     ap.add_argument("--top-k", type=int, default=20, help="truncation tried with each T_eval (0 = off)")
     ap.add_argument("--top-p", type=float, default=0.8, help="truncation tried with each T_eval (1 = off)")
     ap.add_argument("--n-dev", type=int, default=4, help="samples per problem for the dev grid")
@@ -226,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--limit", type=int, default=None, help="first N HumanEval problems (default all 164)")
     ap.add_argument("--heldout", metavar="DATA_DIR", help="also the tested problems mined from this prepared "
                     "dataset's validation repositories (its repos.json)")  # fmt: skip
+    ap.add_argument("--sets", nargs="+", choices=["humaneval", "heldout"],
+                    help="which problem sets to score (default: humaneval, and heldout when --heldout is given)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="the dev/test split and the bootstrap")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, help="write the result as JSON")
@@ -241,8 +244,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for spec in a.model:
         name, _, dirs = spec.partition("=")
         models[name] = [d for d in dirs.split(",") if d]
-    sets = {"humaneval": load_problems(a.limit)}
-    if a.heldout:
+    a.sets = a.sets or (["humaneval", "heldout"] if a.heldout else ["humaneval"])
+    if "heldout" in a.sets and not a.heldout:
+        raise SystemExit("error: --sets heldout needs --heldout DATA_DIR (the prepared corpus it is mined from)")
+    sets = {"humaneval": load_problems(a.limit)} if "humaneval" in a.sets else {}
+    if a.heldout and "heldout" in a.sets:
         sets["heldout"] = heldout_problems(a.heldout)
     settings = grid(a.temperatures, a.top_k, a.top_p)
     scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens)
