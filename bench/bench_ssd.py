@@ -44,13 +44,17 @@ TRL_VERSION = "1.15.0"
 
 def round_facts(run: Path) -> dict:
     """What the finished round did, from its own records: config, prompts, samples kept, steps and stage times."""
-    top = json.loads((run / "ssd_manifest.json").read_text())
+    from ultrascale.jsonio import read_json, read_jsonl
+
+    top = read_json(run / "ssd_manifest.json")
+    if top is None:
+        raise SystemExit(f"error: {run}/ssd_manifest.json not found: run python -m ultrascale.ssd first")
     r0 = top["rounds"]["00"]
     missing = [s for s in ("problems", "sample", "sft_data", "finetune", "export") if s not in r0.get("done", [])]
     if missing:
         raise SystemExit(f"error: {run}: round 00 has not finished {missing}: run python -m ultrascale.ssd first")
     rnd = run / "round_00"
-    prompts = [json.loads(line)["prompt"] for line in (rnd / "problems.jsonl").read_text().splitlines() if line]
+    prompts = [row["prompt"] for row in read_jsonl(rnd / "problems.jsonl")]
     return {"config": top["config"], "round": r0, "prompts": prompts, "steps": int(r0["finetune"]["steps"])}
 
 
@@ -77,7 +81,9 @@ def run_trl(facts: dict, out: Path, threads: int, seed: int) -> dict:
             finally:
                 gen_s[0] += time.perf_counter() - t0
 
-    model_dir = str(ROOT / cfg["start_model"]) if not Path(cfg["start_model"]).is_absolute() else cfg["start_model"]
+    from ultrascale.config.compose import resolve_path
+
+    model_dir = str(resolve_path(cfg["start_model"]))
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     # Ours packs samples into rows of sft.seq_len tokens, so its global batch (rows) holds ~2 samples per row; TRL's
@@ -197,6 +203,10 @@ def main() -> None:
     facts = round_facts(a.run)
     rows = {"ours": ours_row(facts)}
     if a.table_only:
+        if not a.json.exists():
+            raise SystemExit(
+                f"error: --table-only reads {a.json}, which does not exist: run without --table-only first"
+            )
         rows["trl"] = json.loads(a.json.read_text())["trl"]
     else:
         print(f"trl SSDTrainer on {len(facts['prompts'])} prompts of {a.run}, {facts['steps']} optimizer steps ...",
