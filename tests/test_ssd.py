@@ -303,6 +303,22 @@ def test_finetune_steps_and_command_line():
     assert args[-2:] == ["launcher=torchrun", "launcher.nproc_per_node=2"]
 
 
+def test_a_finetune_stopped_by_a_signal_is_not_done(tmp_path):
+    """train.py exits 0 after a Ctrl-C or a STOP file with its checkpoint saved: the stage must not count as done
+    (it would export step 3 of 4 as the round's model); it is one error line naming the checkpoint and the fix."""
+    from ultrascale.ssd.finetune import FinetuneFailed, require_finished
+
+    run = tmp_path / "train_run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_00000003")
+    (run / "STOPPED").write_text("{}")
+    with pytest.raises(FinetuneFailed, match=r"ended before step 4 \(stopped by a signal or a STOP file\); newest "
+                       r"checkpoint step_00000003 .* run the same command again to resume it"):  # fmt: skip
+        require_finished(run, 4)
+    (run / "checkpoints" / "latest").write_text("step_00000004")
+    require_finished(run, 4)
+
+
 def test_a_rerun_stage_removes_the_later_stages_built_on_it(tmp_path):
     from ultrascale.ssd.rounds import OUTPUTS, STAGES, Round, SSDRun
 

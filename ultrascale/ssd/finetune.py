@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from ultrascale.config.compose import PROJECT_ROOT
 from ultrascale.errors import UltrascaleError
-from ultrascale.rundir import LATEST
+from ultrascale.rundir import LATEST, STOPPED
 from ultrascale.train.checkpoint import tag_for
 
 
@@ -65,6 +65,21 @@ def finished(run_dir: Path, steps: int) -> bool:
     """Whether the run already holds its final checkpoint (``latest`` is written last, atomically)."""
     latest = run_dir / "checkpoints" / LATEST
     return latest.exists() and latest.read_text().strip() == tag_for(steps)
+
+
+def require_finished(run_dir: Path, steps: int) -> None:
+    """train.py exits 0 when a signal or a STOP file stops it (Ctrl-C, preemption): its checkpoint is saved, but
+    the run is not over. The finetune stage is done only at its final step; otherwise the round stops with one
+    line, and the same command resumes train.py from that checkpoint."""
+    if finished(run_dir, steps):
+        return
+    latest = run_dir / "checkpoints" / LATEST
+    newest = latest.read_text().strip() if latest.exists() else "none"
+    why = "stopped by a signal or a STOP file" if (run_dir / STOPPED).exists() else "it exited before its last step"
+    raise FinetuneFailed(
+        f"finetune (train.py) ended before step {steps} ({why}); newest checkpoint {newest} in {run_dir}: "
+        "run the same command again to resume it"
+    )
 
 
 def run_train(args: list[str], log_path: Path) -> None:

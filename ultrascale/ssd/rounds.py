@@ -241,7 +241,7 @@ class SSDRun:
         return build(kept, rnd.input_model, rnd.path("sft_data"), self.cfg.sft)
 
     def _finetune(self, rnd: Round) -> dict:
-        from ultrascale.ssd.finetune import finished, run_train, steps_for, train_overrides
+        from ultrascale.ssd.finetune import finished, require_finished, run_train, steps_for, train_overrides
 
         rows = rnd.manifest["stages"][Stage.sft_data]["train_rows"]
         steps = steps_for(rows, self.cfg.finetune)
@@ -253,6 +253,7 @@ class SSDRun:
             log.info(f"ssd: {run_dir} already holds step {steps}: not relaunching")
         else:
             run_train(args, rnd.path("finetune.log"))
+            require_finished(run_dir, steps)
         summary = read_json(run_dir / "summary.json", {})
         keep = ("final_loss", "eval_loss", "tokens_per_s", "resumed_from")
         numbers = {k: summary[k] for k in keep if isinstance(summary.get(k), int | float) and math.isfinite(summary[k])}
