@@ -15,6 +15,7 @@ import re
 import shutil
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,9 +59,12 @@ def test_four_tasks_on_two_workers_write_the_bytes_of_one_task(prepared, tmp_pat
 
 
 # Every stage, killed part way: half its units (or, for single steps, half its files) are on disk. Some kills
-# land in pool workers (workers=2). The resume uses another task count than the killed run.
+# land in pool workers (workers=2). The resume uses another task count than the killed run (units are buckets,
+# partitions or shards, fixed by ``buckets``), except the map's: its units are its tasks' slices of the input
+# files, so its outputs live in ``00_map_t<tasks>`` and a resume at another count starts the map over. The map
+# is killed on one worker so that task 0 has finished when task 1 dies, and resumed at the same count.
 KILLS = [
-    ("map:1", 3, 2),
+    ("map:1", 3, 1),
     ("license", 3, 1),
     ("signatures", 3, 1),
     ("near_dedup", 3, 2),
@@ -78,8 +82,22 @@ def test_every_stage_has_a_kill_point():
     assert {k.split(":")[0] for k, _, _ in KILLS} == {*STAGES, "tokenizer"}
 
 
+def finished_units(out: Path) -> dict[str, int]:
+    """Every finished unit under ``_work/`` (its stats file, written last), with its mtime in ns."""
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in sorted((out / "_work").rglob("unit_*.json"))}
+
+
+def units_run(work: Path, since: float) -> list[int]:
+    """The units this stage's tasks started after ``since`` did (a task's record lists them; a task that had
+    finished before the kill is not started again, and keeps its old record)."""
+    records = [json.loads(p.read_text()) for p in work.glob("task_t*_r*.json")]
+    return sorted(u for r in records if r["start"] >= since for u in r["units"])
+
+
 @pytest.mark.parametrize(("crash", "tasks", "workers"), KILLS, ids=[k for k, _, _ in KILLS])
 def test_kill_during_a_stage_resumes_to_the_same_bytes(prepared, tmp_path, crash, tasks, workers):
+    """Same bytes, and a real resume: no unit finished before the kill runs again (its stats keep their
+    mtime, and the resumed tasks' records list only the rest), so a resume that wiped ``_work/`` would fail."""
     corpus, ref, _ = prepared
     out = tmp_path / "out"
     killed = _cli(corpus, out, crash, f"executor.tasks={tasks}", f"executor.workers={workers}")
@@ -88,9 +106,22 @@ def test_kill_during_a_stage_resumes_to_the_same_bytes(prepared, tmp_path, crash
     stage = {"tokenizer": "clean"}.get(crash.split(":")[0], crash.split(":")[0])
     work = out / "_work" / (f"00_map_t{tasks}" if stage == "map" else f"{STAGES.index(stage):02d}_{stage}")
     assert work.exists(), f"the kill came before stage {stage} started"
-    done = _cli(corpus, out, None, "executor.tasks=2")
+    before = finished_units(out)
+    mine = {int(Path(k).stem.split("_")[1]) for k in before if Path(k).parent.name == work.name}
+    if crash not in ("cluster", "split", "finalize", "tokenizer"):  # single steps: killed inside their one unit
+        assert mine, f"no unit of {stage} finished before the kill: the resume would prove nothing"
+    if stage != "map":
+        assert any(Path(k).parent.name != work.name for k in before), "no earlier stage's units on disk"
+    resume_tasks = tasks if stage == "map" else 2
+    since = time.time()
+    done = _cli(corpus, out, None, f"executor.tasks={resume_tasks}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert outputs(out) == outputs(ref)
+    after = finished_units(out)
+    assert {k: after.get(k) for k in before} == before, "a unit finished before the kill was done again"
+    ran = units_run(work, since)
+    every = {int(Path(k).stem.split("_")[1]) for k in after if Path(k).parent.name == work.name}
+    assert not mine & set(ran) and sorted(ran) == sorted(every - mine), (mine, ran, every)
 
 
 def test_pool_executor_runs_each_task_once_in_the_pool_without_a_manager_process(tmp_path, monkeypatch):
