@@ -12,8 +12,6 @@ from ultrascale.dist import cpu_bf16_native
 from ultrascale.model.autocast import install_autocast
 from ultrascale.model.loss import install_fused_loss
 
-NATIVE = pytest.mark.skipif(not cpu_bf16_native(), reason="this CPU has no AVX-512 BF16/AMX: autocast stays off")
-
 
 def _tiny(seed: int = 0):
     from ultrascale.model.build import build_model
@@ -81,20 +79,40 @@ def test_off_where_the_cpu_has_no_native_bf16_and_refused_over_16_bit_weights():
     assert decide(cfg, topo, hf, "gloo", bf16_native=True).autocast.on
     off = decide(cfg, topo, hf, "gloo", bf16_native=False).autocast
     assert not off.on and "no native bf16" in off.why
+    emulated = decide(compose(["precision.autocast=bf16", "precision.autocast_emulated=true"]), topo, hf, "gloo",
+                      bf16_native=False).autocast  # fmt: skip
+    assert emulated.on and emulated.value == ("cpu", "bf16") and "emulated" in emulated.why
     with pytest.raises(ConfigError, match=r"precision\.autocast=bf16 needs precision\.dtype=fp32"):
         validate(compose(["precision=bf16", "precision.autocast=bf16"]), 1)
 
 
+def _autocast_line(proc) -> str:
+    """The banner's autocast decision, as rank 0 printed it."""
+    return next(ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip().startswith("autocast "))
+
+
 @pytest.mark.dist
-@NATIVE
 def test_two_ranks_train_under_autocast_like_fp32(tiny_data, tmp_path):
-    """ZeRO-1 on 2 ranks: the autocast run's losses follow the fp32 run's and fall; the ranks agree."""
-    runs = {}
-    for name, extra in {"fp32": [], "autocast": ["precision.autocast=bf16"]}.items():
+    """ZeRO-1 on 2 ranks. Autocast on (natively, or emulated where the CPU has no bf16): the banner says so, the
+    losses are not fp32's bits (it really ran in bf16) yet follow them and fall; the ranks agree (``check``).
+    On a CPU without native bf16 the plain request must be off, say why, and train fp32's exact losses."""
+    native = cpu_bf16_native()
+    runs, lines = {}, {}
+    arms = {"fp32": [], "autocast": ["precision.autocast=bf16"]}
+    if not native:
+        arms["emulated"] = ["precision.autocast=bf16", "precision.autocast_emulated=true"]
+    for name, extra in arms.items():
         out = tmp_path / name
-        check(launch([*FAST, "model.config.vocab_size=257", f"data.path={tiny_data}", f"output_dir={out}",
-                      "train.steps=8", *extra]))  # fmt: skip
-        runs[name] = losses(out)
-    assert runs["autocast"][8] < runs["autocast"][1] - 0.3, runs
+        proc = check(launch([*FAST, "model.config.vocab_size=257", f"data.path={tiny_data}", f"output_dir={out}",
+                             "train.steps=8", *extra]))  # fmt: skip
+        runs[name], lines[name] = losses(out), _autocast_line(proc)
+    assert "off (precision.autocast=none)" in lines["fp32"], lines
+    on = "autocast" if native else "emulated"
+    assert "bf16 autocast of the forward on cpu" in lines[on], lines
+    if not native:
+        assert "off: this CPU has no native bf16" in lines["autocast"], lines
+        assert runs["autocast"] == runs["fp32"], runs  # off means off: fp32, bit for bit
+    assert runs[on][8] < runs[on][1] - 0.3, runs
+    assert runs[on] != runs["fp32"], "the bf16 run gave fp32's exact losses: autocast did not run"
     for step, ref in runs["fp32"].items():
-        assert runs["autocast"][step] == pytest.approx(ref, rel=2e-2), (step, runs)
+        assert runs[on][step] == pytest.approx(ref, rel=2e-2), (step, runs)

@@ -195,11 +195,13 @@ def _autocast(cfg: Any, topo: Topology, backend: str, bf16_native: bool) -> Choi
         return Choice(False, "off (precision.autocast=none)")
     if topo.pp > 1:
         return Choice(False, "off: the pipeline engine runs its stages' forwards itself (pp>1)")
-    if not bf16_native:
+    if not bf16_native and not p.autocast_emulated:
         return Choice(False, "off: this CPU has no native bf16 (AVX-512 BF16 or AMX): torch would emulate it, "
-                             "slower than fp32")  # fmt: skip
+                             "slower than fp32 (precision.autocast_emulated=true runs it anyway)")  # fmt: skip
     device = "cpu" if backend == "gloo" else "cuda"
     why = f"{p.autocast} autocast of the forward on {device}, fp32 weights, gradients and Adam"
+    if not bf16_native:
+        why += " (emulated: this CPU has no native bf16, slower than fp32; precision.autocast_emulated=true)"
     return Choice(True, why, (device, str(p.autocast)))
 
 

@@ -161,6 +161,9 @@ class PrecisionConfig:
     bf16, norms and the loss in fp32) while weights, gradients and Adam stay fp32: the speed of bf16 kernels
     without bf16 master weights. On a CPU it needs native bf16 (AVX-512 BF16 or AMX; the banner says why it is
     off otherwise). `python bench/levers.py --levers autocast_bf16` measures it."""
+    autocast_emulated: bool = False
+    """Run ``autocast`` even on a CPU without native bf16, where torch emulates it (slower than fp32): to check
+    a run's bf16 numerics on such a machine before booking one that has it, never for speed."""
     initial_scale_power: int = num(16, ge=0, le=32)
     """fp16 only: the dynamic loss scale starts at 2**this."""
     loss_scale_window: int = num(1000, ge=1)
