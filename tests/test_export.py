@@ -1,6 +1,6 @@
 """Export parity: 2-rank CPU training under ZeRO 0-3 (``train.py`` via torchrun), export, then the HF model's
-fp32 logits equal the DeepSpeed engine's on the same batch to 1e-5, ``generate`` runs, and the exported
-tokenizer round-trips.
+fp32 logits equal the DeepSpeed engine's on the same batch to 1e-5, ``generate`` runs, the exported
+tokenizer round-trips, bad requests are refused, and ``eval.py run_dir=`` scores a run.
 
 The engine side runs once for all four checkpoints: this file doubles as the torchrun worker
 (``python tests/test_export.py --engine-logits OUT RUN...``), which rebuilds each run's engine from its
@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from ultrascale.dist import free_port  # torchrun passes --master_port 0 to the ranks literally
 
@@ -84,7 +85,8 @@ def runs(tmp_path_factory) -> dict:
     for nproc in sorted({n for _, n in LAYOUTS.values()}):
         dirs = [str(run_dirs[k]) for k, (_, n) in LAYOUTS.items() if n == nproc]
         _torchrun([__file__, "--engine-logits", str(logits_dir), *dirs], root / f"engine{nproc}.log", nproc)
-    return {"root": root, "data": data, "runs": run_dirs, "logits": logits_dir}
+    seq_len = OmegaConf.load(run_dirs["zero2"] / "config.yaml").data.seq_len
+    return {"root": root, "data": data, "runs": run_dirs, "logits": logits_dir, "seq_len": seq_len}
 
 
 @pytest.mark.dist
@@ -150,6 +152,73 @@ def test_tensor_parallel_checkpoint_exports_to_the_same_logits(runs):
         logits = model(input_ids=ref["ids"]).logits
     torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
     assert ref["step"] == 3
+
+
+@pytest.mark.dist
+def test_exported_tokenizer_round_trips(runs):
+    """The export ships the run's tokenizer: same ids as the prepared dataset's, decodes back to the text,
+    and the generation config stops at its EOS."""
+    from transformers import AutoTokenizer
+
+    from ultrascale.data.shards import load_manifest
+    from ultrascale.export import export
+
+    out = runs["root"] / "hf_tok"
+    export(runs["runs"]["zero1"], out)
+    original = AutoTokenizer.from_pretrained(str(runs["data"] / load_manifest(runs["data"])["tokenizer"]))
+    exported = AutoTokenizer.from_pretrained(str(out))
+    text = 'def f(x):\n    """Docstring: ünïcödé, tabs\tand  spaces."""\n    return {"k": x ** 2}  # ok\n'
+    ids = exported(text)["input_ids"]
+    assert ids == original(text)["input_ids"]
+    assert exported.decode(ids) == text
+    assert exported.eos_token_id == original.eos_token_id is not None
+    gen_cfg = json.loads((out / "generation_config.json").read_text())
+    assert gen_cfg["eos_token_id"] == original.eos_token_id
+
+
+@pytest.mark.dist
+def test_export_refuses_bad_requests(runs, tmp_path, capsys):
+    """A step that was never saved, an occupied output folder and a misspelt key: one error each, naming the
+    step, the folder or the key, and nothing written."""
+    from ultrascale.errors import CheckpointError, ConfigError
+    from ultrascale.export import export, main
+
+    run = runs["runs"]["zero0"]
+    with pytest.raises(CheckpointError, match=r"step=7: .*step_0*7 does not exist \(have: \['step_0*3'\]\)"):
+        export(run, tmp_path / "x", step=7)
+    assert not (tmp_path / "x").exists()
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"out=.*occupied exists and is not empty: .*overwrite=true"):
+        export(run, occupied)
+    assert [p.name for p in occupied.iterdir()] == ["keep.txt"] and (occupied / "keep.txt").read_text() == "mine"
+    capsys.readouterr()
+    assert main([f"run_dir={run}", f"out={tmp_path / 'y'}", "setp=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "setp" in err[0], err
+    assert not (tmp_path / "y").exists()
+
+
+@pytest.mark.dist
+def test_eval_py_on_a_run_dir(runs):
+    """``eval.py run_dir=`` scores the run's latest checkpoint: its loss on the first validation samples is the
+    loss of the logits the DeepSpeed engine computed from that checkpoint on the same samples."""
+    run_dir = runs["runs"]["zero2"]
+    ref = torch.load(runs["logits"] / "zero2.pt")
+    n = ref["ids"].shape[0]
+    cmd = [sys.executable, str(ROOT / "eval.py"), f"run_dir={run_dir}", "tasks=[perplexity]",
+           f"perplexity.max_samples={n}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((run_dir / "eval" / "step_00000003" / "eval_results.json").read_text())
+    ppl = res["tasks"]["perplexity"]
+    assert res["step"] == ref["step"] == 3 and ppl["tokens"] == n * (runs["seq_len"] - 1)
+    logits, ids = ref["logits"].float(), ref["ids"]
+    engine_loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
+    assert ppl["loss_per_token"] == pytest.approx(float(engine_loss), abs=1e-4), (ppl, float(engine_loss))
 
 
 def _engine_logits(out: Path, run_dirs: list[Path]) -> None:
