@@ -126,7 +126,8 @@ def test_expert_parallel_shards_experts_logs_balance_and_resumes(tiny_data, tmp_
 
 def test_pipeline_stages_load_only_their_tensors_from_a_pretrained_model(tiny_data, tmp_path):
     """model.pretrained_path under pp=2: each stage reads its own tensors from the safetensors (by the index),
-    and the pipelined model is the pretrained one: its first loss equals the unpipelined model's."""
+    shown by the keys each rank read (``ULTRASCALE_WEIGHTS_READ_LOG``), and the pipelined model is the pretrained
+    one: its first loss equals the unpipelined model's."""
     from ultrascale.config.compose import compose
     from ultrascale.model.build import build_model
 
@@ -135,7 +136,25 @@ def test_pipeline_stages_load_only_their_tensors_from_a_pretrained_model(tiny_da
     build_model(cfg.model, seed=4321).save_pretrained(pretrained, max_shard_size="200KB")  # several files + index
     assert (pretrained / "model.safetensors.index.json").exists()
     model = [f"model.pretrained_path={pretrained}", "train.steps=2"]
-    pp = losses(_run(tiny_data, tmp_path / "pp", [*model, "parallel=pp2"]))
+    read_log = tmp_path / "reads"
+    out = tmp_path / "pp"
+    check(launch([*BASE, f"data.path={tiny_data}", f"output_dir={out}", *model, "parallel=pp2"],
+                 env={"ULTRASCALE_WEIGHTS_READ_LOG": str(read_log)}))  # fmt: skip
+    pp = losses(out)
+    every = set(json.loads((pretrained / "model.safetensors.index.json").read_text())["weight_map"])
+    reads = [Path(f"{read_log}.rank{r}").read_text().split() for r in range(2)]
+    layers = [{k for k in keys if k.startswith("model.layers.")} for keys in reads]
+    n_layers = cfg.model.config.num_hidden_layers
+    for rank, keys in enumerate(reads):
+        assert len(keys) == len(set(keys)), f"stage {rank} read a tensor twice"
+        assert set(keys) < every, f"stage {rank} read every tensor"
+        own = {int(k.split(".")[2]) for k in layers[rank]}
+        assert len(own) == n_layers // 2, (rank, sorted(own))  # its half of the layers, whole
+        assert all(f"{k}" in keys for k in every if k.startswith("model.layers.") and int(k.split(".")[2]) in own)
+    assert not layers[0] & layers[1], "a layer's tensors were read by both stages"
+    assert set(reads[0]) | set(reads[1]) == every
+    assert {k for k in reads[1] if not k.startswith("model.layers.")} >= {"model.norm.weight"}
+    assert not any(k.startswith("model.norm.") for k in reads[0])
     whole = losses(_run(tiny_data, tmp_path / "whole", model, nproc=0, launcher="python"))
     assert pp[1] == pytest.approx(whole[1], abs=1e-5), (pp, whole)
     fresh = losses(_run(tiny_data, tmp_path / "fresh", ["train.steps=2"], nproc=0, launcher="python"))

@@ -17,6 +17,7 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +161,37 @@ def meta_skeleton(hf_config, attn_implementation: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
 
 
+def _meta_params(spec) -> int:
+    """Trainable parameters of the module a spec would build, counted on the meta modules it is built from."""
+    seen: dict[int, nn.Parameter] = {}
+    for arg in (*spec.module_args, *spec.module_kwargs.values()):
+        if isinstance(arg, nn.Module):
+            seen.update({id(p): p for p in arg.parameters() if p.requires_grad})
+    return sum(p.numel() for p in seen.values())
+
+
+@cache
+def _stage_pipeline_class() -> type:
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    class StagePipeline(PipelineModule):
+        """``PipelineModule`` whose ``partition_method=parameters`` counts on the meta skeleton. DeepSpeed's own
+        count (0.19.8 ``_count_layer_params``) builds every layer on every rank: each stage would read the whole
+        pretrained checkpoint (or draw the whole initialization) just to count it, then throw it away."""
+
+        def _count_layer_params(self) -> list[int]:
+            def count(spec) -> int:
+                if isinstance(spec, LayerSpec):
+                    return _meta_params(spec)
+                if isinstance(spec, nn.Module):
+                    return sum(p.numel() for p in spec.parameters() if p.requires_grad)
+                return 0
+
+            return [count(spec) for spec in self._layer_specs]
+
+    return StagePipeline
+
+
 def build_pipeline(
     hf_config,
     model_cfg,
@@ -170,7 +202,7 @@ def build_pipeline(
     topology=None,
 ):
     """A PipelineModule whose stages build only their own layers. Collective (it builds the process grid)."""
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     from ultrascale.config.compose import resolve_path
 
@@ -200,7 +232,7 @@ def build_pipeline(
         # decoder layers is what users mean, and is what type:DecoderPipe does.
         partition_method = "type:DecoderPipe"
     kwargs = {"topology": topology} if topology is not None else {"num_stages": num_stages}
-    return PipelineModule(
+    return _stage_pipeline_class()(
         layers=specs,
         loss_fn=causal_lm_loss,
         partition_method=partition_method,
