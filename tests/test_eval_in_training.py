@@ -49,8 +49,12 @@ def test_eval_and_humaneval_during_training_runs_every_completion_in_the_sandbox
     steps = [r for r in rows if "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
-        assert all(r[p] >= 0 for p in PARTS), r
-        assert r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["opt_s"] > 0
+        # other_s is clocked on its own (the step's wall time outside every timed call), so the parts' sum
+        # checks DeepSpeed's inner timers against our outer clock: a part counted twice lands above step_s.
+        # Below it by what DeepSpeed does inside backward/step but times in no part (~2 % here).
+        total = sum(r[p] for p in PARTS)
+        assert abs(total - r["step_s"]) <= 0.05 * r["step_s"] + 0.002, (total, r)
+        assert r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["opt_s"] > 0 and r["other_s"] > 0
 
 
 def test_humaneval_during_training_needs_a_tokenizer(tiny_data, tmp_path):

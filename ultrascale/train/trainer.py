@@ -319,7 +319,7 @@ class Trainer:
                 if not self.decisions.overlap_loss_reduce.on:
                     self._judge(st, pending.wait())
                 self.breakdown.add("comm_s", time.perf_counter() - t)
-            engine.backward(loss)
+            self.breakdown.engine_call(engine.backward, loss)
             if last and self.decisions.overlap_loss_reduce.on:
                 t = time.perf_counter()
                 mean = pending.wait()
@@ -334,7 +334,7 @@ class Trainer:
                 ):
                     st.verdict = self.stability.nonfinite_grad()
                 self.gate.arm(st.verdict.bad)
-            engine.step()
+            self.breakdown.engine_call(engine.step)
             self.breakdown.after_micro_step()
 
     def _judge(self, st: StepState, loss: float) -> None:
