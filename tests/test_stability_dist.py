@@ -123,12 +123,15 @@ def test_a_kill_right_after_the_rollback_resumes_past_the_skipped_window(rolled_
 
 
 def test_a_resumed_run_detects_a_spike_at_its_first_step(tiny_data, tmp_path):
-    """The spike detector's window travels in the checkpoint: detection is armed right after a resume."""
+    """The spike detector's window travels in the checkpoint: detection is armed at the first step after a
+    resume (min history 3: a window lost in the resume would have 0 losses at step 7, and miss it)."""
     out = tmp_path / "armed"
     args = [*FAST, f"data.path={tiny_data}", f"output_dir={out}", "optim.sched.name=constant",
             "optim.sched.warmup_steps=0", "stability.spike_min_history=3"]  # fmt: skip
     check(launch([*args, "train.steps=6"]))
     check(launch([*args, "train.steps=8"], env={"ULTRASCALE_INJECT": "spike@7:0"}))
+    # it really resumed: a fresh 8-step run would have seen 6 losses by step 7 and caught the spike anyway
+    assert _summary(out)["resumed_from"] == 6, _summary(out)
     (skip,) = _events(out, "skip")
     assert (skip["step"], skip["reason"]) == (7, "spike") and skip["zscore"] > 6
 
