@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.conftest import FAST, check, launch, losses
+from tests.conftest import FAST, check, launch, losses, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -45,6 +45,12 @@ def test_layout_with_data_parallelism_trains_agrees_and_resumes_after_a_kill(nam
     curve = losses(ref)
     assert curve[STEPS] < curve[1] - 0.3, f"{name}: loss did not fall: {curve}"
     summary = json.loads((ref / "summary.json").read_text())
+    # The ranks that must hold the same weights: dp x sp (Ulysses ranks replicate the model; ZeRO shards over
+    # both), and under ep all dp ranks too (the digests skip the experts).
+    dp = summary["topology"]["dp"] * summary["topology"]["sp"]
+    groups = summary["replica_groups"]  # a group of one agrees with itself: check each has its dp members first
+    assert sorted(r for g in groups for r in g) == [0, 1, 2, 3] and all(len(g) == dp for g in groups), groups
+    assert len(summary["param_digests"]) == dp
     assert summary["world_size"] == 4 and summary["replicas_agree"] is True, summary["param_digests"]
     if name == "ep2_dp2":  # ep re-slices the 4 data-parallel ranks: 2 expert groups, each replicated twice
         assert summary["topology"]["dp"] == 4 and summary["topology"]["ep"] == 2
@@ -59,7 +65,11 @@ def test_layout_with_data_parallelism_trains_agrees_and_resumes_after_a_kill(nam
     proc = launch([*args, f"output_dir={killed}"], nproc=4, env={"ULTRASCALE_FAULT_AT_STEP": "3"})
     assert proc.returncode != 0 and (killed / "checkpoints" / "latest").read_text() == "step_00000002"
     check(launch([*args, f"output_dir={killed}"], nproc=4))
-    resumed = losses(killed)
     assert json.loads((killed / "summary.json").read_text())["resumed_from"] == 2
-    for step in range(1, STEPS + 1):
-        assert resumed[step] == pytest.approx(curve[step], rel=1e-6, abs=1e-6), (name, step)
+    # only the rows the resumed run wrote (after its resume event), not the killed run's own steps 1-2
+    rows = metrics(killed)
+    (at,) = [i for i, r in enumerate(rows) if r.get("event") == "resume"]
+    resumed = {r["step"]: r["loss"] for r in rows[at + 1 :] if "loss" in r and "event" not in r}
+    assert sorted(resumed) == list(range(3, STEPS + 1)), resumed
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(curve[step], rel=1e-6, abs=1e-6), (name, step)

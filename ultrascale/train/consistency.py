@@ -34,18 +34,23 @@ def param_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def replicas_agree(module: torch.nn.Module, group=None) -> tuple[bool, list[str]]:
-    """(every data-parallel group agrees, this rank's group's digests). Collective over the world.
+def replicas_agree(module: torch.nn.Module, group=None) -> tuple[bool, list[str], list[list[int]]]:
+    """(every data-parallel group agrees, this rank's group's digests, every group's global ranks).
+    Collective over the world.
 
     Each rank compares its digest within ``group`` (its data-parallel replicas: under pp or tp those are
     the ranks holding the same stage or shard), and the verdicts are all-reduced, so the answer covers every
-    group, not only rank 0's.
+    group, not only rank 0's. The groups come back too, because a group of one agrees with itself: a
+    reader of the verdict can check that each group had the ``dp`` members it should.
     """
     digest = param_digest(module)
     if not tdist.is_initialized() or tdist.get_world_size() == 1:
-        return True, [digest]
+        return True, [digest], [[0]]
     digests: list[str] = [""] * tdist.get_world_size(group)
     tdist.all_gather_object(digests, digest, group=group)
     agree = torch.tensor([int(all(d == digests[0] for d in digests))])
     tdist.all_reduce(agree, op=tdist.ReduceOp.MIN)
-    return bool(agree.item()), digests
+    mine = sorted(tdist.get_process_group_ranks(group)) if group is not None else list(range(tdist.get_world_size()))
+    every: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, mine)
+    return bool(agree.item()), digests, [list(g) for g in sorted({tuple(g) for g in every})]

@@ -574,8 +574,8 @@ class Trainer:
         steps = self.cfg.train.steps
         out = {"steps": steps, "resumed_from": self.start_step, "world_size": self.topo.world,
                "topology": self.topo.as_dict()}  # fmt: skip
-        agree_, digests = replicas_agree(self.engine.module, self.engine.data_parallel_group)
-        out.update(replicas_agree=agree_, param_digests=digests)
+        agree_, digests, groups = replicas_agree(self.engine.module, self.engine.data_parallel_group)
+        out.update(replicas_agree=agree_, param_digests=digests, replica_groups=groups)
         if not agree_:
             log.warning(f"data-parallel replicas hold different parameters: {digests}")
         if self.moe is not None:  # expert shards differ by design; the rest must agree
