@@ -57,7 +57,8 @@ def cpu_model() -> str:
 def gemm_rate(dtype: torch.dtype = torch.float32, n: int = GEMM_N, warmup_s: float = 1.0,
               measure_s: float = 3.0) -> dict:  # fmt: skip
     """Steady-state GEMM FLOP/s of this process on its current torch threads: median of per-product windows
-    after ``warmup_s``, with their spread (a reading is only as good as its windows agree)."""
+    (at least 5, each in ``rates``) after ``warmup_s`` of untimed products, with their spread (a reading is only
+    as good as its windows agree)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < warmup_s:
@@ -68,7 +69,8 @@ def gemm_rate(dtype: torch.dtype = torch.float32, n: int = GEMM_N, warmup_s: flo
         t = time.perf_counter()
         torch.mm(a, b)
         rates.append(2 * n**3 / (time.perf_counter() - t))
-    return {"flops": statistics.median(rates), "min": min(rates), "max": max(rates), "windows": len(rates)}
+    return {"flops": statistics.median(rates), "min": min(rates), "max": max(rates), "windows": len(rates),
+            "rates": rates}  # fmt: skip
 
 
 def _key(dtype: torch.dtype, threads: int, local_ranks: int) -> str:
