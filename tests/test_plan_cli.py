@@ -116,9 +116,11 @@ def test_bad_key_is_one_line_error() -> None:
     assert proc.returncode == 2 and proc.stderr.startswith("error: unknown config key 'cluster.gpu_memory_gb'")
 
 
-def test_the_planner_takes_zero_stage_and_fused_loss_from_the_decision_record():
-    """The planner reads the run's Decisions, not the config: the fused loss is off wherever decide() turns it
-    off (tp > 1 here, or train.fused_loss=false), and only then does the memory model keep the logits."""
+def test_the_planner_takes_the_fused_loss_from_the_decision_record_and_refuses_what_validate_refuses():
+    """The planner reads the run's Decisions, not the layout it was asked about: the fused loss is off
+    wherever decide() turns it off (tp > 1 here, or train.fused_loss=false), and only then does the memory
+    model keep the logits. The ZeRO stage is never changed by a decision (decide() keeps zero.stage; a stage
+    a layout cannot use is refused by validate, with its message), so that is what is checked for it."""
     from ultrascale.model.arch import arch_from_cfg
     from ultrascale.plan.memory import Layout
     from ultrascale.plan.search import evaluate
@@ -127,10 +129,14 @@ def test_the_planner_takes_zero_stage_and_fused_loss_from_the_decision_record():
     cfg = compose(args, "plan")
     arch = arch_from_cfg(cfg)
     base = dict(world=8, micro_batch=1, global_batch=8, seq_len=2048, dtype="bf16", zero_stage=1)
-    fused, plain = evaluate(cfg, arch, Layout(**base)), evaluate(cfg, arch, Layout(**base, tp=2))
+    # each layout is asked with the opposite of what decide() settles, so an echo of the request fails
+    fused = evaluate(cfg, arch, Layout(**base, fused_loss=False))
+    plain = evaluate(cfg, arch, Layout(**base, tp=2, fused_loss=True, loss_chunk_tokens=4096))
     assert fused.fits and plain.fits, (fused.rejected, plain.rejected)
-    assert fused.layout.fused_loss and not plain.layout.fused_loss  # decide(): AutoTP shards the LM head
-    assert fused.layout.zero_stage == 1
+    assert fused.layout.fused_loss  # on (train.fused_loss=true, tp=1), though the layout asked for it off
+    assert not plain.layout.fused_loss and plain.layout.loss_chunk_tokens == 0  # off: AutoTP shards the LM head
+    refused = evaluate(cfg, arch, Layout(**{**base, "zero_stage": 3}, pp=2))
+    assert refused.rejected and "parallel.pp=2 needs zero.stage<=1 (got 3)" in refused.rejected, refused.rejected
     logits = 2048 * arch.vocab * 4  # the fp32 log-softmax of one micro-batch's logits
     unfused = evaluate(compose([*args, "train.fused_loss=false"], "plan"), arch, Layout(**base))
     assert not unfused.layout.fused_loss
