@@ -300,7 +300,27 @@ def test_readonly_fallback_remounts_everything_or_names_the_mount_it_could_not(t
     assert not (tmp_path / "x").exists()
 
 
-def test_mount_points_decode_the_kernels_escapes():
+def test_mount_points_decode_the_kernels_escapes(tmp_path):
+    """The kernel writes a space, tab, newline and backslash in a mount point as octal (``\\040`` ...): mount a
+    tmpfs on such a path (in a child's own mount namespace, so this host's table is untouched) and read it
+    back by its real name."""
+    weird = tmp_path / "a b\tc\\d"
+    weird.mkdir()
+    script = textwrap.dedent(f"""
+        import json
+        from ultrascale.eval import jail
+        jail._check(jail._libc.unshare(jail.CLONE_NEWNS), "unshare")
+        jail._mount(None, "/", None, jail.MS_REC | jail.MS_PRIVATE, None)  # nothing leaks to the host
+        jail._mount("tmpfs", {str(weird)!r}, "tmpfs", 0, "size=1m")
+        raw = [ln.split()[4] for ln in open("/proc/self/mountinfo") if "tmpfs" in ln]
+        print(json.dumps({{"points": jail.mount_points({str(tmp_path)!r}), "raw": raw}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout)
+    assert any("\\040" in r and "\\011" in r and "\\134" in r for r in got["raw"]), got["raw"]  # escaped there
+    assert got["points"] == [str(weird)]  # and decoded here
+    assert jail.mount_points(str(tmp_path)) == []  # the host never saw it
     points = jail.mount_points()
     assert "/" in points and "/proc" in points
     assert jail.mount_points("/proc") == [p for p in points if p == "/proc" or p.startswith("/proc/")]
