@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import dedup
 from data_prep.pipeline import run
 from data_prep.shuffle import permute
 from data_prep.store import RepoTable, part_range, read_run, repo_part, write_run, write_table
@@ -360,20 +359,60 @@ def test_cluster_streams_removals_in_id_order_with_whole_ids(tmp_path):
         assert [json.loads(line) for line in f] == [{"id": "c.py", "kept": "b.py"}]
 
 
-def test_distributed_near_dedup_steps_equal_the_in_memory_run():
-    """Keys split over partitions and pairs joined at the end give the clusters of one in-memory pass."""
-    texts = [p.read_text() for p in sorted(FIXTURE.rglob("*.py"))]
-    texts += [t.replace("def ", "def  ", 2) + "\n# copy\n" for t in texts[:6]]
-    sigs = dedup.signatures(texts)
-    keep, roots = dedup.near_duplicates(sigs, 0.85)
-    bands, rows = dedup.bands_rows(0.85, 256, None)
-    keys = dedup.band_keys(sigs, bands, rows)
-    pairs = []
-    for part in range(5):
-        kind = np.broadcast_to(np.arange(bands), keys.shape).ravel()
-        ref = np.repeat(np.arange(len(texts)), bands)
-        sel = keys.ravel() % np.uint64(5) == part
-        cand = dedup.candidate_pairs(kind[sel], keys.ravel()[sel], ref[sel])
-        pairs.append(cand[dedup.confirm(sigs[cand[:, 0]], sigs[cand[:, 1]], 0.85)])
-    split_roots = dedup.clusters(np.concatenate(pairs), np.arange(len(texts)))
-    assert np.array_equal(split_roots, roots) and (~keep).sum() >= 6
+def _word_shingles(text: str, n: int) -> frozenset:
+    """Word n-grams as tuples of the words themselves (no hashing): a word is a run of ASCII letters, digits,
+    ``_`` or non-ASCII bytes, the pipeline's definition; a text shorter than n words is one shingle."""
+    words = re.findall(rb"[0-9A-Za-z_\x80-\xff]+", text.encode("utf-8"))
+    if len(words) < n:
+        return frozenset([tuple(words)])
+    return frozenset(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+
+
+def test_distributed_near_dedup_stages_remove_what_exact_jaccard_removes(tmp_path):
+    """The pipeline's own signatures -> near_dedup -> cluster stages (3 tasks, 32 buckets, 32 key partitions)
+    against an independent reference: exact Jaccard of every pair of the documents that reached them, on
+    word 5-grams taken from the text (no MinHash, no LSH, no hashing), union-find, lowest id kept. Near
+    copies of 7 files and an exact copy are planted; no pair lies within 0.06 of the threshold (about 3 standard
+    errors of a 256-slot MinHash estimate there), so the estimate cannot flip a verdict: they must agree."""
+    corpus = make_corpus(tmp_path)
+    picked = sorted(p for p in corpus.rglob("*.py") if p.parent.name in ("mathutils", "textutils"))[:7]
+    for k, src in enumerate(picked):
+        text = src.read_text()
+        mid = len(text) // 2
+        edit = text[:mid] + f"\n# local change {k}: keep the old behaviour\n" + text[mid:]
+        (src.parent / f"{src.stem}_near.py").write_text(edit + "\n# vendored copy\n")
+    shutil.copy(picked[0], picked[0].parent / f"{picked[0].stem}_exact.py")
+    out = tmp_path / "out"
+    run(cfg_for(corpus, out, "executor.tasks=3", "executor.workers=2"))
+    work = out / "_work"
+    docs = {}
+    for f in sorted((work / f"{STAGES.index('signatures'):02d}_signatures").glob("b*.jsonl.gz")):
+        with gzip.open(f, "rt", encoding="utf-8") as fh:
+            docs.update((d["id"], d["text"]) for d in map(json.loads, fh))
+    ids = sorted(docs)
+    shingles = [_word_shingles(docs[i], 5) for i in ids]
+    threshold = 0.85
+    parent = list(range(len(ids)))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    gray = []
+    for a, b in itertools.combinations(range(len(ids)), 2):
+        jac = len(shingles[a] & shingles[b]) / len(shingles[a] | shingles[b])
+        if abs(jac - threshold) < 0.06:
+            gray.append((ids[a], ids[b], round(jac, 3)))
+        if jac >= threshold or docs[ids[a]] == docs[ids[b]]:
+            ra, rb = root(a), root(b)
+            parent[max(ra, rb)] = min(ra, rb)  # ids are sorted: the lower index is the lower id, kept
+    assert not gray, f"pairs too close to the threshold for an exact comparison: {gray}"
+    expected = {ids[i]: ids[root(i)] for i in range(len(ids)) if root(i) != i}
+    removed = {}
+    for name in ("exact_removed.jsonl.gz", "near_removed.jsonl.gz"):
+        with gzip.open(work / f"{STAGES.index('cluster'):02d}_cluster" / name, "rt", encoding="utf-8") as fh:
+            removed.update((r["id"], r["kept"]) for r in map(json.loads, fh))
+    assert len(expected) >= 9, expected  # the 8 planted copies and the fixture's own forks
+    assert removed == expected
