@@ -5,6 +5,7 @@ written. Each command runs as a real subprocess from a scratch directory."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -149,7 +150,7 @@ BAD = [
     ("gguf without arguments", "-m ultrascale.model.gguf_import", "source"),
     ("gguf bad dtype", "-m ultrascale.model.gguf_import a b --dtype bogus", "--dtype"),
     ("peak bad dtype", "-m ultrascale.peak --dtype float64", "--dtype"),
-    ("memprobe without output", "-m ultrascale.train.memprobe", "out"),
+    ("memprobe without output", "-m ultrascale.train.memprobe", "the following arguments are required: out"),
     ("checkpoint unknown command", "-m ultrascale.train.checkpoint convert {missing}", "to_universal"),
     ("demo bad rank count", "-m ultrascale.demo --nproc two", "--nproc"),
 ]
@@ -157,6 +158,23 @@ BAD = [
 
 def _tree(path: Path) -> set[str]:
     return {str(p.relative_to(path)) for p in path.rglob("*")} if path.exists() else set()
+
+
+# Not the tools' to write, or written by Python itself on import: the environment, git, tool caches, bytecode.
+_UNWATCHED = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
+
+
+def _files(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` (data/, runs/, .cache/, models/ ... included) with its size and mtime, so a
+    write into an existing directory shows, not only a new top-level name."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _UNWATCHED]
+        for f in filenames:
+            st = os.lstat(os.path.join(dirpath, f))
+            out[os.path.relpath(os.path.join(dirpath, f), root)] = (st.st_size, st.st_mtime_ns)
+        out.update({os.path.relpath(os.path.join(dirpath, d), root) + "/": (0, 0) for d in dirnames})
+    return out
 
 
 @pytest.mark.parametrize("name, args, needle", BAD, ids=[b[0] for b in BAD])
@@ -167,7 +185,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(name, args, needle, inpu
         argv = [T, *FAST, f"output_dir={out}", *argv[1:]]
     if argv[0].endswith(".py"):
         argv[0] = str(ROOT / argv[0])  # run from a scratch directory, as a user elsewhere would
-    before_inputs, before_root = _tree(inputs["root"]), {p.name for p in ROOT.iterdir()}
+    before_inputs, before_root = _files(inputs["root"]), _files(ROOT)
     # 60 s is a hang guard, not a speed claim: a bad input must be refused before anything is built or trained
     proc = subprocess.run([PY, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=_env())
     assert proc.returncode != 0, proc.stdout[-2000:]
@@ -175,9 +193,20 @@ def test_bad_input_is_one_error_line_and_writes_nothing(name, args, needle, inpu
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr[-3000:]
     assert needle in errors[0], errors[0]
+    if name.startswith("plan where nothing fits"):  # the planner's table of why every layout was dropped
+        assert " layouts: 0 fit" in proc.stdout and "dropped (commonest reasons)" in proc.stdout, proc.stdout
+        assert "error" not in proc.stdout, proc.stdout[-2000:]
+    else:  # the refusal is the only thing said, on stderr
+        assert proc.stdout.strip() == "", proc.stdout[-2000:]
     assert not out.exists(), sorted(_tree(out))  # nothing written for a run that could not start
     assert _tree(tmp_path) == set(), sorted(_tree(tmp_path))
-    assert _tree(inputs["root"]) == before_inputs and {p.name for p in ROOT.iterdir()} == before_root
+    after_inputs, after_root = _files(inputs["root"]), _files(ROOT)
+    assert after_inputs == before_inputs, _changed(before_inputs, after_inputs)
+    assert after_root == before_root, _changed(before_root, after_root)
+
+
+def _changed(before: dict, after: dict) -> dict:
+    return {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
 
 
 def test_plans_best_command_dry_runs_to_the_planned_layout(tmp_path):
