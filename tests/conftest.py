@@ -93,3 +93,43 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+# ------------------------------------------------------------------------- what a machine may lack
+
+NO_SKIP = "ULTRASCALE_TESTS_NO_SKIP"
+"""Set to 1 by ``.ci/run``: a test this machine cannot run (no sandbox, no util-linux tool) fails instead of
+skipping, so a broken CI image cannot silently drop a feature's tests. README "Tests that may skip" lists
+them."""
+
+
+def needs(missing: str) -> pytest.MarkDecorator:
+    """Mark a test (or a module, as ``pytestmark``) that needs something of the machine: ``missing`` is why it
+    cannot run here ("" where it can). It skips with that reason, or fails under ``ULTRASCALE_TESTS_NO_SKIP=1``."""
+    return pytest.mark.needs(missing=missing)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        if why := mark.kwargs["missing"]:
+            if os.environ.get(NO_SKIP) == "1":
+                pytest.fail(f"cannot run here: {why} ({NO_SKIP}=1, where a skip would hide the feature's tests)")
+            pytest.skip(why)
+
+
+def sandbox_missing() -> str:
+    """Why the HumanEval sandbox cannot run on this machine ("" where it can)."""
+    from ultrascale.eval.sandbox import SandboxUnavailable, check_available
+
+    try:
+        check_available()
+        return ""
+    except SandboxUnavailable as e:
+        return str(e)
+
+
+def tool_missing(tool: str, why: str) -> str:
+    """ "" where ``tool`` is on PATH; else the reason a test needs it."""
+    import shutil
+
+    return "" if shutil.which(tool) else f"needs util-linux `{tool}` {why}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -19,26 +18,19 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import needs, sandbox_missing, tool_missing
 from ultrascale.config.compose import PROJECT_ROOT, compose
 from ultrascale.data.shards import write_samples
 from ultrascale.errors import ConfigError
 from ultrascale.eval.config import check, register_eval_configs
 from ultrascale.eval.humaneval import check_program, generate, load_problems, truncate
 from ultrascale.eval.perplexity import perplexity
-from ultrascale.eval.sandbox import SandboxUnavailable, check_available, run_many
+from ultrascale.eval.sandbox import run_many
 
 SEQ = 64
 
 
-def _sandbox_reason() -> str:
-    try:
-        check_available()
-        return ""
-    except SandboxUnavailable as e:
-        return str(e)
-
-
-needs_sandbox = pytest.mark.skipif(bool(_sandbox_reason()), reason=_sandbox_reason() or "ok")
+needs_sandbox = needs(sandbox_missing())
 
 
 def make_tokenizer(out: Path, vocab: int = 512):
@@ -189,7 +181,7 @@ def _without_namespaces(cmd: list[str]) -> list[str]:
     return ["setpriv", "--bounding-set=-sys_admin", *cmd] if os.geteuid() == 0 else cmd
 
 
-@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None, reason="needs util-linux `setpriv`")
+@needs(tool_missing("setpriv", "to drop CAP_SYS_ADMIN") if os.geteuid() == 0 else "")
 def test_where_namespaces_are_denied_humaneval_refuses_in_one_line_and_runs_nothing(tiny, tmp_path):
     marker = tmp_path / "ran_unsandboxed"
     probe = (

@@ -8,33 +8,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
 
-import pytest
-
+from tests.conftest import needs, sandbox_missing, tool_missing
 from ultrascale.config.compose import PROJECT_ROOT
 from ultrascale.eval import jail
 from ultrascale.eval.sandbox import (
     Limits,
-    SandboxUnavailable,
-    check_available,
     processes_of,
     remove_root,
     run_many,
     run_program,
 )
 
-try:
-    check_available()
-    _why = ""
-except SandboxUnavailable as e:
-    _why = str(e)
-pytestmark = pytest.mark.skipif(bool(_why), reason=_why)
+pytestmark = needs(sandbox_missing())
 
 FAST = Limits(timeout_s=3, cpu_s=3)
 
@@ -210,7 +201,7 @@ _SHARED_NS_SETUP = (
 )
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux `unshare` to make a namespace")
+@needs(tool_missing("unshare", "to make a namespace"))
 def test_sandbox_in_shared_propagation_namespace_leaves_no_mount_and_keeps_the_prefix(tmp_path):
     prefix = os.path.realpath(sys.base_prefix)
     python_rel = os.path.relpath(os.path.realpath(sys.executable), prefix)
@@ -234,7 +225,7 @@ def test_sandbox_in_shared_propagation_namespace_leaves_no_mount_and_keeps_the_p
     assert sorted(p.name for p in upper.iterdir()) == ["CANARY"]  # not even a whiteout in the overlay
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux `unshare` to make a namespace")
+@needs(tool_missing("unshare", "to make a namespace"))
 def test_cleanup_unmounts_what_it_finds_and_never_deletes_across_a_mount(tmp_path):
     canary, root = tmp_path / "canary", tmp_path / "root"
     canary.mkdir()
@@ -275,7 +266,7 @@ def test_cleanup_removes_a_plain_root(tmp_path):
     assert not root.exists()
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux `unshare` to make a namespace")
+@needs(tool_missing("unshare", "to make a namespace"))
 def test_readonly_fallback_remounts_everything_or_names_the_mount_it_could_not(tmp_path):
     # The pre-5.12 path (no mount_setattr) never runs on this kernel otherwise: run it in a namespace.
     probe = (

@@ -20,10 +20,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import PY_ERROR, ROOT, TEST_ENV
+from tests.conftest import PY_ERROR, ROOT, TEST_ENV, needs, sandbox_missing
 from ultrascale.config.compose import compose
 from ultrascale.errors import ConfigError, DataError
-from ultrascale.eval.sandbox import SandboxUnavailable, check_available
 from ultrascale.ssd.config import DENY_NAMES, register_ssd_configs
 
 FIXTURES = ROOT / "tests" / "fixtures" / "ssd"
@@ -31,15 +30,7 @@ PROBLEMS = FIXTURES / "problems.jsonl"
 MINING = FIXTURES / "corpus" / "mining_sample.py"
 
 
-def _sandbox_reason() -> str:
-    try:
-        check_available()
-        return ""
-    except SandboxUnavailable as e:
-        return str(e)
-
-
-needs_sandbox = pytest.mark.skipif(bool(_sandbox_reason()), reason=_sandbox_reason() or "ok")
+needs_sandbox = needs(sandbox_missing())
 
 
 def ssd_cfg(*overrides: str):

@@ -134,3 +134,15 @@ def test_cli_rejects_invalid_layout_before_building(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error: parallel.pp=2 needs zero.stage<=1 (got 3): use zero=stage1" in proc.stderr + proc.stdout
     assert not out.exists()
+
+
+@pytest.mark.parametrize("key", ["zero_quantized_weights", "zero_quantized_gradients"])
+def test_zero_plus_plus_is_refused_on_the_cpu_with_the_reason_and_built_for_gpus(key):
+    """ZeRO++'s quantized collectives need CUDA kernels: on gloo they are refused at validation, not faked."""
+    cfg = compose(["zero=stage3", f"zero.{key}=true"])
+    with pytest.raises(ConfigError, match=rf"zero.{key}=true \(ZeRO\+\+\) needs CUDA.*set zero.{key}=false"):
+        validate(cfg, 2, backend="gloo")
+    from ultrascale.config.deepspeed import build_ds_config
+
+    d = validate(cfg, 2, backend="nccl")
+    assert build_ds_config(cfg, d)["zero_optimization"][key] is True

@@ -143,6 +143,12 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> De
         from ultrascale.dist import detect_backend
 
         backend = detect_backend()
+    zq = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if cfg.zero[k]]
+    if zq and backend == "gloo":
+        raise ConfigError(
+            f"zero.{zq[0]}=true (ZeRO++) needs CUDA: its quantization kernels do not exist for the CPU "
+            f"accelerator: set zero.{zq[0]}=false here, or run on GPUs"
+        )
     if cfg.precision.autocast != "none" and cfg.precision.dtype != "fp32":
         raise ConfigError(
             f"precision.autocast={cfg.precision.autocast} needs precision.dtype=fp32 (got {cfg.precision.dtype}): "
