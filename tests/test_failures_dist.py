@@ -302,6 +302,18 @@ def test_a_resume_trap_is_one_error_line_and_leaves_the_run_record_untouched(nam
     assert sorted(p.name for p in (out / "attempts").iterdir()) == attempts  # refused before anything was written
 
 
+def test_a_slow_rank_0_still_says_the_error_once(zero3_run):
+    """Rank 1 holds the same refusal long before rank 0 gets to print it (planted: rank 0 waits 2 s): rank 1
+    must not exit first, or the launcher kills rank 0 mid-wait and no error line is printed at all."""
+    from ultrascale.cli import DELAY_RANK0_ERROR_ENV
+
+    _, args = zero3_run
+    proc = launch([*args, "zero=stage1"], env={DELAY_RANK0_ERROR_ENV: "2"})
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: zero.stage=1 but checkpoint"), proc.stderr[-3000:]
+
+
 def test_an_attempt_that_fails_after_its_checks_keeps_the_run_record_and_its_own_config(zero3_run, tmp_path):
     """A checkpoint whose bytes are garbage at the recorded size passes the checks and fails inside DeepSpeed:
     the run's config.yaml still describes the run that made the checkpoint; the attempt's config sits in

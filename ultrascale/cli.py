@@ -13,7 +13,9 @@ once for a single run and once per job of a ``-m`` sweep (see ``launch/``).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +35,27 @@ SWEEP_CALLBACK = "+hydra.callbacks.ultrascale_sweep._target_=launch.sweep.SweepR
 _PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
 
 
+PEER_ERROR_GRACE_S = 5.0
+"""How long a rank other than 0 holding a config/data error waits for rank 0 to say it (and the launcher to end
+this rank) before saying it itself: the launcher's monitor notices rank 0's exit within 0.1 s (torchrun)."""
+DELAY_RANK0_ERROR_ENV = "ULTRASCALE_FAULT_DELAY_RANK0_ERROR_S"
+"""Test hook: rank 0 sleeps this long before its error line, as a slow or loaded rank 0 would."""
+
+
 def _report(e: UltrascaleError) -> int:
-    if int(os.environ.get("RANK", "0")) == 0:  # every rank hits the same config/data error; say it once
+    """Every rank usually hits the same config/data error: rank 0 says it, once. Another rank exiting first
+    would let the launcher kill rank 0 before it printed (no error line at all), so the others wait for the
+    launcher to end them, and speak only if rank 0 never did (an error of their own)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        if delay := os.environ.get(DELAY_RANK0_ERROR_ENV):
+            time.sleep(float(delay))
         print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's teardown ends this rank, no stop request
+        time.sleep(PEER_ERROR_GRACE_S)
+    print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
     return 2
 
 
