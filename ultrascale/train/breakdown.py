@@ -76,12 +76,11 @@ class StepBreakdown:
             return out
         t = time.perf_counter()
         out = fn(*args, **kwargs)
-        self.parts["fwd_s"] += time.perf_counter() - t
-        self.outer_s += time.perf_counter() - t
+        self.add("fwd_s", time.perf_counter() - t)
         return out
 
     def add(self, part: str, seconds: float) -> None:
-        """A part we clocked ourselves (the data wait, our loss all-reduce)."""
+        """A part we clocked ourselves (the data wait, the forward on CPU, our loss all-reduce)."""
         self.parts[part] += seconds
         self.outer_s += seconds
 
