@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ultrascale.data.mixture import Mixture
 from ultrascale.data.shards import SplitReader
 
 IGNORE = -100
@@ -80,9 +82,14 @@ def make_batch(ids: np.ndarray, loss_mask: np.ndarray | None, eos_id: int | None
 
 
 class StepBatches:
+    """The micro-batches of a step, for one data-parallel rank, from one prepared split or a mixture of several.
+
+    ``readers`` is one split, or one per source of ``mixture`` (same order). Slots ``[micro*mb*dp + rank*mb,
+    + mb)`` of the step's ``G`` are this rank's, and what fills a slot is :meth:`Mixture.slots`."""
+
     def __init__(
         self,
-        reader: SplitReader,
+        readers: SplitReader | Sequence[SplitReader],
         micro_batch: int,
         global_batch: int,
         dp_rank: int,
@@ -90,8 +97,10 @@ class StepBatches:
         seed: int,
         eos_id: int | None = None,
         document_masking: bool = False,
+        mixture: Mixture | None = None,
     ):
-        self.reader = reader
+        self.readers = [readers] if isinstance(readers, SplitReader) else list(readers)
+        self.reader = self.readers[0]
         self.mb = micro_batch
         self.gb = global_batch
         self.dp_rank = dp_rank
@@ -99,8 +108,10 @@ class StepBatches:
         self.seed = seed
         self.eos_id = eos_id
         self.document_masking = document_masking
-        self.n = len(reader)
-        self._perms: dict[int, np.ndarray] = {}
+        self.mixture = mixture or Mixture.single(len(self.reader), global_batch, seed)
+        if len(self.readers) != len(self.mixture.names):
+            raise ValueError(f"{len(self.readers)} readers for the {len(self.mixture.names)} sources of the mixture")
+        self.n = len(self.reader)
         self._trace = None
 
     def trace_to(self, directory: str | os.PathLike, rank: int) -> None:
@@ -112,28 +123,45 @@ class StepBatches:
     def grad_accum(self) -> int:
         return self.gb // (self.mb * self.dp_size)
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
-        return self._perms[epoch]
-
     def positions(self, step: int, micro: int) -> np.ndarray:
-        start = step * self.gb + micro * self.mb * self.dp_size + self.dp_rank * self.mb
+        """This rank's slots of the step's ``G`` for micro-batch ``micro``."""
+        start = micro * self.mb * self.dp_size + self.dp_rank * self.mb
         return np.arange(start, start + self.mb, dtype=np.int64)
 
+    def sources_and_indices(self, step: int, micro: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source number, row in that source's split) for each sample of this rank's micro-batch."""
+        src, rows = self.mixture.slots(step)
+        mine = self.positions(step, micro)
+        return src[mine], rows[mine]
+
     def indices(self, step: int, micro: int) -> np.ndarray:
-        pos = self.positions(step, micro)
-        return np.array([self._perm(int(p // self.n))[p % self.n] for p in pos], dtype=np.int64)
+        return self.sources_and_indices(step, micro)[1]
 
     def get(self, step: int, micro: int) -> Batch:
-        idx = self.indices(step, micro)
+        src, idx = self.sources_and_indices(step, micro)
         if self._trace is not None:
-            self._trace.write(json.dumps({"data_step": step, "micro": micro, "indices": idx.tolist()}) + "\n")
+            line = {"data_step": step, "micro": micro, "indices": idx.tolist()}
+            if len(self.readers) > 1:
+                line["sources"] = [self.mixture.names[i] for i in src]
+            self._trace.write(json.dumps(line) + "\n")
             self._trace.flush()
-        return make_batch(self.reader.get(idx), self.reader.get_loss_mask(idx), self.eos_id, self.document_masking)
+        if len(self.readers) == 1:
+            return make_batch(self.reader.get(idx), self.reader.get_loss_mask(idx), self.eos_id,
+                              self.document_masking)  # fmt: skip
+        ids = np.empty((len(idx), self.reader.seq_len), dtype=np.int64)
+        masked = any(r.has_loss_mask for r in self.readers)
+        mask = np.ones(ids.shape, dtype=bool) if masked else None
+        for i in np.unique(src):
+            here = src == i
+            reader = self.readers[int(i)]
+            ids[here] = reader.get(idx[here])
+            if masked and reader.has_loss_mask:
+                mask[here] = reader.get_loss_mask(idx[here])
+        return make_batch(ids, mask, self.eos_id, self.document_masking)
 
     def epoch(self, step: int) -> float:
-        return step * self.gb / self.n
+        """Passes over the data before data step ``step``: samples read over rows held, all sources together."""
+        return float(self.mixture.cursors(step).sum()) / sum(self.mixture.sizes)
 
 
 def eval_batches(
