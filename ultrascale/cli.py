@@ -284,6 +284,9 @@ def _hydra_keys(argv: list[str]) -> list[str]:
 def run_app(config_name: str, main: Callable[[DictConfig], Any], help_text: str, argv: list[str] | None = None) -> int:
     configure_env()
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
+    from ultrascale.config.compose import mergeable
+
+    argv = mergeable(argv)
     rest, config_dirs = _split_config_dirs(argv)
     hydra_mode = any(a.split("=", 1)[0] in HYDRA_FLAGS for a in rest)
     try:

@@ -282,8 +282,8 @@ def export(
     """Export one checkpoint of a run to an HF directory; returns sizes and measured peak memory."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from ultrascale.config.compose import resolve_path
     from ultrascale.data.shards import load_manifest
+    from ultrascale.data.sources import primary_path
     from ultrascale.model.build import build_hf_config
 
     run_dir, out = Path(run_dir), Path(out)
@@ -353,7 +353,7 @@ def export(
     hf.architectures = [_architecture(hf)]
     hf.dtype = dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target]
     hf.save_pretrained(out)
-    data_path = resolve_path(cfg.data.path)
+    data_path = primary_path(cfg.data)  # every source shares its tokenizer
     tok_dir = data_path / load_manifest(data_path)["tokenizer"]
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     tok.save_pretrained(out)

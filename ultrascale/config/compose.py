@@ -61,6 +61,16 @@ def _one_line(exc: BaseException, overrides: list[str], config_name: str = "trai
     return "; ".join(lines[:3]) or f"could not compose config from overrides {overrides}"
 
 
+TYPED_DICTS = ("data.sources",)
+"""Keys typed ``dict[str, Schema]``: Hydra refuses ``key={name: {...}}`` on them in struct mode ("not in struct"),
+though the value is checked against the schema either way; ``++key=`` merges it."""
+
+
+def mergeable(overrides: list[str]) -> list[str]:
+    """``data.sources={code: {...}}`` as ``++data.sources=...``, so the documented form works as typed."""
+    return [f"++{a}" if a.split("=", 1)[0] in TYPED_DICTS else a for a in overrides]
+
+
 def compose(
     overrides: list[str] | None = None, config_name: str = "train", config_dirs: list[str] | None = None
 ) -> DictConfig:
@@ -72,7 +82,7 @@ def compose(
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = list(overrides or [])
+    overrides = mergeable(list(overrides or []))
     if config_dirs:
         paths = ",".join(f"file://{Path(d).resolve()}" for d in config_dirs)
         overrides.append(f"hydra.searchpath=[{paths}]")

@@ -219,11 +219,48 @@ class OptimConfig:
     sched: SchedConfig = field(default_factory=SchedConfig)
 
 
+class StageLr(StrEnum):
+    schedule = "schedule"
+    linear_to_zero = "linear_to_zero"
+
+
+@dataclass
+class SourceConfig:
+    path: str = MISSING
+    """A directory produced by ``python -m data_prep``. Every source must share one tokenizer, seq_len and
+    special tokens (prepare the second with ``tokenizer.path=<first>/tokenizer``)."""
+    weight: float = 1.0
+    """Share of training samples (tokens: every sample is seq_len tokens). Weights need not sum to 1: they are
+    normalized, and the banner prints the result. Must be > 0."""
+
+
+@dataclass
+class StageConfig:
+    until_step: int | None = None
+    """The stage ends before this optimizer step (exclusive). One of until_step / until_tokens ends every stage
+    but the last, which runs to the end of the run."""
+    until_tokens: int | None = None
+    """The stage ends once this many training tokens have been read (rounded up to a whole step)."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Source name -> weight for this stage; a source not named here is not read in it."""
+    lr: StageLr = StageLr.schedule
+    """``schedule``: the run's lr schedule; ``linear_to_zero``: the schedule's lr times a factor falling from 1 at
+    the stage's first step to 0 at its end (a SmolLM3-style annealing stage)."""
+
+
 @dataclass
 class DataConfig:
     path: str = "data/stdlib"
     """Directory produced by ``python -m data_prep`` (manifest.json + shards). Relative paths resolve
-    against the project root."""
+    against the project root. The one-source shorthand: ignored when ``data.sources`` is set."""
+    sources: dict[str, SourceConfig] = field(default_factory=dict)
+    """Name -> {path, weight}: train on a weighted mixture of prepared datasets, e.g.
+    ``data.sources={code:{path:data/stdlib,weight:0.7},docs:{path:data/docs,weight:0.3}}``. The order of samples
+    is a pure function of (seed, weights, step) whatever the number of ranks, so resumes read exactly what the
+    uninterrupted run would have. A source smaller than its share repeats (its epochs are logged and warned)."""
+    stages: list[StageConfig] = field(default_factory=list)
+    """Staged mixtures (SmolLM3-style): ``[{until_step: 800, weights: {code: 0.7, docs: 0.3}}, {weights: {code: 1},
+    lr: linear_to_zero}]``. Empty: one stage with the sources' weights. Needs ``data.sources``."""
     seq_len: int = num(256, ge=2)
     """Tokens per sample; must equal the prepared shards' seq_len."""
     micro_batch: int = num(4, ge=1)

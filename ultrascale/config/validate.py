@@ -129,6 +129,7 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> De
     planner passes its cluster's.
     """
     _train_tools(cfg.train)
+    _mixture_rules(cfg.data, cfg.train.steps)
     if not str(cfg.train.resume).strip():
         raise ConfigError("train.resume is empty: use auto, never, or a checkpoint path")
     unknown = sorted(set(cfg.model.config) - hf_config_keys(cfg.model.type))
@@ -171,6 +172,63 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> De
             "lower data.seq_len or raise model.config.max_position_embeddings"
         )
     return d
+
+
+def _mixture_rules(data: DictConfig, train_steps: int) -> None:
+    """``data.sources`` and ``data.stages``: positive weights, known names, stage ends that move forward."""
+    from ultrascale.data.sources import stage_end
+
+    names = list(data.sources)
+    for n in names:
+        w = data.sources[n].weight
+        if not w > 0:
+            raise ConfigError(
+                f"data.sources.{n}.weight={w} must be > 0: it is {n}'s share of the training samples; "
+                f"drop the source, or give it a positive weight"
+            )
+    if not data.stages:
+        return
+    if not names:
+        raise ConfigError(
+            "data.stages needs data.sources: name the datasets, e.g. "
+            "data.sources={code:{path:data/stdlib,weight:1}}, and refer to them by name in each stage's weights"
+        )
+    tokens_per_step, prev = int(data.global_batch) * int(data.seq_len), 0
+    for i, st in enumerate(data.stages):
+        key = f"data.stages[{i}]"
+        if not st.weights:
+            raise ConfigError(f"{key}.weights is empty: give each source read in the stage a weight, e.g. {{{names[0]}: 1}}")
+        for n, w in st.weights.items():
+            if n not in names:
+                raise ConfigError(
+                    f"{key}.weights names {n!r}, which is not in data.sources ({', '.join(names)}): "
+                    "check the spelling, or add it to data.sources"
+                )
+            if not w > 0:
+                raise ConfigError(
+                    f"{key}.weights.{n}={w} must be > 0: leave {n} out of the stage to not read it there"
+                )
+        if st.until_step is not None and st.until_tokens is not None:
+            raise ConfigError(f"{key} sets both until_step and until_tokens: keep one")
+        end = stage_end(st, tokens_per_step)
+        if end is None:
+            if i != len(data.stages) - 1:
+                raise ConfigError(
+                    f"{key} has no until_step or until_tokens but is not the last stage: only the last stage "
+                    "runs to the end of the run"
+                )
+            continue
+        if end <= prev:
+            raise ConfigError(
+                f"{key} ends at step {end}, not after the previous stage's end (step {prev}): stage ends must "
+                f"increase (until_tokens counts {tokens_per_step:,} tokens per step)"
+            )
+        if i == len(data.stages) - 1 and end < train_steps:
+            raise ConfigError(
+                f"{key}, the last stage, ends at step {end} but train.steps={train_steps}: drop its "
+                "until_step/until_tokens so it runs to the end, or add a stage after it"
+            )
+        prev = end
 
 
 def _topology(cfg: DictConfig, world_size: int) -> Topology:

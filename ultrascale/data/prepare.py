@@ -18,6 +18,7 @@ from ultrascale import dist
 from ultrascale.config.compose import resolve_path
 from ultrascale.config.schema import DataConfig
 from ultrascale.data.shards import MANIFEST, load_manifest, open_split
+from ultrascale.data.sources import check_agree, is_mixture, sources
 from ultrascale.errors import DataError, UltrascaleError
 
 log = logging.getLogger("ultrascale")
@@ -25,25 +26,39 @@ BUILTIN_CORPUS = DataConfig.path
 """The one data path a run prepares by itself (from the stdlib) when it is missing."""
 
 
-def is_builtin_corpus(data: DictConfig) -> bool:
-    return resolve_path(data.path) == resolve_path(BUILTIN_CORPUS)
+def is_builtin_corpus(path: str | Path) -> bool:
+    return resolve_path(path) == resolve_path(BUILTIN_CORPUS)
 
 
-def _not_prepared(path: Path, seq_len: int) -> str:
+def _not_prepared(key: str, path: Path, seq_len: int) -> str:
     what = "does not exist" if not path.exists() else f"has no {MANIFEST}"
     return (
-        f"data.path={path} {what}: check the path, or prepare it with "
+        f"{key}={path} {what}: check the path, or prepare it with "
         f"`python -m data_prep input=<your source dir> output_dir={path} pack.seq_len={seq_len}` "
         f"(only the built-in {BUILTIN_CORPUS} is prepared on first use)"
     )
 
 
-def ensure_prepared(data: DictConfig) -> Path:
-    path = resolve_path(data.path)
+def _key(data: DictConfig, name: str) -> str:
+    return f"data.sources.{name}.path" if is_mixture(data) else "data.path"
+
+
+def ensure_prepared(data: DictConfig) -> list[Path]:
+    """Every source's directory, the built-in corpus prepared on rank 0 if it is one of them and missing."""
+    error = None
+    for src in sources(data):
+        error = error or _ensure_one(data, _key(data, src.name), src.path)
+    error = dist.broadcast_object(error)
+    if error:
+        raise DataError(error)
+    return [s.path for s in sources(data)]
+
+
+def _ensure_one(data: DictConfig, key: str, path: Path) -> str | None:
     error = None
     if dist.is_rank0() and not (path / MANIFEST).exists():
-        if not (data.prepare_if_missing and is_builtin_corpus(data)):
-            error = _not_prepared(path, int(data.seq_len))
+        if not (data.prepare_if_missing and is_builtin_corpus(path)):
+            error = _not_prepared(key, path, int(data.seq_len))
         else:
             log.info(f"{path / MANIFEST} not found: preparing the built-in corpus from the stdlib (rank 0) ...")
             try:
@@ -53,28 +68,35 @@ def ensure_prepared(data: DictConfig) -> Path:
                         max_files=data.prepare_max_files)  # fmt: skip
             except UltrascaleError as e:
                 error = str(e)
-    error = dist.broadcast_object(error)
-    if error:
-        raise DataError(error)
-    return path
+    return error
 
 
 def check_prepared(data: DictConfig, model_vocab: int, dry_run: bool = False) -> str:
-    """Read-only: does ``data.path`` fit this run (or will it be prepared)? One line saying what it holds.
+    """Every source checked (:func:`check_one`), then that they share one tokenizer; one line per source."""
+    lines = [
+        (f"{s.name}: " if is_mixture(data) else "") + check_one(data, _key(data, s.name), s.path, model_vocab, dry_run)
+        for s in sources(data)
+    ]
+    check_agree(data)
+    return "; ".join(lines)
+
+
+def check_one(data: DictConfig, key: str, path: Path, model_vocab: int, dry_run: bool = False) -> str:
+    """Read-only: does the source at ``path`` (config key ``key``) fit this run (or will it be prepared)? One line
+    saying what it holds.
 
     Run before anything is written (and again after on-demand preparation), so a missing, corrupt or
     mismatched dataset fails with its file named, not after the run directory and checkpoints exist. With
     ``data.verify_checksums`` every shard is hashed here, once. A ``dry_run`` only notes a missing corpus.
     """
-    path = resolve_path(data.path)
     if not (path / MANIFEST).exists():
-        if not is_builtin_corpus(data):
+        if not is_builtin_corpus(path):
             if dry_run:  # a dry run plans for hardware (and a corpus) this machine may not have
-                return f"not here: a real run stops with: {_not_prepared(path, int(data.seq_len))}"
-            raise DataError(_not_prepared(path, int(data.seq_len)))
+                return f"not here: a real run stops with: {_not_prepared(key, path, int(data.seq_len))}"
+            raise DataError(_not_prepared(key, path, int(data.seq_len)))
         if not data.prepare_if_missing:
             raise DataError(
-                f"data.path={path} has no {MANIFEST}: run `python -m data_prep output_dir={path}` first "
+                f"{key}={path} has no {MANIFEST}: run `python -m data_prep output_dir={path}` first "
                 "(or set data.prepare_if_missing=true to prepare it on rank 0)"
             )
         return f"{path}: not prepared yet; rank 0 prepares it from the stdlib (data.prepare_if_missing)"

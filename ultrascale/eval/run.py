@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ultrascale.config.compose import resolve_path
+from ultrascale.data.sources import primary_path
 from ultrascale.errors import ConfigError
 from ultrascale.eval.config import check
 from ultrascale.jsonio import write_json, write_jsonl
@@ -91,7 +92,7 @@ def run(cfg: DictConfig) -> dict:
             stats = export(run_dir, Path(tmp) / "model", step=cfg.step, dtype="fp32")
             model_dir = Path(stats["out"])
             run_cfg = OmegaConf.load(run_dir / "config.yaml")
-            data_path = resolve_path(cfg.perplexity.data_path or run_cfg.data.path)
+            data_path = resolve_path(cfg.perplexity.data_path or primary_path(run_cfg.data))
             results.update(model=f"{run_dir} @ {stats['tag']}", step=int(stats["tag"].split("_")[-1]))
             out_dir = resolve_path(cfg.output_dir) if cfg.output_dir else run_dir / "eval" / stats["tag"]
             tok_dir = cfg.tokenizer_dir or model_dir

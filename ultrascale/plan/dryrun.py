@@ -87,6 +87,19 @@ def _measured_saves(metrics: Path) -> dict | None:
     return {"step_s": statistics.median(steps), "stall_s": stall, "write_s": statistics.median(writes or [stall])}
 
 
+def mixture_lines(cfg: DictConfig) -> list[str]:
+    """The mixture and the tokens each source gives over ``train.steps`` (nothing for one source)."""
+    from ultrascale.data.sources import is_mixture, stage_table, tokens_per_source
+
+    if not is_mixture(cfg.data):
+        return []
+    steps = int(cfg.train.steps)
+    per = tokens_per_source(cfg.data, steps)
+    total = max(sum(per.values()), 1)
+    return ["== data mixture ==", *stage_table(cfg.data, steps),
+            *(f"{n:<10} {t:,} tokens over {steps} steps ({t / total:.1%})" for n, t in per.items())]  # fmt: skip
+
+
 def dry_run_report(cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[str, str]) -> str:
     """The report, as text (rank 0 prints it)."""
     from ultrascale.model.build import count_params
@@ -105,6 +118,7 @@ def dry_run_report(cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[s
         "== batch ==",
         batch_line(cfg, d.topo),
         f"model FLOPs per step {flops:.3e}  ({flops / tokens:.3e} per token; causal attention over the lower triangle)",
+        *mixture_lines(cfg),
         "== host memory per rank (planner, fp32 build) ==",
         host_memory_line(cfg, d),
         "== checkpointing ==",

@@ -18,6 +18,7 @@ from ultrascale.config.compose import resolve_path
 from ultrascale.config.decide import Decisions
 from ultrascale.data.prepare import check_prepared
 from ultrascale.data.shards import MANIFEST, load_manifest
+from ultrascale.data.sources import primary_path, sources
 from ultrascale.errors import DataError
 from ultrascale.model.build import build_hf_config
 from ultrascale.train import checkpoint
@@ -45,7 +46,7 @@ def preflight(cfg: DictConfig, d: Decisions) -> Preflight:
     schedule that jumps): :func:`ultrascale.train.resume.check_resume` refuses it here, so the run directory's
     ``config.yaml`` and ``ds_config.json`` still describe the run that made the checkpoint."""
     hf = build_hf_config(cfg.model)  # a missing model.pretrained_path fails here
-    data_checked = (resolve_path(cfg.data.path) / MANIFEST).exists()
+    data_checked = all((s.path / MANIFEST).exists() for s in sources(cfg.data))
     found = {"data": check_prepared(cfg.data, hf.vocab_size, dry_run=bool(cfg.get("dry_run", False)))}
     if cfg.model.pretrained_path:
         found["weights"] = f"from {cfg.model.pretrained_path}"
@@ -65,7 +66,7 @@ def preflight(cfg: DictConfig, d: Decisions) -> Preflight:
     if n:
         from ultrascale.eval.sandbox import check_available
 
-        data = resolve_path(cfg.data.path)
+        data = primary_path(cfg.data)
         if (data / MANIFEST).exists():
             humaneval_tokenizer(data, n)
         check_available()
