@@ -58,6 +58,11 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"  autocast   {d.autocast.why}",
         f"  output     {out}  (config.yaml, ds_config.json, metrics.jsonl, checkpoints/, logs/)",
     ]
+    from ultrascale.data import sources
+
+    if sources.is_mixture(cfg.data):
+        table = sources.stage_table(cfg.data, int(cfg.train.steps))
+        lines += [f"  {'data' if i == 0 else '':<10} {line}" for i, line in enumerate(table)]
     for k, v in info.extras.items():
         lines.append(f"  {k:<10} {v}")
     if cfg.launcher.env:

@@ -136,6 +136,8 @@ class Checkpointer:
         Returns the seconds spent waiting for the previous background write (0 when it was done)."""
         waited = self.flush_wait()
         meta = {**self.meta, "data_offset": client.get("data_offset", 0), "step": step, "tag": tag_for(step)}
+        if "data_cursors" in client:  # the position in every source, checked by a resume before anything is built
+            meta["data_cursors"] = client["data_cursors"]
         tag_dir = save(engine, self.ckpt_dir, step, meta, keep=self.keep, client=client, writer=self.writer,
                        write_delay=write_delay)  # fmt: skip
         self.last_saved = step

@@ -43,26 +43,34 @@ class Evaluator:
     def run(self, step: int) -> dict:
         t, t0 = self.t, time.perf_counter()
         t.engine.eval()
-        total = torch.zeros(2, dtype=torch.float64)  # sum of per-token losses, number of targets
+        splits = t.val_splits
+        totals = torch.zeros(len(splits), 2, dtype=torch.float64)  # per source: sum of per-token losses, targets
         data, rows = t.cfg.data, 0
         with eager(t.decisions.compile.on):
-            for b in eval_batches(t.val_split, data.micro_batch, data.eval_batches, t.dp_rank, t.topo.dp, t.eos,
-                                  t.decisions.document_masking.on):  # fmt: skip
-                rows += b.input_ids.shape[0]
-                if t.decisions.pipeline:
-                    loss = t.engine.eval_batch(iter([t.pipe_inputs(b)]), num_micro_batches=1)
-                else:
-                    loss = t.loss(b.flattened() if t.decisions.flat_batches else b, train=False)[1]
-                total += torch.tensor([float(loss) * b.num_targets, b.num_targets], dtype=torch.float64)
+            for i, split in enumerate(splits.values()):
+                for b in eval_batches(split, data.micro_batch, data.eval_batches, t.dp_rank, t.topo.dp, t.eos,
+                                      t.decisions.document_masking.on):  # fmt: skip
+                    rows += b.input_ids.shape[0]
+                    if t.decisions.pipeline:
+                        loss = t.engine.eval_batch(iter([t.pipe_inputs(b)]), num_micro_batches=1)
+                    else:
+                        loss = t.loss(b.flattened() if t.decisions.flat_batches else b, train=False)[1]
+                    totals[i] += torch.tensor([float(loss) * b.num_targets, b.num_targets], dtype=torch.float64)
         t.engine.train()
         if tdist.is_initialized() and tdist.get_world_size() > 1:
-            tdist.all_reduce(total)
+            tdist.all_reduce(totals)
+        total = totals.sum(0)
         loss = float(total[0] / total[1]) if total[1] else float("nan")
         # The same first data.eval_batches x micro_batch x dp samples of the validation split every time: say how
         # much of it that is (all of it only when the split is that small).
         samples = rows * t.topo.dp
         result = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_samples": samples,
-                  "eval_coverage": samples / max(len(t.val_split), 1)}  # fmt: skip
+                  "eval_coverage": samples / max(sum(len(v) for v in splits.values()), 1)}  # fmt: skip
+        if len(splits) > 1:  # a mixture: each source's held-out loss (token-weighted over the same samples)
+            for name, (lsum, n) in zip(splits, totals.tolist()):
+                src_loss = lsum / n if n else float("nan")
+                result[f"eval/{name}/loss"] = src_loss
+                result[f"eval/{name}/perplexity"] = math.exp(min(src_loss, 50.0))
         if self.humaneval:
             result.update(self._humaneval(step))
         t.breakdown.reset_engine_timers()

@@ -96,7 +96,31 @@ def check_resume(cfg: Any, d: Decisions, meta: dict, tag: str, universal: bool) 
                 f"{key}={model.get(k)} but checkpoint {tag} holds a model with {k}={v}: resume with {key}={v} "
                 f"(or the model= option it was trained with), or start a new run in another output_dir"
             )
+    _data_positions(cfg, meta, tag)
     return _schedule_changes(cfg, meta.get("schedule"), tag, step, meta.get("train_steps"))
+
+
+def _data_positions(cfg: Any, meta: dict, tag: str) -> None:
+    """The mixture must put every source where the checkpoint's run was: the samples read after the resume are
+    then the ones the uninterrupted run would have read. A mixture changed only after the checkpoint passes."""
+    from ultrascale.data import sources
+
+    saved = meta.get("data_cursors")
+    if not saved or (set(saved) == {sources.SHORTHAND} and not sources.is_mixture(cfg.data)):
+        return
+    data_step = int(meta.get("step", 0)) + int(meta.get("data_offset", 0))
+    names = [s.name for s in sources.sources(cfg.data)]
+    m = sources.mixture(cfg.data, [1] * len(names), 0, int(cfg.train.steps))
+    now = dict(zip(names, (int(c) for c in m.cursors(data_step))))
+    for name in sorted(set(saved) | set(now)):
+        if saved.get(name, 0) != now.get(name, 0):
+            raise CheckpointError(
+                f"data mixture: checkpoint {tag} had read {saved.get(name, 0)} samples of source {name!r} by data "
+                f"step {data_step}, this config's data.sources/data.stages put it at {now.get(name, 0)}: the resumed "
+                f"run would not read what the uninterrupted one did; restore the mixture the run had, and to change "
+                f"it from here on keep the past as a stage (data.stages=[{{until_step: {data_step}, weights: "
+                f"<the old weights>}}, <the new stages>])"
+            )
 
 
 def _schedule_changes(cfg: Any, saved: dict | None, tag: str, step: int, saved_steps: int | None) -> list[str]:

@@ -35,6 +35,7 @@ from ultrascale.config.compose import resolve_path
 from ultrascale.config.decide import Decisions
 from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.schema import RootConfig
+from ultrascale.data import sources as data_sources
 from ultrascale.data.loader import TRACE_ENV, Batch, StepBatches
 from ultrascale.data.prepare import check_prepared, ensure_prepared
 from ultrascale.data.shards import load_manifest, open_split
@@ -149,6 +150,8 @@ class FitResult:
     loop_s: float = 0.0
     first_step_unix: float | None = None
     """Wall clock at the end of the first step (start-up, compile included, is what users wait through)."""
+    end_step: int = 0
+    """The optimizer step the loop ended at (the data step is this plus the data offset)."""
     stopped: str | None = None
     """What stopped the run before its last step (a signal's name or the STOP file), None when it finished."""
 
@@ -191,14 +194,19 @@ class Trainer:
         log.info(banner(self.cfg, self.decisions, self.ds_config, self.info, self.peak_src, self.out))
 
     def _open_data(self) -> None:
-        """The prepared data (built on rank 0 if missing), checked against the run, and its two splits."""
+        """The prepared sources (the built-in corpus built on rank 0 if missing), checked against the run, and
+        their two splits each (one source: ``data.path``)."""
         data = self.cfg.data
-        self.data_path = ensure_prepared(data)
+        paths = ensure_prepared(data)
         if not self.data_checked:  # prepared just now, after the preflight
             check_prepared(data, self.decisions.hf_config.vocab_size)
+        self.data_path = paths[0]
         self.manifest = load_manifest(self.data_path)
-        self.train_split = open_split(self.data_path, "train", verify=False)  # hashed by check_prepared
-        self.val_split = open_split(self.data_path, "validation", verify=False)
+        names = [s.name for s in data_sources.sources(data)]
+        # verify=False: hashed by check_prepared
+        self.train_splits = {n: open_split(p, "train", verify=False) for n, p in zip(names, paths)}
+        self.val_splits = {n: open_split(p, "validation", verify=False) for n, p in zip(names, paths)}
+        self.train_split, self.val_split = self.train_splits[names[0]], self.val_splits[names[0]]
         self.eos = int(self.manifest["eos_token_id"])
 
     def _build(self) -> None:
@@ -213,9 +221,15 @@ class Trainer:
         if self.sp_group is not None:  # sp ranks of one replica read the same samples
             self.dp_rank = sequence.dp_rank(self.rank, self.topo)
         self.moe = MoEStats(self.engine.module, cfg.parallel.moe) if d.moe.on else None
-        self.batches = StepBatches(self.train_split, cfg.data.micro_batch, cfg.data.global_batch, self.dp_rank,
-                                   self.topo.dp, cfg.train.seed, eos_id=self.eos,
-                                   document_masking=d.document_masking.on)  # fmt: skip
+        sizes = [len(r) for r in self.train_splits.values()]
+        self.mixture = data_sources.mixture(cfg.data, sizes, cfg.train.seed, cfg.train.steps)
+        for name, e in zip(self.mixture.names, self.mixture.epochs(cfg.train.steps)):
+            if e > 1 and data_sources.is_mixture(cfg.data):  # repeats are the plan, not an accident: say so
+                log.warning(f"data: source {name!r} repeats: {e:.2f} epochs over train.steps={cfg.train.steps} "
+                            f"({len(self.train_splits[name]):,} samples for its share)")  # fmt: skip
+        self.batches = StepBatches(list(self.train_splits.values()), cfg.data.micro_batch, cfg.data.global_batch,
+                                   self.dp_rank, self.topo.dp, cfg.train.seed, eos_id=self.eos,
+                                   document_masking=d.document_masking.on, mixture=self.mixture)  # fmt: skip
         if os.environ.get(TRACE_ENV):
             self.batches.trace_to(os.environ[TRACE_ENV], self.rank)
         self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
@@ -284,9 +298,23 @@ class Trainer:
         gn = self.engine.get_global_grad_norm()
         row = {"loss": st.loss, "lr": st.lr, "grad_norm": float(gn) if gn is not None else None,
                **self.breakdown.finish(), "mem_gb": memory_gb(),
-               "epoch": self.batches.epoch(step + self.data_offset + 1), **(self.moe.flush() if self.moe else {})}  # fmt: skip
+               "epoch": self.batches.epoch(step + self.data_offset + 1), **(self.moe.flush() if self.moe else {}),
+               **self._data_row(step + self.data_offset + 1)}  # fmt: skip
         row.update(throughput(self.tokens_per_step, row["step_s"], self.flops_per_token, self.topo.world, self.peak))
         return row, st
+
+    def _data_row(self, data_step: int) -> dict:
+        """The mixture as read so far (nothing for one source): per source, tokens read, the share read in this
+        stage against the share asked, and epochs; plus the stage. The dashboards' ``data/`` group."""
+        if not data_sources.is_mixture(self.cfg.data):
+            return {}
+        r, s = self.mixture.realized(data_step), self.cfg.data.seq_len
+        row = {"data/stage": r["stage"]}
+        for i, n in enumerate(self.mixture.names):
+            row.update({f"data/{n}/tokens": int(r["samples"][i]) * s, f"data/{n}/share": float(r["share"][i]),
+                        f"data/{n}/asked": float(r["asked"][i]),
+                        f"data/{n}/epoch": float(r["samples"][i]) / self.mixture.sizes[i]})  # fmt: skip
+        return row
 
     def _fetch(self, st: StepState, micro: int) -> Batch:
         """A micro-batch, timed as data wait (a planted ``slow_data`` stall lands here too)."""
@@ -351,8 +379,8 @@ class Trainer:
         st.lr = self._apply_lr(st.step)
 
     def _apply_lr(self, step: int) -> float:
-        return apply_lr(self.engine.optimizer, step, self.cfg.optim.sched, self.cfg.train.steps,
-                        self.stability.lr_factor(step))  # fmt: skip
+        factor = self.stability.lr_factor(step) * self.mixture.lr_factor(step, self.cfg.train.steps)
+        return apply_lr(self.engine.optimizer, step, self.cfg.optim.sched, self.cfg.train.steps, factor)
 
     def _pipeline_step(self, st: StepState) -> None:
         """``engine.train_batch()`` runs the whole 1F1B schedule; the gate's ``pre_step`` judges the step
@@ -397,13 +425,19 @@ class Trainer:
         delay = self.injector.take("slow_ckpt", step)  # a planted slow disk
         if not self.checkpointer.background:
             time.sleep(delay)
-        client = {"data_offset": self.data_offset, "stability": self.stability.state()}
+        client = {"data_offset": self.data_offset, "stability": self.stability.state(),
+                  "data_cursors": self.data_cursors(step + self.data_offset)}  # fmt: skip
         waited = self.checkpointer.save(self.engine, step, client, write_delay=delay)
         secs = time.perf_counter() - t0
         how = "snapshot taken, writing in the background" if self.checkpointer.background else "saved"
         log.info(f"checkpoint {checkpoint.tag_for(step)} {how} in {secs:.1f}s")
         self.metrics.event(step, "checkpoint", checkpoint_s=secs, wait_s=waited or None, console=False,
                            background=self.checkpointer.background or None)  # fmt: skip
+
+    def data_cursors(self, data_step: int) -> dict[str, int]:
+        """Samples read from every source before ``data_step``: recorded in each checkpoint, and checked at a
+        resume against what this run's mixture puts there (:func:`ultrascale.train.resume.check_resume`)."""
+        return {n: int(c) for n, c in zip(self.mixture.names, self.mixture.cursors(data_step))}
 
     def _commit_written(self, step: int, written: int) -> None:
         """A background checkpoint every rank has written becomes ``latest`` (rank 0 writes the pointer)."""
@@ -480,6 +514,7 @@ class Trainer:
                 res.stopped = self._stop_after(done, st.stop)
                 break
         self._flush_checkpoint(step)
+        res.end_step = step
         res.loop_s = t_last - t_first if t_first and t_last and res.steps_run > 1 else 0.0
         profiler.close(res.steps_run)
         if bar:
@@ -582,6 +617,11 @@ class Trainer:
             out.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
         out.update(self.stability.counters(), data_offset=self.data_offset, mfu_peak=self.peak_src,
                    complete=res.stopped is None)  # fmt: skip
+        data_step = res.end_step + self.data_offset
+        if data_sources.is_mixture(self.cfg.data):  # realized shares over every sample read, from step 0
+            out.update(data_mix=self.mixture.mix(data_step), data_cursors=self.data_cursors(data_step),
+                       data_epochs={n: round(float(e), 4) for n, e in zip(self.mixture.names,
+                                                                          self.mixture.epochs(data_step))})  # fmt: skip
         if res.stopped:
             out["stopped_by"] = res.stopped
         if res.first_step_unix is not None:  # from the process's creation, as the launcher started it
