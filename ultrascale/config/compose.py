@@ -61,7 +61,7 @@ def _one_line(exc: BaseException, overrides: list[str], config_name: str = "trai
     return "; ".join(lines[:3]) or f"could not compose config from overrides {overrides}"
 
 
-TYPED_DICTS = ("data.sources",)
+TYPED_DICTS = ("data.sources", "language.extensions")
 """Keys typed ``dict[str, Schema]``: Hydra refuses ``key={name: {...}}`` on them in struct mode ("not in struct"),
 though the value is checked against the schema either way; ``++key=`` merges it."""
 

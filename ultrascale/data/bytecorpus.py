@@ -17,9 +17,10 @@ BYTE_VOCAB = 257  # 256 byte values + EOS
 EOS = 256
 
 
-def byte_samples(seq_len: int, max_files: int = 60, max_bytes: int = 30_000) -> np.ndarray:
-    """The standard library's own ``*.py`` files as bytes, EOS-separated, packed into [n, seq_len]."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:max_files]
+def byte_samples(seq_len: int, max_files: int = 60, max_bytes: int = 30_000, pattern: str = "*.py") -> np.ndarray:
+    """The standard library's own ``pattern`` files as bytes, EOS-separated, packed into [n, seq_len]
+    (another ``pattern``, e.g. ``json/*.py``, gives another corpus: a second source of a mixture)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob(pattern))[:max_files]
     toks: list[int] = []
     for f in files:
         toks.extend(f.read_bytes()[:max_bytes])
