@@ -4,7 +4,6 @@ resume check. The 2-rank runs (traces across a kill, a universal resume at anoth
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -145,7 +144,7 @@ SOURCES = "data.sources={a:{path:data/a,weight:0.7},b:{path:data/b,weight:0.3}}"
 def test_mixture_rules_name_the_key(override, needle):
     from ultrascale.config.validate import validate
 
-    with pytest.raises(ConfigError, match=None) as e:
+    with pytest.raises(ConfigError) as e:
         validate(compose([SOURCES, override, "output_dir=/tmp/unused"]), 1)
     assert needle in str(e.value), str(e.value)
 
@@ -153,7 +152,7 @@ def test_mixture_rules_name_the_key(override, needle):
 def test_stages_need_sources():
     from ultrascale.config.validate import validate
 
-    with pytest.raises(ConfigError, match="data.stages needs data.sources"):
+    with pytest.raises(ConfigError, match=r"data\.stages needs data\.sources"):
         validate(compose(["data.stages=[{weights:{a:1}}]", "output_dir=/tmp/unused"]), 1)
 
 
@@ -167,7 +166,7 @@ def test_a_resume_refuses_a_mixture_that_changed_before_the_checkpoint():
     meta = {"step": 6, "data_offset": 0, "data_cursors": {"a": 34, "b": 14}}  # 48 samples at 0.7/0.3
     assert check_resume(cfg, d, meta, "step_00000006", False) == []
     other = compose([*base, "data.sources.b.weight=0.5"])
-    with pytest.raises(CheckpointError, match="had read 34 samples of source 'a' by data step 6"):
+    with pytest.raises(CheckpointError, match=r"had read 34 samples of source 'a' by data step 6"):
         check_resume(other, validate(other, 1), meta, "step_00000006", False)
     # changing the mixture only after the checkpoint is a new stage, and passes
     later = compose([*base, "data.stages=[{until_step:6,weights:{a:0.7,b:0.3}},{weights:{b:1}}]"])
@@ -238,4 +237,4 @@ def test_dry_run_prints_the_stage_table_and_tokens_per_source(tiny_sources, tmp_
     assert "stage 1: steps 10-20 (5,120 tokens): top 100.0%, lr linear_to_zero" in proc.stdout
     assert "top        7,680 tokens over 20 steps (75.0%)" in proc.stdout
     assert "json       1,024 tokens over 20 steps (10.0%)" in proc.stdout
-    assert json.dumps("x") and not (tmp_path / "x").exists()
+    assert not (tmp_path / "x").exists()

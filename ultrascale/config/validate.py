@@ -197,7 +197,9 @@ def _mixture_rules(data: DictConfig, train_steps: int) -> None:
     for i, st in enumerate(data.stages):
         key = f"data.stages[{i}]"
         if not st.weights:
-            raise ConfigError(f"{key}.weights is empty: give each source read in the stage a weight, e.g. {{{names[0]}: 1}}")
+            raise ConfigError(
+                f"{key}.weights is empty: give each source read in the stage a weight, e.g. {{{names[0]}: 1}}"
+            )
         for n, w in st.weights.items():
             if n not in names:
                 raise ConfigError(
@@ -205,9 +207,7 @@ def _mixture_rules(data: DictConfig, train_steps: int) -> None:
                     "check the spelling, or add it to data.sources"
                 )
             if not w > 0:
-                raise ConfigError(
-                    f"{key}.weights.{n}={w} must be > 0: leave {n} out of the stage to not read it there"
-                )
+                raise ConfigError(f"{key}.weights.{n}={w} must be > 0: leave {n} out of the stage to not read it there")
         if st.until_step is not None and st.until_tokens is not None:
             raise ConfigError(f"{key} sets both until_step and until_tokens: keep one")
         end = stage_end(st, tokens_per_step)
