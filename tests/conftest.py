@@ -40,6 +40,18 @@ def tiny_data(tmp_path_factory) -> Path:
     return write_byte_dataset(tmp_path_factory.mktemp("tiny_data"), seq_len=64)
 
 
+@pytest.fixture(scope="session")
+def tiny_sources(tmp_path_factory) -> dict[str, Path]:
+    """Three byte-level sources of real code for mixtures: the stdlib's top level, email/ and json/ (the smallest,
+    at 124 train samples)."""
+    root = tmp_path_factory.mktemp("sources")
+    return {
+        "top": write_byte_dataset(root / "top", seq_len=64, max_files=20),
+        "email": write_byte_dataset(root / "email", seq_len=64, max_files=10, pattern="email/*.py"),
+        "json": write_byte_dataset(root / "json", seq_len=64, max_files=3, max_bytes=3000, pattern="json/*.py"),
+    }
+
+
 # What CPython prints last when a program dies of an exception: proof that a sandboxed program really ran
 # (a tiny model writes SyntaxErrors, NameErrors, failing asserts...).
 PY_ERROR = re.compile(r"^(\w+\.)*\w*(Error|Exception|Exit|Interrupt)\b")

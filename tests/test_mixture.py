@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import FAST, ROOT, TEST_ENV, write_byte_dataset
+from tests.conftest import FAST, ROOT, TEST_ENV
 from ultrascale.config.compose import compose
 from ultrascale.data.loader import StepBatches
 from ultrascale.data.mixture import QUANTUM, Mixture, Stage, quantize
@@ -174,17 +174,6 @@ def test_a_resume_refuses_a_mixture_that_changed_before_the_checkpoint():
 
 
 # ----------------------------------------------------------------------------- through train.py
-
-
-@pytest.fixture(scope="module")
-def tiny_sources(tmp_path_factory):
-    """Three byte-level sources of real code (the stdlib's top level, email/ and json/), json/ the smallest."""
-    root = tmp_path_factory.mktemp("sources")
-    return {
-        "top": write_byte_dataset(root / "top", seq_len=64, max_files=20),
-        "email": write_byte_dataset(root / "email", seq_len=64, max_files=10, pattern="email/*.py"),
-        "json": write_byte_dataset(root / "json", seq_len=64, max_files=3, max_bytes=3000, pattern="json/*.py"),
-    }
 
 
 def _train(args, tmp_path):
