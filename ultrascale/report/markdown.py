@@ -7,6 +7,7 @@ loss, and which is faster by how much) and then one section each, so the same re
 from __future__ import annotations
 
 from ultrascale.report.analyze import LABELS, Analysis, pct, secs_str
+from ultrascale.report.mixture import mixture_series, table
 
 _STATS = (
     ("tokens_per_s", "tokens/s", "{:,.0f}", 1.0),
@@ -180,6 +181,21 @@ def _loss(a: Analysis) -> list[str]:
     return lines
 
 
+def _mixture(a: Analysis) -> list[str]:
+    """Per source: tokens, realized share over the run, asked share, epochs; and where the stages began."""
+    s = mixture_series(a.run.step_rows)
+    if s is None:
+        return []
+    lines = _table(["source", "tokens read", "realized share", "asked (last stage)", "epochs"], table(s))
+    starts = ", ".join(f"stage {st} from step {step}" for step, st in s.boundaries)
+    evals = a.evals[-1] if a.evals else {}
+    per = [f"{n} {evals[f'eval/{n}/loss']:.4g}" for n in s.sources if f"eval/{n}/loss" in evals]
+    lines += ["", f"- {starts} (logged steps)"]
+    if per:
+        lines.append(f"- eval loss per source at step {evals['step']}: {', '.join(per)}")
+    return lines
+
+
 def _events(a: Analysis) -> list[str]:
     if not a.events:
         return ["No events."]
@@ -215,8 +231,11 @@ def run_section(a: Analysis, level: int = 2) -> list[str]:
         ("Stalls, largest first", _stalls(a)),
         ("Throughput, MFU, memory", _stats(a)),
         ("Loss", _loss(a)),
+        ("Data mixture", _mixture(a)),
         ("Events", _events(a)),
     ):
+        if not body:
+            continue
         lines += [f"{h} {title}", "", *body, ""]
     return lines
 

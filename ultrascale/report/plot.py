@@ -17,6 +17,8 @@ from pathlib import Path
 from ultrascale.atomic import atomic_write_bytes
 from ultrascale.report.analyze import LABELS, Analysis, Tick
 from ultrascale.report.load import finite
+from ultrascale.report.mixture import draw as draw_mixture
+from ultrascale.report.mixture import mixture_series
 from ultrascale.train.parts import DATA_WAIT, MEASURED, OTHER
 
 COLORS = {
@@ -161,14 +163,16 @@ def plot(analyses: list[Analysis], out_path: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     ncol = len(analyses)
+    mixes = [mixture_series(a.run.step_rows) for a in analyses]
+    rows = _ROWS + any(mixes)  # a mixture's panel, below the loss, where any run has one
     fig, axes = plt.subplots(
-        _ROWS,
+        rows,
         ncol,
-        figsize=(8 * ncol, 17),
+        figsize=(8 * ncol, 17 + 2.5 * (rows - _ROWS)),
         layout="constrained",
         sharey="row",
         squeeze=False,
-        gridspec_kw={"height_ratios": [3, 2, 2, 1.5, 2.5]},
+        gridspec_kw={"height_ratios": [3, 2, 2, 1.5, 2.5, 2.5][:rows]},
     )
     steps_s = [t.seconds for a in analyses for t in a.comb if t.kind == "step"]
     cap = 3 * _p95(steps_s) if steps_s else 1.0
@@ -214,7 +218,12 @@ def plot(analyses: list[Analysis], out_path: Path, title: str = "") -> Path:
         ax.set_ylabel("loss")
         ax.set_title("loss (the surviving history after rollbacks)", fontsize=9)
 
-        for ax in col[2:]:  # the legend is on the loss panel, so only it labels the event lines
+        if rows > _ROWS:
+            if mixes[c] is not None:
+                draw_mixture(col[5], mixes[c])
+            else:
+                col[5].set_axis_off()
+        for ax in col[2:5]:  # the legend is on the loss panel, so only it labels the event lines
             _markers(ax, a, by_step=True, label=ax is col[4])
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
