@@ -9,7 +9,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale bench-launch bench-checkpoint bench-generate bench-ssd soak-exit clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale bench-launch bench-checkpoint bench-generate bench-ssd soak-exit clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,9 @@ bench-train: setup
 
 bench-data: setup
 	$(BIN)/python bench/bench_data.py --json bench/results/bench_data.json
+
+bench-mixture: setup
+	$(BIN)/python bench/bench_mixture.py --json bench/results/bench_mixture.json
 
 bench-data-scale: setup
 	$(BIN)/python bench/bench_data_scale.py --json bench/results/bench_data_scale.json
