@@ -42,6 +42,10 @@ def main(cfg: DictConfig) -> list:
     cands = plan(cfg)
     fits = [c for c in cands if c.fits]
     print(header(cfg, arch))
+    from ultrascale.plan.dryrun import mixture_lines
+
+    if mix := mixture_lines(cfg):  # what each source gives over train.steps (nothing for one source)
+        print("\n".join(mix))
     print(f"{len(cands)} layouts: {len(fits)} fit, {len(cands) - len(fits)} dropped")
     print(table(cands, cfg.top_n))
     if len(fits) < len(cands):

@@ -227,3 +227,14 @@ def test_dry_run_prints_the_stage_table_and_tokens_per_source(tiny_sources, tmp_
     assert "top        7,680 tokens over 20 steps (75.0%)" in proc.stdout
     assert "json       1,024 tokens over 20 steps (10.0%)" in proc.stdout
     assert not (tmp_path / "x").exists()
+
+
+def test_the_planner_prints_the_tokens_each_source_gives():
+    env = {**os.environ, **TEST_ENV}
+    proc = subprocess.run([sys.executable, "plan.py", "model=tiny", "cluster=cpu_local", "search.enabled=false",
+                           "data.sources={a:{path:x,weight:3},b:{path:y,weight:1}}", "train.steps=50",
+                           "data.stages=[{until_tokens:100000,weights:{a:1}},{weights:{a:1,b:1}}]"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "stage 0: steps 0-25 (102,400 tokens): a 100.0%" in proc.stdout  # 100,000 tokens round up to 25 steps
+    assert "b          51,200 tokens over 50 steps (25.0%)" in proc.stdout
