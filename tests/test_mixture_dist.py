@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST, check, launch, losses, metrics
+from tests.wandb_files import read_run
 from ultrascale.config.compose import compose
 from ultrascale.train.optim import lr_multiplier
 
@@ -46,7 +47,8 @@ def uninterrupted(tiny_sources, tmp_path_factory):
     root = tmp_path_factory.mktemp("mix")
     out, trace = root / "run", root / "trace"
     args = _args(tiny_sources)
-    check(launch([*args, f"output_dir={out}", "logger.tensorboard=true"], env={"ULTRASCALE_TRACE_SAMPLES": str(trace)}))
+    dashboards = ["logger.tensorboard=true", "logger.wandb=true", "logger.wandb_mode=offline"]
+    check(launch([*args, f"output_dir={out}", *dashboards], env={"ULTRASCALE_TRACE_SAMPLES": str(trace)}))
     return out, _reads(trace), args
 
 
@@ -74,6 +76,8 @@ def test_a_staged_mixture_reads_what_each_stage_asks(uninterrupted):
 
     tags = EventAccumulator(str(out / "tensorboard")).Reload().Tags()["scalars"]
     assert {"data/top/tokens", "data/json/share", "data/email/asked", "data/stage", "eval/json/loss"} <= set(tags)
+    wandb_keys = {k for row in read_run(out)["history"] for k in row}
+    assert {"data/top/tokens", "data/json/share", "data/email/asked", "eval/email/perplexity"} <= wandb_keys
     # the annealing stage: the schedule's lr times a factor that falls to 0 at the end of the run
     sched = compose([*uninterrupted[2], "output_dir=unused"]).optim
     for step in (BOUNDARY + 1, STEPS):  # metrics rows are 1-based, the schedule's steps 0-based
@@ -91,6 +95,10 @@ def test_summary_data_mix_is_the_count_of_the_traced_samples(uninterrupted):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["data_mix"] == {n: seen[n] / (STEPS * GB) for n in WEIGHTS0}
     assert summary["data_cursors"] == dict(seen)
+    report = (out / "report.md").read_text()  # the comb report's mixture table counts the same samples
+    for name in WEIGHTS0:
+        assert f"| {name} | {seen[name] * SEQ:,} | {seen[name] / (STEPS * GB):.1%} |" in report, report
+    assert "stage 0 from step 1, stage 1 from step 7" in report and (out / "report.png").stat().st_size > 0
     meta = json.loads((out / "checkpoints" / "step_00000004" / "ultrascale_meta.json").read_text())
     assert meta["data_cursors"] == dict(Counter(s for t in range(4) for s, _ in reads[t]))
 

@@ -514,7 +514,7 @@ class Trainer:
                 res.stopped = self._stop_after(done, st.stop)
                 break
         self._flush_checkpoint(step)
-        res.end_step = step
+        res.end_step = step if res.steps_run else self.start_step  # a stop before the first step read nothing
         res.loop_s = t_last - t_first if t_first and t_last and res.steps_run > 1 else 0.0
         profiler.close(res.steps_run)
         if bar:
