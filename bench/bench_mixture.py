@@ -14,7 +14,7 @@ each round reads ``--steps`` optimizer steps (every micro-batch of rank 0 at dp=
 per-step apportionment and the first epoch's permutations are in the time. The ratio is the median of the
 per-round paired ratios (mixture samples/s over single samples/s), with its min-max.
 
-    python bench/bench_mixture.py [--rounds 5] [--steps 300] [--seq-len 2048] [--json PATH]
+    python bench/bench_mixture.py [--rounds 7] [--steps 1500] [--seq-len 2048] [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def _rate(readers, mixture, mb: int, gb: int, dp: int, steps: int, eos: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sources", default="", help="comma-separated prepared dirs (3); default: byte corpora")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--seq-len", type=int, default=2048, help="byte corpora only")
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--global-batch", type=int, default=64)

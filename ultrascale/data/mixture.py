@@ -31,6 +31,15 @@ QUANTUM = 1 << 30
 machine (a float residual would drift differently under another summation order)."""
 
 
+def _hash(seed: int, step: int, n: int) -> np.ndarray:
+    """splitmix64 of (seed, step, slot) for ``n`` slots: the same bits on every machine (uint64 arithmetic wraps)."""
+    mult = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB], dtype=np.uint64)
+    x = np.arange(n, dtype=np.uint64) + np.array([((seed << 32) ^ step) & (2**64 - 1)], dtype=np.uint64) * mult[0]
+    x = (x ^ (x >> np.uint64(30))) * mult[1]
+    x = (x ^ (x >> np.uint64(27))) * mult[2]
+    return x ^ (x >> np.uint64(31))
+
+
 def quantize(weights: Sequence[float]) -> tuple[int, ...]:
     """Normalized shares as integers summing to :data:`QUANTUM` (largest remainder; ties to the lower index)."""
     total = math.fsum(weights)
@@ -108,8 +117,8 @@ class Mixture:
 
     def cursors(self, step: int) -> np.ndarray:
         """Samples taken from each source before data step ``step`` (its position in every source)."""
-        if step >= len(self._cum):
-            self._extend(step)
+        if step >= len(self._cum):  # ahead, in blocks: one growth per step would copy the table every step
+            self._extend(max(step, 2 * len(self._cum), len(self._cum) + 1024))
         return self._cum[step].copy()
 
     def counts(self, step: int) -> np.ndarray:
@@ -118,30 +127,46 @@ class Mixture:
 
     # ---- which rows --------------------------------------------------------------------------------
     def slots(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, row) for each of the step's ``G`` slots; slot order is what ranks and micro-batches split."""
+        """(source, row) for each of the step's ``G`` slots; slot order is what ranks and micro-batches split.
+
+        Each source's positions are taken in order, then the slots are shuffled by a hash of (seed, step, slot):
+        a few microseconds, where a seeded generator per step costs more than the gather it feeds."""
         if self._slots is not None and self._slots[0] == step:
             return self._slots[1], self._slots[2]
-        counts, start = self.counts(step), self.cursors(step)
+        if step + 1 >= len(self._cum):
+            self.cursors(step + 1)
+        start, counts = self._cum[step], self._cum[step + 1] - self._cum[step]
         src = np.repeat(np.arange(len(self.names), dtype=np.int64), counts)
+        rows = np.concatenate([self._run(i, lo, c) for i, (lo, c) in enumerate(zip(start.tolist(), counts.tolist()))])
         if len(self.names) > 1:
-            src = np.random.default_rng([self.seed, step, 0x6D6978]).permutation(src)
-        pos = np.empty(self.gb, dtype=np.int64)
-        rows = np.empty(self.gb, dtype=np.int64)
-        for i in np.unique(src):
-            mine = src == i
-            pos[mine] = start[i] + np.arange(int(counts[i]))
-            rows[mine] = self.rows(int(i), pos[mine])
+            order = np.argsort(_hash(self.seed, step, self.gb), kind="stable")
+            src, rows = src[order], rows[order]
         self._slots = (step, src, rows)
         return src, rows
+
+    def _run(self, source: int, lo: int, count: int) -> np.ndarray:
+        """Rows of positions ``[lo, lo + count)`` of ``source``: slices of its epochs' permutations."""
+        n, parts = self.sizes[source], []
+        while count > 0:
+            epoch, r = divmod(lo, n)
+            take = min(count, n - r)
+            parts.append(self._perm(source, epoch)[r : r + take])
+            lo, count = lo + take, count - take
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     def rows(self, source: int, positions: np.ndarray) -> np.ndarray:
         """Row of each overall position in ``source``: a fresh permutation of its rows every epoch."""
         n, positions = self.sizes[source], np.asarray(positions, dtype=np.int64)
+        first, last = int(positions.min()) // n, int(positions.max()) // n
+        if first == last:
+            return self._perm(source, first)[positions % n]
         out = np.empty_like(positions)
         epoch = positions // n
-        for e in np.unique(epoch):
+        for e in range(first, last + 1):
             here = epoch == e
-            out[here] = self._perm(source, int(e))[positions[here] % n]
+            out[here] = self._perm(source, e)[positions[here] % n]
         return out
 
     def _perm(self, source: int, epoch: int) -> np.ndarray:
