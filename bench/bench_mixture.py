@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ultrascale.data.bytecorpus import EOS, write_byte_dataset  # noqa: E402
-from ultrascale.data.loader import StepBatches  # noqa: E402
-from ultrascale.data.mixture import Mixture, Stage  # noqa: E402
-from ultrascale.data.shards import load_manifest, open_split  # noqa: E402
+from ultrascale.data.bytecorpus import EOS, write_byte_dataset
+from ultrascale.data.loader import StepBatches
+from ultrascale.data.mixture import Mixture, Stage
+from ultrascale.data.shards import load_manifest, open_split
 
 WEIGHTS = (0.5, 0.3, 0.2)
 

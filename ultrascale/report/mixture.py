@@ -8,6 +8,7 @@ average it away.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 
@@ -74,7 +75,7 @@ def draw(ax, s: MixtureSeries) -> None:
     for edge in asked[:-1]:
         ax.step(x, edge, where="pre", color="black", ls="--", lw=0.9)
     starts = [i for i, step in enumerate(s.steps) if step in {b for b, _ in s.boundaries}] + [len(x)]
-    for lo, hi in zip(starts, starts[1:]):  # one line per stage: its share restarts with it
+    for lo, hi in itertools.pairwise(starts):  # one line per stage: its share restarts with it
         for edge in in_stage[:-1]:
             ax.plot(x[lo:hi], edge[lo:hi], color="black", lw=1.3)
     for step, stage in s.boundaries[1:]:
