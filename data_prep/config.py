@@ -197,13 +197,18 @@ class ExecutorConfig:
     Slurm (above 1, the most array tasks running at once; otherwise no limit). 0 is refused."""
     progress: bool = True
     """tqdm bars over files per map task."""
+    address: str = "local"
+    """Ray: ``local`` (a private Ray on this machine for the run), ``auto`` (the cluster `ray start` runs on this
+    node), ``HOST:PORT`` (a head's GCS address) or ``ray://HOST:10001`` (Ray Client). Outputs must be on storage
+    every node sees."""
     partition: str = "cpu"
     """Slurm partition (slurm executor)."""
     time: str = "04:00:00"
     """Slurm time limit per task."""
     cpus_per_task: int = num(1, ge=1)
+    """Slurm and Ray: CPUs reserved per task (Ray schedules no more tasks on a node than its CPUs allow)."""
     mem_per_cpu_gb: int = num(2, ge=1)
-    """Slurm memory per CPU: a task holds one bucket, so size buckets (not this) to the corpus."""
+    """Slurm and Ray memory per CPU: a task holds one bucket, so size buckets (not this) to the corpus."""
     submit: bool = True
     """Slurm: submit the chain with sbatch. false (or no sbatch on PATH) writes each stage's script and
     ``_work/slurm/submit.sh``, which submits them in order with their dependencies."""

@@ -39,7 +39,7 @@ from data_prep.sources import resolve_input
 from data_prep.stages import SPECS, Stage, chain, stage_complete
 from data_prep.work import Work
 from ultrascale.data.shards import MANIFEST
-from ultrascale.errors import ConfigError, DataError
+from ultrascale.errors import DataError
 
 log = logging.getLogger("data_prep")
 
@@ -51,11 +51,10 @@ def _executor(cfg: DataPrepConfig, stage: str, tasks: int):
     step = Stage(stage, cfg, ex.progress)
     logs = str(work.logs(stage, tasks))
     if ex.type == ExecutorType.ray:
-        try:
-            from datatrove.executor import RayPipelineExecutor
-        except ImportError as e:
-            raise ConfigError(f"executor.type=ray needs ray installed ({e}): pip install ray, or use local") from None
-        return RayPipelineExecutor([step], tasks=tasks, workers=ex.workers, logging_dir=logs)  # -1: no limit
+        from data_prep.ray_cluster import executor
+
+        # workers -1: as many at once as the cluster's CPUs take (each task reserves cpus_per_task)
+        return executor([step], tasks, ex.workers, logs, ex.cpus_per_task, ex.mem_per_cpu_gb)
     # workers > 1: every task runs in a pool process (the tokenizer's single task too; only the light single
     # steps stay here), so this process stays small and the workers it forks start from it (fork: no
     # re-import of the entry point per worker, ~0.2 s a stage against ~0.5-1 s with spawn/forkserver).
@@ -97,6 +96,19 @@ def run(cfg) -> dict:
             log.info("%s is complete for this config (hash %s): nothing to do", out, h)
             return old
         mpath.unlink()  # a different config: the old dataset stops being complete right now
+    if cfg.executor.type == ExecutorType.ray:  # joined before the first byte: a bad address writes nothing
+        from data_prep.ray_cluster import connect, disconnect
+
+        connect(cfg.executor.address)
+        try:
+            return _prepare(cfg, out, h)
+        finally:
+            disconnect()
+    return _prepare(cfg, out, h)
+
+
+def _prepare(cfg: DataPrepConfig, out: Path, h: str) -> dict:
+    mpath = out / MANIFEST
     work = out / "_work"
     hfile = work / "config_hash"
     if work.exists() and (not hfile.exists() or hfile.read_text() != h):

@@ -40,6 +40,11 @@ def crash_hook(point: str) -> None:
     """
     if os.environ.get("DATA_PREP_CRASH_AT") != point:
         return
+    marker = os.environ.get("DATA_PREP_CRASH_ONCE")  # a file: fire once (a Ray retry must not die again)
+    if marker:
+        if os.path.exists(marker):
+            return
+        open(marker, "w").close()
     pg = os.getpgid(0)
     if pg == os.getpid() or os.environ.get("DATA_PREP_CRASH_PGID") == str(pg):
         os.killpg(pg, signal.SIGKILL)
