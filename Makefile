@@ -49,6 +49,7 @@ bench-mixture: setup
 
 bench-data-scale: setup
 	$(BIN)/python bench/bench_data_scale.py --json bench/results/bench_data_scale.json
+	$(BIN)/python bench/bench_data_ray.py --json bench/results/bench_data_ray.json
 
 bench-export: setup
 	$(BIN)/python bench/bench_export.py --json bench/results/bench_export.json
