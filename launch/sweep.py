@@ -26,7 +26,9 @@ from ultrascale.errors import DataError
 from ultrascale.jsonio import read_json
 
 SUMMARY_CSV = "sweep_summary.csv"
-COLUMNS = ["job", "overrides", "status", "final_loss", "eval_loss", "tokens_per_s", "mfu", "mem_gb", "run_dir"]
+COLUMNS = ["job", "overrides", "status", "final_loss", "eval_loss", "tokens_per_s", "mfu", "mem_gb", "run_dir", "best"]
+BEST_JSON = "best.json"
+OPTUNA_RESULTS = "optimization_results.yaml"
 # Set in the sweep's driver process by SweepRecorder, read by cli.py after the sweep (even a failed one).
 ACTIVE: dict[str, Path] = {}
 
@@ -116,16 +118,59 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def best(rows: list[dict]) -> dict | None:
+    """The finished job with the lowest eval loss (what a search minimizes; ties to the earlier job)."""
+    done = [r for r in rows if isinstance(r.get("eval_loss"), int | float) and not math.isnan(r["eval_loss"])]
+    return min(done, key=lambda r: r["eval_loss"]) if done else None
+
+
+def record_best(sweep_dir: Path, rows: list[dict]) -> str:
+    """``best.json`` (the best job, its overrides and eval loss, and Optuna's own verdict when a search ran) and a
+    run named ``<group>-best`` in the sweep's wandb group carrying the same; returns the line to print."""
+    top = best(rows)
+    if top is None:
+        return ""
+    top["best"] = True
+    record = {k: top[k] for k in ("job", "overrides", "eval_loss", "final_loss", "run_dir")}
+    optuna = sweep_dir / OPTUNA_RESULTS
+    if optuna.exists():
+        res = OmegaConf.to_container(OmegaConf.load(optuna))
+        record.update(optuna_best_params=res.get("best_params"), optuna_best_value=res.get("best_value"))
+    from ultrascale.jsonio import write_json
+
+    write_json(sweep_dir / BEST_JSON, record)
+    _wandb_best(Path(top["run_dir"]), record)
+    return f"best: job {top['job']} ({top['overrides']}) eval_loss {_fmt(top['eval_loss'])}; {sweep_dir / BEST_JSON}"
+
+
+def _wandb_best(run_dir: Path, record: dict) -> None:
+    """The best trial, as a run of its own in the sweep's wandb group (offline unless the sweep was online)."""
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.exists():
+        return
+    logger = OmegaConf.load(cfg_path).logger
+    if not logger.wandb or logger.wandb_mode == "disabled":
+        return
+    import wandb
+
+    run = wandb.init(project=logger.wandb_project, entity=logger.wandb_entity, group=logger.wandb_group,
+                     name=f"{logger.wandb_group}-best", dir=str(run_dir.parent), mode=str(logger.wandb_mode),
+                     config={"best_job": record["job"], "overrides": record["overrides"]}, job_type="sweep-best")  # fmt: skip
+    run.summary.update({"best_eval_loss": record["eval_loss"], "best_run_dir": record["run_dir"]})
+    run.finish()
+
+
 def summarize(sweep_dir: str | Path) -> tuple[Path, str]:
-    """Write ``<sweep_dir>/sweep_summary.csv`` and return it with the printable table."""
+    """Write ``<sweep_dir>/sweep_summary.csv`` and return it with the printable table (the best job last)."""
     sweep_dir = Path(sweep_dir)
     rows = collect(sweep_dir)
+    line = record_best(sweep_dir, rows)
     path = sweep_dir / SUMMARY_CSV
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
-    return path, table(rows)
+    return path, table(rows) + (f"\n{line}" if line else "")
 
 
 def report(sweep_dir: str | Path) -> str:

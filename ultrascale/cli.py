@@ -137,6 +137,20 @@ def _sweep_job(cfg: DictConfig, hc: Any, explicit_out: bool) -> Any:
     return res.returncode
 
 
+def _objective(hc: Any, cfg: DictConfig, result: Any) -> Any:
+    """What a search sweeper (Optuna) minimizes: the run's final eval loss, from its summary.json (a sweep job on
+    its own launcher returns only an exit code). Grid sweeps keep the job's own return value."""
+    if "optuna" not in str(hc.sweeper.get("_target_", "")).lower():
+        return result
+    from ultrascale.config.compose import resolve_path
+    from ultrascale.jsonio import read_json
+    from ultrascale.rundir import SUMMARY
+
+    summary = result if isinstance(result, dict) else read_json(resolve_path(cfg.output_dir) / SUMMARY)
+    loss = summary.get("eval_loss")
+    return float(loss) if loss is not None else float("nan")
+
+
 def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -160,7 +174,7 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
         try:
             if hc.mode == RunMode.MULTIRUN and "launcher" in cfg:
                 if is_driver(cfg):
-                    return _sweep_job(cfg, hc, explicit_out)
+                    return _objective(hc, cfg, _sweep_job(cfg, hc, explicit_out))
                 from launch.sweep import job_extras
 
                 extras = job_extras(cfg, hc.runtime.output_dir, hc.sweep.dir, hc.job.num)
@@ -171,7 +185,7 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
                 cfg.output_dir = hc.runtime.output_dir  # one run dir per sweep job
             if "launcher" in cfg:
                 apply_launcher_env(cfg.launcher.env)
-            return main(cfg)
+            return _objective(hc, cfg, main(cfg))
         except UltrascaleError as e:
             raise SystemExit(_report(e)) from None
 
@@ -245,6 +259,50 @@ def check_config_dirs(dirs: list[str], syntax: bool) -> None:
 MAX_PRECHECKED_JOBS = 256
 
 
+PLUGINS = {
+    "hydra/sweeper=optuna": ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper==1.3.0"),
+    "hydra/launcher=submitit_local": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher==1.2.0"),
+    "hydra/launcher=submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher==1.2.0"),
+}
+"""Hydra plugins a sweep may name, the module that registers each and the package that ships it."""
+
+
+def _plugins_wanted(argv: list[str]) -> list[tuple[str, str]]:
+    """(what asked for it, plugin choice) for every plugin a sweep's arguments select, directly or through an
+    ``hparams_search`` option whose defaults override the sweeper."""
+    from ultrascale.config.compose import CONF_DIR
+
+    wanted = []
+    for a in argv:
+        key, _, value = a.lstrip("+~").partition("=")
+        if f"{key}={value}" in PLUGINS:
+            wanted.append((a, f"{key}={value}"))
+        elif key == "hparams_search" and (CONF_DIR / "hparams_search" / f"{value}.yaml").is_file():
+            text = (CONF_DIR / "hparams_search" / f"{value}.yaml").read_text()
+            for choice in PLUGINS:
+                group, _, option = choice.partition("=")
+                if f"override /{group}: {option}" in text:
+                    wanted.append((a, choice))
+    return wanted
+
+
+def check_plugins(argv: list[str]) -> None:
+    """A Hydra plugin the sweep needs and this environment lacks is one line naming the package, not Hydra's
+    "Could not find 'hydra/sweeper/optuna'" three lines into a traceback."""
+    import importlib.util
+
+    for asked, choice in _plugins_wanted(argv):
+        module, package = PLUGINS[choice]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            via = "" if asked == choice else f" ({choice})"
+            raise ConfigError(f"{asked}{via} needs the Hydra plugin {package.split('==')[0]}, which is not installed: "
+                              f"pip install {package} (requirements.txt pins it)")  # fmt: skip
+
+
 def check_sweep(config_name: str, argv: list[str], config_dirs: list[str]) -> int:
     """Compose every job of a ``-m`` sweep before the first one starts, through the same checks as a single run
     (unknown keys with or without ``+``, ranges, types): a typo in the sweep's third value is one ``error:`` line
@@ -306,6 +364,7 @@ def run_app(config_name: str, main: Callable[[DictConfig], Any], help_text: str,
             )
         if any(a in ("-m", "--multirun") for a in argv):
             try:
+                check_plugins(rest)
                 check_sweep(config_name, rest, config_dirs)
             except ConfigError as e:
                 return _report(e)
