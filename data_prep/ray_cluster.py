@@ -46,8 +46,10 @@ def _unreachable(address: str) -> str | None:
 
 
 def _fix() -> str:
-    return ("start a head with `ray start --head --port=6379` and pass executor.address=HOST:6379 (or "
-            "ray://HOST:10001), or use executor.address=local for a private Ray on this machine")
+    return (
+        "start a head with `ray start --head --port=6379` and pass executor.address=HOST:6379 (or "
+        "ray://HOST:10001), or use executor.address=local for a private Ray on this machine"
+    )
 
 
 def connect(address: str, num_cpus: int | None = None) -> bool:
