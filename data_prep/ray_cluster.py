@@ -52,15 +52,15 @@ def _fix() -> str:
     )
 
 
-def connect(address: str, num_cpus: int | None = None) -> bool:
-    """Join (or start) the cluster; returns True when this call started a private one (the caller stops it)."""
+def connect(address: str) -> None:
+    """Join the cluster at ``address`` (``local``: start a private one, which :func:`disconnect` stops)."""
     try:
         import ray
     except ImportError as e:
         raise ConfigError(f"executor.type=ray needs the ray package ({e}): pip install 'ray==2.60.0', or use "
                           "executor.type=local") from None  # fmt: skip
     if ray.is_initialized():
-        return False
+        return
     why = _unreachable(address) if address not in ("local", "auto") else None
     if why:
         raise ConfigError(f"no Ray cluster answers at executor.address={address} ({why}); {_fix()}")
@@ -70,14 +70,13 @@ def connect(address: str, num_cpus: int | None = None) -> bool:
           "configure_logging": False}  # fmt: skip
     try:
         if address == "local":
-            ray.init(num_cpus=num_cpus, include_dashboard=False, **kw)
+            ray.init(include_dashboard=False, **kw)
         else:
             ray.init(address=address, **kw)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"could not join the Ray cluster at executor.address={address} ({first}); "
                           f"{_fix()}") from None  # fmt: skip
-    return address == "local"
 
 
 def disconnect() -> None:

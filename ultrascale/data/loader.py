@@ -111,7 +111,6 @@ class StepBatches:
         self.mixture = mixture or Mixture.single(len(self.reader), global_batch, seed)
         if len(self.readers) != len(self.mixture.names):
             raise ValueError(f"{len(self.readers)} readers for the {len(self.mixture.names)} sources of the mixture")
-        self.n = len(self.reader)
         self._trace = None
         # The sources' shards as one reader: a (source, row) is row base[source] + row of it, so a mixed
         # micro-batch is one gather, as cheap as a single source's (per-source gathers cost ~25 % of loader speed).

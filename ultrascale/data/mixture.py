@@ -156,19 +156,6 @@ class Mixture:
             return parts[0]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
-    def rows(self, source: int, positions: np.ndarray) -> np.ndarray:
-        """Row of each overall position in ``source``: a fresh permutation of its rows every epoch."""
-        n, positions = self.sizes[source], np.asarray(positions, dtype=np.int64)
-        first, last = int(positions.min()) // n, int(positions.max()) // n
-        if first == last:
-            return self._perm(source, first)[positions % n]
-        out = np.empty_like(positions)
-        epoch = positions // n
-        for e in range(first, last + 1):
-            here = epoch == e
-            out[here] = self._perm(source, e)[positions[here] % n]
-        return out
-
     def _perm(self, source: int, epoch: int) -> np.ndarray:
         key = (source, epoch)
         if key not in self._perms:

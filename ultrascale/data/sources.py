@@ -96,10 +96,17 @@ def stage_table(data: Any, train_steps: int) -> list[str]:
     return lines
 
 
+def cursors(data: Any, data_step: int, train_steps: int) -> dict[str, int]:
+    """Samples each source has given before ``data_step``: a function of the weights and stages alone (the
+    sources' sizes only choose rows), so the config answers it without opening any data."""
+    names = [s.name for s in sources(data)]
+    m = mixture(data, [1] * len(names), 0, train_steps)
+    return {n: int(c) for n, c in zip(names, m.cursors(data_step))}
+
+
 def tokens_per_source(data: Any, train_steps: int) -> dict[str, int]:
     """Training tokens each source gives over the run's ``train_steps`` (the apportionment, not an estimate)."""
-    m = mixture(data, [1] * len(sources(data)), 0, train_steps)
-    return {n: int(c) * int(data.seq_len) for n, c in zip(m.names, m.cursors(train_steps))}
+    return {n: c * int(data.seq_len) for n, c in cursors(data, train_steps, train_steps).items()}
 
 
 def _tokenizer_digest(path: Path, manifest: dict) -> str | None:

@@ -109,9 +109,7 @@ def _data_positions(cfg: Any, meta: dict, tag: str) -> None:
     if not saved or (set(saved) == {sources.SHORTHAND} and not sources.is_mixture(cfg.data)):
         return
     data_step = int(meta.get("step", 0)) + int(meta.get("data_offset", 0))
-    names = [s.name for s in sources.sources(cfg.data)]
-    m = sources.mixture(cfg.data, [1] * len(names), 0, int(cfg.train.steps))
-    now = dict(zip(names, (int(c) for c in m.cursors(data_step))))
+    now = sources.cursors(cfg.data, data_step, int(cfg.train.steps))
     for name in sorted(set(saved) | set(now)):
         if saved.get(name, 0) != now.get(name, 0):
             raise CheckpointError(
