@@ -14,6 +14,10 @@ On a CPU-only host accelerate picks no backend and sees world size 1 while DeepS
 user finds (shared/probes/README.md) is ``ACCELERATE_USE_DEEPSPEED=true``, a ``PartialState`` built with
 gloo first, and ``accelerator_config={"use_configured_state": True}``.
 
+``MODE`` may end in ``+bf16``: ``bf16=True`` and the JSON's ``bf16.enabled`` on ``"auto"`` (HF's documented
+DeepSpeed setup), so DeepSpeed trains bf16 weights with fp32 master weights in its optimizer: Trainer's bf16
+under DeepSpeed (accelerate hands mixed precision to the engine instead of autocasting).
+
 Two flavours (``MODE``): ``default`` leaves every other setting at Trainer's default; ``tuned`` is Trainer as
 a strong user tunes it: ``torch_compile=True``, ``optim="adamw_torch_fused"`` and train.py's logging cadence
 (``logging_steps=train.log_interval``, so both pull the loss to the host as often).
@@ -107,6 +111,7 @@ def _diff(before: dict, after: dict) -> dict:
 def main() -> None:
     run_dir, data_dir, steps, out_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     mode = sys.argv[5] if len(sys.argv) > 5 else "default"
+    mode, _, bf16 = mode.partition("+")  # "tuned+bf16": Trainer's bf16=True, as a user who trains in bf16 sets it
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     from accelerate import PartialState
 
@@ -123,7 +128,9 @@ def main() -> None:
     ds = json.loads(Path(run_dir, "ds_config.json").read_text())
     ds["wall_clock_breakdown"] = False  # train.py's step-breakdown timers are one of its extras, not the baseline's
     ds_before = json.loads(json.dumps(ds))
-    precision = str(cfg.precision.dtype)
+    precision = "bf16" if bf16 else str(cfg.precision.dtype)
+    if bf16:  # what HF documents for bf16=True with DeepSpeed: the JSON's bf16 block on "auto", Trainer fills it
+        ds["bf16"] = {"enabled": "auto"}
     sched_type, sched_kwargs, warmup = _schedule(cfg.optim.sched, steps)
     o = cfg.optim
     targs = TrainingArguments(
@@ -198,6 +205,7 @@ def main() -> None:
                     "losses": [round(float(x), 5) for x in per_step],
                     "settings": {
                         "mode": mode,
+                        "bf16": targs.bf16,
                         "logging_steps": targs.logging_steps,
                         "optim": str(getattr(targs.optim, "value", targs.optim)),
                         "optimizer": _describe(engine.basic_optimizer),

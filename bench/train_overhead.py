@@ -134,9 +134,20 @@ def _settle(a: argparse.Namespace) -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def _calibrate(a: argparse.Namespace) -> str:
+    """Re-measure the peak MFU divides by (every rank's GEMM at once, as the run will use them) right before
+    train.py's run, so a neighbour's load on a shared box moves the run and its peak together: a peak stored on a
+    quiet hour turned a busy hour's run into a low MFU and a noisy hour's peak into a high one. Returns the line
+    ``ultrascale.peak`` printed."""
+    dtype = "bfloat16" if a.precision == "bf16" else "float32"
+    out = torchrun(a.nproc, ["-m", "ultrascale.peak", "--dtype", dtype, "--remeasure"]).stdout
+    return out.strip().splitlines()[-1] if out.strip() else ""
+
+
 def _run(side: str, a, tmp: Path, name: str, common: list[str], ref: Path, data: Path) -> dict:
     """One timed run of one side: tokens/s, losses, step intervals, launch-to-first-step, whole run time."""
     load = _settle(a)
+    peak = _calibrate(a) if side == "ultrascale" and a.calibrate else None
     launched, t0 = time.time(), time.perf_counter()
     if side == "ultrascale":
         run = tmp / name
@@ -160,7 +171,7 @@ def _run(side: str, a, tmp: Path, name: str, common: list[str], ref: Path, data:
     elif side == "bare_equal":
         got = _json_line(torchrun(a.nproc, ["bench/_equal_loop.py", str(a.steps), *common]).stdout)
     else:
-        mode = side.removeprefix("trainer_")
+        mode = side.removeprefix("trainer_") + ("+bf16" if a.precision == "bf16" else "")
         got = _json_line(torchrun(a.nproc, ["bench/_trainer_loop.py", str(ref), str(data), str(a.steps),
                                             str(tmp / name), mode]).stdout)  # fmt: skip
     run_s = time.perf_counter() - t0
@@ -172,6 +183,8 @@ def _run(side: str, a, tmp: Path, name: str, common: list[str], ref: Path, data:
     step_s = statistics.median(iv) if iv else a.tokens_per_step / got["tokens_per_s"]
     got["job_s"] = {str(n): round(got["first_step_s"] + (n - 1) * step_s + got["exit_s"], 1) for n in JOB_LENGTHS}
     got["load1_before"] = load
+    if peak:
+        got["peak_calibrated"] = peak
     got["run_s"] = round(run_s, 1)
     return got
 
@@ -337,6 +350,15 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--micro", type=int, help="micro batch per rank (tiny 4, smollm2 1)")
     ap.add_argument("--data", default="auto", choices=("auto", "stdlib", "bytes"),
                     help="tiny job: data/stdlib if prepared and fitting, else the byte corpus")  # fmt: skip
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: train.py with precision.autocast=bf16 against Trainer with bf16=True (DeepSpeed's "
+                         "bf16 engine), each side in bf16; the plain-PyTorch side is left out (default fp32)")  # fmt: skip
+    ap.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="keep the stored peak instead of re-calibrating it before each round's train.py run",
+    )
     ap.add_argument("--train-args", default="",
                     help="extra train.py overrides, e.g. 'train.compile=false optim.fused=true'")  # fmt: skip
     ap.add_argument("--settle", type=float, default=2.0, help="seconds of pause before each run (default 2)")
@@ -348,7 +370,7 @@ def _args() -> argparse.Namespace:
     job = JOBS[a.job]
     a.rounds, a.steps = a.rounds or job["rounds"], a.steps or job["steps"]
     a.seq_len, a.micro, a.accum = a.seq_len or job["seq_len"], a.micro or job["micro"], job["accum"]
-    a.sides = [s for s in a.sides.split(",") if s]
+    a.sides = [s for s in a.sides.split(",") if s and not (a.precision == "bf16" and s == "bare")]
     bad = [s for s in a.sides if s not in SIDES]
     if bad or "ultrascale" not in a.sides:
         sys.exit(f"error: --sides={','.join(a.sides)}: choose from {','.join(SIDES)}, ultrascale included")
@@ -371,7 +393,8 @@ def main() -> None:
     common = ["logger=none", f"model={JOBS[a.job]['model']}", f"zero={a.zero}", f"data.path={data}",
               f"data.seq_len={a.seq_len}", f"data.micro_batch={a.micro}", f"data.global_batch={gb}",
               f"train.steps={a.steps}", "train.eval_interval=0", "train.checkpoint_interval=0",
-              "optim.sched.warmup_steps=5", "data.eval_batches=1", *shlex.split(a.train_args)]  # fmt: skip
+              "optim.sched.warmup_steps=5", "data.eval_batches=1",
+              *(["precision.autocast=bf16"] if a.precision == "bf16" else []), *shlex.split(a.train_args)]  # fmt: skip
     n = len(a.sides)
     bar = tqdm(total=1 + n * a.rounds, desc=f"{a.job} runs", unit="run", dynamic_ncols=True)
     ref = tmp / "warmup"  # untimed; its config.yaml and ds_config.json feed the baselines
@@ -404,6 +427,7 @@ def main() -> None:
             "job_s": {s: got[s]["job_s"] for s in a.sides},
             "mfu_per_step": got["ultrascale"]["mfu_per_step"],
             "mfu_peak": got["ultrascale"]["mfu_peak"],
+            "peak_calibrated": got["ultrascale"].get("peak_calibrated"),
             "load1_before": {s: got[s]["load1_before"] for s in a.sides},
             "run_s": {s: got[s]["run_s"] for s in a.sides},
             "median_step": {

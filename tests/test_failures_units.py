@@ -211,10 +211,10 @@ def _threads(env: dict[str, str], parent_env: dict[str, str]) -> int:
 
 
 def test_every_launcher_gives_each_rank_its_share_of_the_cores():
-    from ultrascale.dist import usable_cores
+    from ultrascale.config.decide import cpu_threads
+    from ultrascale.cpu import detect
 
-    cores = usable_cores()
-    share = max(1, cores // 2)
+    share = cpu_threads(detect(), 2)[0]  # this machine's physical cores / 2 ranks (test_cpu_levers plants others)
     # the deepspeed launcher says LOCAL_SIZE (not LOCAL_WORLD_SIZE) and sets no OMP_NUM_THREADS
     assert _threads({"LOCAL_SIZE": "2"}, {}) == share
     # torchrun says LOCAL_WORLD_SIZE and sets OMP_NUM_THREADS=1 itself when the user did not

@@ -52,12 +52,9 @@ def has_gpu() -> bool:
 def cpu_bf16_native() -> bool:
     """Whether this CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX); elsewhere torch emulates them,
     slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from ultrascale.cpu import detect
+
+    return detect().bf16_native
 
 
 def detect_backend() -> str:
@@ -173,10 +170,9 @@ def local_world_size() -> int:
 
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask: a Slurm allocation or taskset, not the whole box)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    from ultrascale.cpu import detect
+
+    return detect().cpus
 
 
 def _launcher_default_omp() -> bool:
@@ -195,12 +191,13 @@ def _launcher_default_omp() -> bool:
 
 def cpu_threads() -> tuple[int, str]:
     """(torch threads for this CPU rank, why): the user's ``OMP_NUM_THREADS`` if they set one, otherwise this
-    process's cores divided by the ranks on this node, so no launcher oversubscribes the cores."""
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) > 0 and not _launcher_default_omp():
-        return int(omp), f"OMP_NUM_THREADS={omp} from the environment"
-    cores, local = usable_cores(), local_world_size()
-    return max(1, cores // local), f"{cores} cores / {local} local rank(s)"
+    process's physical cores divided by the ranks on this node, so no launcher oversubscribes the cores (the
+    rule: ``ultrascale.config.decide.cpu_threads``)."""
+    from ultrascale.config.decide import cpu_threads as rule
+    from ultrascale.cpu import detect
+
+    omp = "" if _launcher_default_omp() else os.environ.get("OMP_NUM_THREADS", "")
+    return rule(detect(), local_world_size(), omp)
 
 
 def threads_note() -> str:

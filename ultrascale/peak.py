@@ -4,7 +4,7 @@ A CPU has no datasheet peak a run can reach, so MFU there is ``achieved / calibr
 what a large, long GEMM reaches per rank with the thread count the run uses while every rank of the node
 runs it at once (ranks that share cores share the rate). A short, small matmul at start-up, measured while
 the other ranks were still importing, read high and low at random; it made a SmolLM2-135M run log 88-100 %
-MFU. The steady-state figure is the median of timed windows after a warm-up, and is stored per CPU model,
+MFU. The steady-state figure is the median of timed windows after a warm-up, and is stored per CPU model (name and fingerprint),
 dtype, threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` (default the project's ``.cache/ultrascale``),
 so a machine measures it once. ``torchrun --nproc_per_node 2 -m ultrascale.peak --remeasure`` measures it again
 for 2 ranks per node (do it on a quiet machine: a reading taken under load inflates every later MFU).
@@ -42,16 +42,13 @@ def cache_path() -> Path:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    """The CPU's name and fingerprint (family/model/stepping and matrix flags): a cloud VM's ``model name`` alone
+    ("Intel(R) Xeon(R) Processor") is the same for CPUs whose GEMM rates differ several-fold, and keying the stored
+    peak by it alone reused one CPU's peak on another."""
+    from ultrascale.cpu import detect
 
-    return platform.processor() or platform.machine()
+    c = detect()
+    return f"{c.model_name} [{c.fingerprint()}]"
 
 
 def gemm_rate(dtype: torch.dtype = torch.float32, n: int = GEMM_N, warmup_s: float = 1.0,

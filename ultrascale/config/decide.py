@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ultrascale.config.topology import Topology
+from ultrascale.cpu import CpuInfo
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,13 @@ class Decisions:
         }
 
 
-def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, bf16_native: bool = True) -> Decisions:
-    """The run's decisions from a validated config, its topology, the HF config, ``gloo``/``nccl`` and whether
-    the device computes bf16 natively (a GPU does; a CPU needs AVX-512 BF16 or AMX)."""
+def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None = None) -> Decisions:
+    """The run's decisions from a validated config, its topology, the HF config, ``gloo``/``nccl`` and, for CPU
+    ranks, the CPU (:func:`ultrascale.cpu.detect`; the CPU levers are pure functions of it). ``cpu=None``: a GPU,
+    or a CPU whose features are unknown (the levers then keep their measured-elsewhere defaults and say so)."""
     from ultrascale.model.moe import num_experts
 
+    bf16_native = cpu.bf16_native if cpu is not None else True
     stage = cfg.zero.stage
     experts = num_experts(hf_config)
     attn = str(cfg.model.attn_implementation)
@@ -88,14 +91,14 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, bf16_native: 
         zero_stage=stage,
         zero3_init=Choice(stage == 3, "ZeRO-3: every rank builds only its shard" if stage == 3 else f"ZeRO-{stage}"),
         optimizer_owner=_optimizer_owner(cfg),
-        fused_loss=_fused_loss(cfg, topo, hf_config),
-        attention=_attention(cfg, topo, hf_config, attn, backend),
+        fused_loss=_fused_loss(cfg, topo, hf_config, backend, cpu),
+        attention=_attention(cfg, topo, hf_config, attn, backend, cpu),
         compile=_compile(cfg, topo, stage, experts),
         document_masking=doc,
         flat_batches=doc.on and attn.startswith("flash"),
         step_breakdown=_step_breakdown(cfg, topo),
         overlap_loss_reduce=_overlap_loss_reduce(cfg, topo),
-        autocast=_autocast(cfg, topo, backend, bf16_native),
+        autocast=_autocast(cfg, topo, backend, bf16_native, cpu),
         moe=Choice(experts > 0, _moe_why(experts, topo), experts),
         moe_leaf_modules=experts > 0 and stage == 3 and topo.ep == 1,
         hf_config=hf_config,
@@ -114,7 +117,7 @@ def _optimizer_owner(cfg: Any) -> Choice:
     return Choice(True, f"torch AdamW{fused}, no decay on norms/biases", "torch")
 
 
-def _fused_loss(cfg: Any, topo: Topology, hf_config: Any) -> Choice:
+def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None) -> Choice:
     if not cfg.train.fused_loss:
         return Choice(False, "plain HF cross-entropy (train.fused_loss=false)")
     if topo.pp > 1:
@@ -128,21 +131,27 @@ def _fused_loss(cfg: Any, topo: Topology, hf_config: Any) -> Choice:
     why = fusable_reason(hf_config)
     if why:
         return Choice(False, f"plain HF cross-entropy ({why})")
-    chunk = cfg.train.loss_chunk_tokens or None
-    return Choice(True, "chunked linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)", chunk)
+    what = "chunked linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)"
+    if cfg.train.loss_chunk_tokens:
+        return Choice(True, f"{what}, {cfg.train.loss_chunk_tokens} tokens a chunk (train.loss_chunk_tokens)",
+                      int(cfg.train.loss_chunk_tokens))  # fmt: skip
+    if backend == "gloo" and cpu is not None:
+        chunk, why = cpu_loss_chunk(cpu, int(hf_config.vocab_size), _bf16_matmuls(cfg, cpu))
+        return Choice(True, f"{what}, {chunk} tokens a chunk ({why})", chunk)
+    return Choice(True, f"{what}, chunk from the vocabulary's {CHUNK_BUDGET_MIB} MiB logit budget", None)
 
 
-def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str) -> Choice:
+def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None) -> Choice:
     block = cfg.train.attn_block_size
     configured = f"HF {attn} as configured"
+    reason = "train.attn_block_size"
     if block is None:
         if backend != "gloo":
             return Choice(False, f"{configured} (train.attn_block_size unset: the blocks are measured on CPU only)")
-        from ultrascale.model.attention import CPU_BLOCK
-
-        block = CPU_BLOCK
+        block, reason = cpu_attn_block(cpu or CpuInfo(), int(cfg.data.seq_len), _bf16_matmuls(cfg, cpu))
     if not block:
-        return Choice(False, f"{configured} (train.attn_block_size=0)")
+        return Choice(False, f"{configured} ({reason}: 0)" if reason != "train.attn_block_size" else
+                      f"{configured} (train.attn_block_size=0)")  # fmt: skip
     if topo.pp > 1:
         return Choice(False, f"{configured} (the pipeline stages build their own masks; train.attn_block_size unused)")
     if topo.sp > 1:
@@ -152,7 +161,8 @@ def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str
     why = blockable_reason(hf_config, attn)
     if why:
         return Choice(False, f"{configured} ({why})")
-    return Choice(True, f"causal SDPA in query blocks of {block} (upper-triangle tiles skipped)", block)
+    return Choice(True, f"causal SDPA in query blocks of {block} where a row holds several documents (upper-triangle "
+                        f"tiles skipped; {reason}); one-document rows take SDPA's causal kernel", block)  # fmt: skip
 
 
 def _compile(cfg: Any, topo: Topology, stage: int, experts: int) -> Choice:
@@ -189,9 +199,12 @@ def _overlap_loss_reduce(cfg: Any, topo: Topology) -> Choice:
     return Choice(True, "loss all-reduce overlapped with the last backward")
 
 
-def _autocast(cfg: Any, topo: Topology, backend: str, bf16_native: bool) -> Choice:
+def _autocast(cfg: Any, topo: Topology, backend: str, bf16_native: bool, cpu: CpuInfo | None) -> Choice:
     p = cfg.precision
     if p.autocast == "none":
+        if backend == "gloo" and cpu is not None and cpu.bf16_native and p.dtype == "fp32":
+            return Choice(False, f"off (precision.autocast=none): this CPU has {cpu.matrix_unit}, which "
+                                 "precision.autocast=bf16 puts the matmuls on")  # fmt: skip
         return Choice(False, "off (precision.autocast=none)")
     if topo.pp > 1:
         return Choice(False, "off: the pipeline engine runs its stages' forwards itself (pp>1)")
@@ -219,3 +232,45 @@ def _moe_why(experts: int, topo: Topology) -> str:
     if topo.ep > 1:
         return f"AutoEP ep={topo.ep}: {experts // topo.ep} of {experts} experts per rank"
     return f"{experts} experts per layer, replicated"
+
+
+# --- The CPU levers: pure functions of the CPU's features (ultrascale.cpu.CpuInfo), measured per CPU by
+# `python bench/bench_cpu_levers.py` (bench/README.md has each CPU's table). ---
+
+CHUNK_BUDGET_MIB = 32
+"""GPU (and unknown CPU) loss chunk: as many tokens as keep one chunk's fp32 logits within this budget."""
+
+
+def _bf16_matmuls(cfg: Any, cpu: CpuInfo | None) -> bool:
+    """The forward's matmuls run in bf16 (16-bit weights, or autocast on a CPU that computes bf16 natively)."""
+    p = cfg.precision
+    return p.dtype == "bf16" or (p.autocast == "bf16" and (cpu is None or cpu.bf16_native or p.autocast_emulated))
+
+
+def cpu_threads(cpu: CpuInfo, local_ranks: int, omp: str = "") -> tuple[int, str]:
+    """(torch threads per CPU rank, why). The user's ``OMP_NUM_THREADS`` wins; otherwise each rank gets its share
+    of the *physical* cores: two SMT siblings share one core's FMA/AMX units and its L1/L2, so a second GEMM
+    thread on a sibling adds contention, not FLOPs (Intel's and oneDNN's guidance: one thread per core)."""
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), f"OMP_NUM_THREADS={omp} from the environment"
+    local = max(1, local_ranks)
+    if cpu.threads_per_core > 1 and cpu.physical_cores >= local:
+        return max(1, cpu.physical_cores // local), (
+            f"{cpu.physical_cores} physical cores ({cpu.cpus} CPUs, {cpu.threads_per_core} SMT threads a core) / "
+            f"{local} local rank(s)"
+        )
+    return max(1, cpu.cpus // local), f"{cpu.cpus} cores / {local} local rank(s)"
+
+
+def cpu_attn_block(cpu: CpuInfo, seq_len: int, bf16: bool) -> tuple[int, str]:
+    """(query block of the blocked causal SDPA, why) for rows holding several documents (0: HF's sdpa)."""
+    from ultrascale.model.attention import CPU_BLOCK
+
+    return CPU_BLOCK, "measured on a Zen 4"
+
+
+def cpu_loss_chunk(cpu: CpuInfo, vocab: int, bf16: bool) -> tuple[int, str]:
+    """(tokens per chunk of the fused loss, why)."""
+    from ultrascale.model.loss import default_chunk_tokens
+
+    return default_chunk_tokens(vocab, cpu=True), "measured on a Zen 4"

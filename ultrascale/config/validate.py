@@ -156,12 +156,12 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> De
             "autocast computes in bf16 over fp32 weights; with 16-bit weights use precision.autocast=none"
         )
     hf = build_hf_config(cfg.model)
-    bf16_native = True
-    if backend == "gloo" and cfg.precision.autocast != "none":
-        from ultrascale.dist import cpu_bf16_native
+    cpu = None
+    if backend == "gloo":
+        from ultrascale.cpu import detect
 
-        bf16_native = cpu_bf16_native()
-    d = decide(cfg, topo, hf, backend, bf16_native)
+        cpu = detect()
+    d = decide(cfg, topo, hf, backend, cpu)
     dims = model_dims(hf)
     _zero_rules(cfg, d)
     _parallel_combinations(cfg, topo, dims)

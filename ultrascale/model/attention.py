@@ -58,6 +58,7 @@ def blocked_sdpa_forward(
     size = block_size_for(q_len, block)
     plain = (
         not causal
+        or attention_mask is None  # one document a row: SDPA's causal kernel skips the upper tiles itself
         or q_len != kv_len
         or q_len <= size
         or kwargs.get("cache") is not None
@@ -66,8 +67,6 @@ def blocked_sdpa_forward(
     )
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    if attention_mask is None:  # HF skipped the mask because it is purely causal: the blocks need it spelled out
-        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril_()[None, None]
     n_rep = getattr(module, "num_key_value_groups", 1)
     if n_rep > 1:  # as HF's sdpa does with a mask (enable_gqa with a mask measured slower on CPU)
         key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)

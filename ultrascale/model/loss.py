@@ -62,16 +62,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad):
-        # fp32 math even inside the caller's autocast (precision.autocast=bf16): the loss stays exact
-        with torch.autocast(hidden.device.type, enabled=False):
+        # Inside the caller's autocast (precision.autocast=bf16) the three GEMMs take its dtype, as autocast gives
+        # every other matmul of the forward (and HF's lm_head): on a CPU with AMX they were 40 % of a bf16 step in
+        # fp32. The log-sum-exp, the softmax and both gradients' accumulation stay fp32.
+        dev = hidden.device.type
+        mm = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        with torch.autocast(dev, enabled=False):
             return _ChunkedLinearCrossEntropy._forward(
-                ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad
+                ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad, mm
             )
 
     @staticmethod
-    def _forward(ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad):
+    def _forward(ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad,
+                 mm=None):  # fmt: skip
         n = hidden.shape[0]
         w32 = weight.float()  # no copy for fp32; bf16/fp16 heads are upcast once: fp32 math throughout
+        w_mm = weight.to(mm) if mm is not None else w32  # the GEMMs' copy of the head (one cast a call)
         valid_all = labels != ignore_index
         n_valid = valid_all.sum()
         # 'mean' divides by the number of targets; with none the loss is 0 and the gradients are zero (not NaN).
@@ -88,7 +94,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             target = torch.where(valid, labels[start:end], 0)
             # One [c, V] fp32 buffer for the whole chunk: logits, then exp(logits - max), then the gradient.
             # (torch.logsumexp would allocate two more of its size.)
-            logits = h @ w32.T
+            logits = h @ w32.T if mm is None else (h.to(mm) @ w_mm.T).float()
             row_max = logits.amax(dim=1, keepdim=True)
             picked = logits.gather(1, target[:, None])
             exps = logits.sub_(row_max).exp_()
@@ -101,10 +107,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             row_scale = valid.float()[:, None] * scale
             grad_logits = exps.mul_(row_scale / sums)
             grad_logits[torch.arange(end - start, device=logits.device), target] -= row_scale.squeeze(1)
+            if mm is None:
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = grad_logits @ w32
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad_logits.T, h)
+                continue
+            g_mm = grad_logits.to(mm)
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_logits @ w32
+                grad_hidden[start:end] = g_mm @ w_mm
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T, h)
+                grad_weight += g_mm.T @ h.to(mm)
         ctx.grads = (grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total * scale

@@ -1,0 +1,86 @@
+"""The CPU levers are pure functions of the CPU's detected features: planted feature sets, no machine needed.
+
+Each CPU below is a real one's ``/proc/cpuinfo`` and sysfs cache figures (abridged to the flags that matter):
+the Sapphire/Emerald Rapids Xeon with AMX this project was profiled on, an AMD Zen 4 (AVX-512 BF16, no AMX),
+an Ice Lake Xeon (AVX-512, no bf16) and an AVX2-only Zen 3. That the levers *keep the losses* is tested where
+each lever lives: tests/test_attention.py (blocked attention = sdpa), tests/test_loss.py (every chunk = the
+plain loss) and tests/test_levers_dist.py (2 ranks, lever on against off).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ultrascale.config.decide import cpu_attn_block, cpu_loss_chunk, cpu_threads, decide
+from ultrascale.cpu import CpuInfo, parse_cpuinfo
+
+SPR = CpuInfo("GenuineIntel", "Intel(R) Xeon(R) Processor", 6, 207, 2,
+              frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8"}),
+              48, 2048, 307200, 2, 1)  # fmt: skip
+ZEN4 = CpuInfo("AuthenticAMD", "AMD EPYC 9R14", 25, 17, 1,
+               frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}), 32, 1024, 32768, 2, 1)  # fmt: skip
+ICX = CpuInfo("GenuineIntel", "Intel(R) Xeon(R) Processor", 6, 106, 6, frozenset({"avx2", "fma", "avx512f"}),
+              48, 1280, 55296, 16, 2)  # fmt: skip
+ZEN3 = CpuInfo("AuthenticAMD", "AMD EPYC 7R13", 25, 1, 1, frozenset({"avx2", "fma"}), 32, 512, 32768, 8, 2)
+
+
+def test_matrix_units_and_fingerprints_tell_cpus_with_one_name_apart():
+    assert SPR.amx and SPR.bf16_native and "AMX" in SPR.matrix_unit
+    assert not ZEN4.amx and ZEN4.bf16_native and ZEN4.matrix_unit == "AVX-512 BF16"
+    assert not ICX.bf16_native and ICX.vector_bits == 512 and "no native bf16" in ICX.matrix_unit
+    assert not ZEN3.bf16_native and ZEN3.vector_bits == 256
+    # the same "model name" (a cloud VM's generic one) but different CPUs: the peak cache must not mix them
+    assert SPR.model_name == ICX.model_name and SPR.fingerprint() != ICX.fingerprint()
+    assert SPR.fingerprint() == "GenuineIntel 6/207/2 amx_bf16 amx_tile avx512_bf16 avx512f avx512_vnni avx2 fma"
+
+
+def test_parse_cpuinfo_reads_the_first_processor():
+    text = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 amx_bf16\n\nprocessor\t: 1\nflags\t: fpu\n"
+    info = parse_cpuinfo(text)
+    assert info["vendor_id"] == "GenuineIntel" and info["flags"].split() == ["fpu", "avx2", "amx_bf16"]
+
+
+def test_threads_are_the_physical_cores_per_rank_and_the_users_omp_wins():
+    assert cpu_threads(SPR, 2) == (1, "2 cores / 2 local rank(s)")
+    assert cpu_threads(SPR, 1)[0] == 2
+    # SMT: 16 CPUs are 8 cores; two ranks get 4 threads each, not 8 that fight over each core's FMA units
+    n, why = cpu_threads(ICX, 2)
+    assert n == 4 and "8 physical cores" in why and "2 SMT" in why
+    assert cpu_threads(ZEN3, 4)[0] == 1
+    # more ranks than physical cores: the logical CPUs are shared out instead (never 0 threads)
+    assert cpu_threads(ZEN3, 8)[0] == 1 and cpu_threads(ICX, 16)[0] == 1
+    assert cpu_threads(ICX, 2, omp="3") == (3, "OMP_NUM_THREADS=3 from the environment")
+
+
+@pytest.mark.parametrize("cpu", [SPR, ZEN4, ICX, ZEN3], ids=["spr", "zen4", "icx", "zen3"])
+def test_every_cpu_gets_a_block_and_a_chunk_with_its_reason(cpu):
+    for bf16 in (False, True):
+        block, why = cpu_attn_block(cpu, 2048, bf16)
+        assert block >= 0 and why
+        chunk, why = cpu_loss_chunk(cpu, 49152, bf16)
+        assert 16 <= chunk <= 2048 and why
+
+
+def test_decide_takes_the_cpus_levers_and_names_them_in_the_banner():
+    from ultrascale.config.compose import compose
+    from ultrascale.config.topology import Topology
+    from ultrascale.model.build import build_hf_config
+
+    cfg = compose(["model=smollm2_135m", "data.seq_len=2048"])
+    hf, topo = build_hf_config(cfg.model), Topology(world=2)
+    for cpu in (SPR, ZEN4, ICX, ZEN3):
+        d = decide(cfg, topo, hf, "gloo", cpu)
+        chunk, _ = cpu_loss_chunk(cpu, hf.vocab_size, False)
+        block, _ = cpu_attn_block(cpu, 2048, False)
+        assert d.fused_loss.value == chunk and f"{chunk} tokens a chunk" in d.fused_loss.why
+        assert d.attention.on == (block > 0) and (d.attention.value == block or not block)
+    # a number in the config is the user's, whatever the CPU
+    forced = decide(compose(["model=smollm2_135m", "train.loss_chunk_tokens=96", "train.attn_block_size=32"]),
+                    topo, hf, "gloo", SPR)  # fmt: skip
+    assert forced.fused_loss.value == 96 and forced.attention.value == 32
+    # a GPU keeps HF's sdpa and the chunk from the logit budget
+    gpu = decide(cfg, topo, hf, "nccl", None)
+    assert not gpu.attention.on and gpu.fused_loss.value is None
+    # the bf16 hint: only where the CPU has the units
+    assert "AMX" in decide(cfg, topo, hf, "gloo", SPR).autocast.why
+    assert "precision.autocast=bf16 puts" not in decide(cfg, topo, hf, "gloo", ICX).autocast.why
