@@ -262,15 +262,42 @@ def cpu_threads(cpu: CpuInfo, local_ranks: int, omp: str = "") -> tuple[int, str
     return max(1, cpu.cpus // local), f"{cpu.cpus} cores / {local} local rank(s)"
 
 
-def cpu_attn_block(cpu: CpuInfo, seq_len: int, bf16: bool) -> tuple[int, str]:
-    """(query block of the blocked causal SDPA, why) for rows holding several documents (0: HF's sdpa)."""
-    from ultrascale.model.attention import CPU_BLOCK
+BLOCKS_PER_ROW = {"fp32": 4, "bf16": 2}
+"""Query blocks per row of the blocked attention, by the attention's matmul dtype. A block costs one SDPA call
+and saves its share of the upper-triangle tiles; how many pay off depends on how cheap a tile is. fp32 (FMA
+units): 4 blocks (62.5 % of the tiles): 1.48x over SDPA's masked kernel at seq 2,048 on the AMX Xeon (blocks of
+128: 1.23x), and the Zen 4's best at seq 256 (blocks of 64). bf16 on a matrix unit (AMX: each tile ~5x cheaper):
+2 blocks (75 %): 1.25x, where blocks of 128 ran 0.62x (``python bench/bench_cpu_levers.py --dtype bf16``)."""
+MIN_BLOCK = 64
+"""Below this a block's SDPA call costs more than the tiles it skips on every CPU measured."""
+FP32_CHUNK = 128
+"""Fused loss chunk with fp32 GEMMs: the start of a plateau (128..1,024 within 5 % at 49k, on the Zen 4 and the
+AMX Xeon alike), and the smallest logits buffer on it (one chunk is ``chunk x V x 4`` bytes)."""
+CHUNK_LOGITS_CAP_MIB = 256
+"""A chunk's fp32 logits never exceed this, whatever the matrix unit asks (1,024 x 49,152 is 192 MiB)."""
 
-    return CPU_BLOCK, "measured on a Zen 4"
+
+def cpu_attn_block(cpu: CpuInfo, seq_len: int, bf16: bool) -> tuple[int, str]:
+    """(query block of the blocked causal SDPA for rows holding several documents, why): ``seq_len`` over the
+    blocks per row that pay off for the attention's matmul dtype on this CPU (one-document rows always take
+    SDPA's causal kernel, which skips the upper tiles itself)."""
+    native = bf16 and cpu.bf16_native
+    n = BLOCKS_PER_ROW["bf16" if native else "fp32"]
+    block = max(MIN_BLOCK, -(-seq_len // n))
+    unit = f"bf16 on {cpu.matrix_unit}" if native else "fp32"
+    return block, f"{n} blocks a row: the attention's matmuls run {unit} on this CPU"
 
 
 def cpu_loss_chunk(cpu: CpuInfo, vocab: int, bf16: bool) -> tuple[int, str]:
-    """(tokens per chunk of the fused loss, why)."""
-    from ultrascale.model.loss import default_chunk_tokens
-
-    return default_chunk_tokens(vocab, cpu=True), "measured on a Zen 4"
+    """(tokens per chunk of the fused loss, why). Every chunk pays one pass over the head's gradient (``V x h``,
+    fp32, plus its bf16 product under autocast) besides its GEMMs, so the faster the GEMMs run, the more tokens a
+    chunk needs for that pass to stay small: 128 with fp32 GEMMs, 8x that where autocast puts them on a bf16
+    matrix unit (4.8x the fp32 GEMM rate on the AMX Xeon, 4.9x on the Zen 4; at 49k the bf16 loss ran 0.67x the
+    plain head at 128 tokens and 1.28x at 1,024), capped so one chunk's fp32 logits stay within 256 MiB."""
+    native = bf16 and cpu.bf16_native
+    want = FP32_CHUNK * (8 if native else 1)
+    cap = max(16, CHUNK_LOGITS_CAP_MIB * 2**20 // (4 * vocab))
+    chunk = min(want, 1 << (cap.bit_length() - 1))
+    unit = f"bf16 GEMMs on {cpu.matrix_unit}" if native else "fp32 GEMMs"
+    capped = f", capped by the {CHUNK_LOGITS_CAP_MIB} MiB logits budget at vocab {vocab:,}" if chunk < want else ""
+    return chunk, f"{unit}{capped}"

@@ -354,12 +354,17 @@ class TrainConfig:
     small model. Same loss and gradients as the plain path. Dense HF decoders with pp=1 and sp=1; MoE models
     keep the plain path (their forward adds the router loss) and the banner says so."""
     loss_chunk_tokens: int = num(0, ge=0)
-    """Tokens per chunk of the fused loss; 0 picks one from the vocabulary size (see ``ultrascale/model/loss.py``)."""
+    """Tokens per chunk of the fused loss; 0: decided from the machine (CPU: 128 with fp32 GEMMs, 1,024 where
+    autocast puts them on a bf16 matrix unit, within a 256 MiB logits budget; GPU: the vocabulary's 32 MiB budget;
+    ``ultrascale/config/decide.py``)."""
     attn_block_size: int | None = num(None, ge=0)
     """With ``model.attn_implementation=sdpa``: run causal attention in query blocks of this many tokens, each
     block attending only to keys up to its own end, so the tiles the causal mask forbids are never computed
     (``ultrascale/model/attention.py``; same output as sdpa; 1.065x fwd+bwd compiled, `make bench-attention`).
-    Unset (auto): 64 on CPU, where it is measured, HF's sdpa on GPU, where it is not; a number forces it; 0 = off.
+    Unset (auto): on CPU, the sequence over the blocks per row that pay off on this CPU's matrix unit (4 with fp32
+    matmuls, 2 with bf16 on AMX/AVX-512 BF16: ``ultrascale/config/decide.py``, `python bench/bench_cpu_levers.py`);
+    HF's sdpa on GPU, where it is not measured; a number forces it; 0 = off. Rows holding one document always
+    take SDPA's causal kernel.
     Causal text decoders with pp=1 and sp=1; the banner says when it is off and why."""
     overlap_loss_reduce: bool = True
     """Start the all-reduce of the step's loss (which the stability checks judge) before the last backward and
