@@ -9,7 +9,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-scale bench-launch bench-checkpoint bench-generate bench-ssd soak-exit clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd soak-exit clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,7 @@ format: setup
 bench-train: setup
 	$(BIN)/python bench/train_overhead.py --job tiny --json bench/results/train_overhead_tiny.json
 	$(BIN)/python bench/train_overhead.py --job smollm2_135m --json bench/results/train_overhead_smollm2_135m.json
+	$(BIN)/python bench/train_overhead.py --job smollm2_135m --precision bf16 --sides ultrascale,trainer_default,trainer_tuned --json bench/results/train_overhead_smollm2_135m_bf16.json
 
 bench-data: setup
 	$(BIN)/python bench/bench_data.py --json bench/results/bench_data.json
@@ -62,6 +63,10 @@ bench-loss: setup
 
 bench-attention: setup
 	$(BIN)/python bench/bench_attention.py --json bench/results/bench_attention.json
+
+bench-cpu-levers: setup
+	$(BIN)/python bench/bench_cpu_levers.py --json bench/results/bench_cpu_levers_fp32.json
+	$(BIN)/python bench/bench_cpu_levers.py --dtype bf16 --json bench/results/bench_cpu_levers_bf16.json
 
 bench-scale: setup
 	$(BIN)/python bench/scale_memory.py --json bench/results/scale_memory.json

@@ -96,6 +96,18 @@ def test_runs_one_kernel_call_per_block():
     assert calls == 4 * 2
 
 
+def test_a_one_document_row_goes_to_sdpas_causal_kernel_once_per_layer():
+    """No mask (HF found no document boundary): the causal kernel skips the upper tiles itself, so the blocks leave
+    the row alone (spelling its mask out for them ran 0.63x at seq 2,048: bench/README.md)."""
+    _, blocked = _pair(block=64)
+    ids = torch.randint(4, 97, (1, 256), generator=torch.Generator().manual_seed(1))  # no EOS: one document
+    batch = make_batch(ids.numpy(), None, EOS, True)
+    with torch.profiler.profile() as prof, torch.no_grad():
+        blocked(**batch.model_inputs())
+    calls = sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
+    assert calls == 1 * 2
+
+
 def test_block_size_grows_with_long_rows_and_install_refuses_what_it_cannot_keep_exact():
     assert block_size_for(256, 64) == 64 and block_size_for(4096, 64) == 4096 // MAX_BLOCKS
     assert block_size_for(100, 64) == 64

@@ -84,3 +84,46 @@ def test_decide_takes_the_cpus_levers_and_names_them_in_the_banner():
     # the bf16 hint: only where the CPU has the units
     assert "AMX" in decide(cfg, topo, hf, "gloo", SPR).autocast.why
     assert "precision.autocast=bf16 puts" not in decide(cfg, topo, hf, "gloo", ICX).autocast.why
+
+
+def test_the_rules_give_each_matrix_unit_its_measured_best():
+    """The figures bench_cpu_levers measured (bench/README.md): fp32 matmuls: 4 blocks a row, chunk 128; bf16 on
+    AMX: 2 blocks, chunk 1,024; a CPU that would emulate bf16 keeps fp32's levers (its autocast is off)."""
+    assert cpu_attn_block(SPR, 2048, False)[0] == 512 and cpu_attn_block(SPR, 2048, True)[0] == 1024
+    assert cpu_attn_block(ZEN4, 256, False)[0] == 64  # the Zen 4's measured best at seq 256
+    assert cpu_attn_block(ZEN3, 2048, True)[0] == 512 and cpu_attn_block(ICX, 2048, True)[0] == 512
+    assert cpu_attn_block(SPR, 128, True)[0] == 64  # never below MIN_BLOCK
+    assert cpu_loss_chunk(SPR, 49152, False)[0] == 128 and cpu_loss_chunk(ZEN4, 49152, False)[0] == 128
+    assert cpu_loss_chunk(SPR, 49152, True)[0] == 1024 and cpu_loss_chunk(ZEN4, 49152, True)[0] == 1024
+    assert cpu_loss_chunk(ICX, 49152, True)[0] == 128  # no native bf16
+    chunk, why = cpu_loss_chunk(SPR, 152064, True)  # a Qwen-size vocabulary: the logits budget caps it
+    assert chunk == 256 and "256 MiB" in why and chunk * 152064 * 4 <= 256 * 2**20
+
+
+def test_decide_gives_autocast_runs_the_bf16_levers_only_where_the_cpu_computes_bf16():
+    from ultrascale.config.compose import compose
+    from ultrascale.config.topology import Topology
+    from ultrascale.model.build import build_hf_config
+
+    cfg = compose(["model=smollm2_135m", "data.seq_len=2048", "precision.autocast=bf16"])
+    hf, topo = build_hf_config(cfg.model), Topology(world=2)
+    amx = decide(cfg, topo, hf, "gloo", SPR)
+    assert amx.autocast.on and amx.fused_loss.value == 1024 and amx.attention.value == 1024
+    assert "AMX" in amx.fused_loss.why and "2 blocks a row" in amx.attention.why
+    icx = decide(cfg, topo, hf, "gloo", ICX)  # autocast off here (emulated), so fp32's levers
+    assert not icx.autocast.on and icx.fused_loss.value == 128 and icx.attention.value == 512
+
+
+def test_the_stored_peak_is_keyed_by_the_fingerprint_not_the_name(monkeypatch):
+    """Two VMs both saying "Intel(R) Xeon(R) Processor" (one with AMX, one without) must not share a calibration:
+    the one taken on the AMX box would make every MFU of the other box read wrong."""
+    import torch
+
+    import ultrascale.cpu
+    from ultrascale.peak import _key
+
+    keys = {}
+    for name, cpu in (("spr", SPR), ("icx", ICX)):
+        monkeypatch.setattr(ultrascale.cpu, "detect", lambda cpu=cpu: cpu)
+        keys[name] = _key(torch.float32, 1, 2)
+    assert keys["spr"] != keys["icx"] and SPR.fingerprint() in keys["spr"]

@@ -36,6 +36,7 @@ def _stability_line(cfg: Any) -> str:
 
 def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Path) -> str:
     """What was built, on rank 0: the layout and every decision with its reason (this module only prints)."""
+    from ultrascale.cpu import detect
     from ultrascale.dist import select_accelerator, threads_note
 
     backend = select_accelerator()
@@ -49,6 +50,7 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"  optimizer  {d.optimizer_owner.why}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
         f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}{threads}; MFU peak from {peak_src}",
+        *([f"  cpu        {detect().describe()}"] if backend == "gloo" else []),
         f"  packing    document masking {d.document_masking.why}",
         f"  stability  {_stability_line(cfg)}",
         f"  timing     step breakdown {d.step_breakdown.why}; {d.overlap_loss_reduce.why}",
