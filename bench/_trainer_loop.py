@@ -149,6 +149,8 @@ def main() -> None:
         lr_scheduler_kwargs=sched_kwargs,
         warmup_steps=warmup,
         bf16=precision == "bf16",
+        # Trainer refuses bf16 without a GPU unless told it trains on CPU; the DeepSpeed engine is built either way
+        use_cpu=precision == "bf16" and not torch.cuda.is_available(),
         fp16=precision == "fp16",
         seed=int(cfg.train.seed),
         report_to=[],

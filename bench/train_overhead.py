@@ -63,6 +63,8 @@ TARGETS = {"ratio_vs_trainer": 1.15, "ratio_vs_bare_equal": 0.97}
 RATIOS = ("ratio_vs_trainer", "ratio_vs_trainer_default", "ratio_vs_trainer_tuned", "ratio_vs_bare_equal",
           "ratio_vs_bare")  # fmt: skip
 JOB_LENGTHS = (30, 300)
+PRECISION_ARGS = {"fp32": [], "bf16": ["precision.autocast=bf16"], "bf16-weights": ["precision=bf16"]}
+"""train.py's side of each ``--precision``; Trainer's side of both bf16 rows is ``bf16=True``."""
 SMOLLM2_DATA, SMOLLM2_MODEL = ROOT / "data" / "stdlib_smollm2_2048", ROOT / "models" / "smollm2-135m"
 JOBS = {
     "tiny": {"model": "tiny", "seq_len": 256, "micro": 4, "accum": 2, "steps": 30, "rounds": 5, "vocab": 4096},
@@ -139,7 +141,7 @@ def _calibrate(a: argparse.Namespace) -> str:
     train.py's run, so a neighbour's load on a shared box moves the run and its peak together: a peak stored on a
     quiet hour turned a busy hour's run into a low MFU and a noisy hour's peak into a high one. Returns the line
     ``ultrascale.peak`` printed."""
-    dtype = "bfloat16" if a.precision == "bf16" else "float32"
+    dtype = "bfloat16" if a.precision != "fp32" else "float32"
     out = torchrun(a.nproc, ["-m", "ultrascale.peak", "--dtype", dtype, "--remeasure"]).stdout
     return out.strip().splitlines()[-1] if out.strip() else ""
 
@@ -171,7 +173,7 @@ def _run(side: str, a, tmp: Path, name: str, common: list[str], ref: Path, data:
     elif side == "bare_equal":
         got = _json_line(torchrun(a.nproc, ["bench/_equal_loop.py", str(a.steps), *common]).stdout)
     else:
-        mode = side.removeprefix("trainer_") + ("+bf16" if a.precision == "bf16" else "")
+        mode = side.removeprefix("trainer_") + ("+bf16" if a.precision != "fp32" else "")
         got = _json_line(torchrun(a.nproc, ["bench/_trainer_loop.py", str(ref), str(data), str(a.steps),
                                             str(tmp / name), mode]).stdout)  # fmt: skip
     run_s = time.perf_counter() - t0
@@ -350,9 +352,10 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--micro", type=int, help="micro batch per rank (tiny 4, smollm2 1)")
     ap.add_argument("--data", default="auto", choices=("auto", "stdlib", "bytes"),
                     help="tiny job: data/stdlib if prepared and fitting, else the byte corpus")  # fmt: skip
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+    ap.add_argument("--precision", choices=("fp32", "bf16", "bf16-weights"), default="fp32",
                     help="bf16: train.py with precision.autocast=bf16 against Trainer with bf16=True (DeepSpeed's "
-                         "bf16 engine), each side in bf16; the plain-PyTorch side is left out (default fp32)")  # fmt: skip
+                         "bf16 engine); bf16-weights: train.py with precision=bf16 (the same bf16 engine as Trainer's); "
+                         "the plain-PyTorch side is left out of both (default fp32)")  # fmt: skip
     ap.add_argument(
         "--no-calibrate",
         dest="calibrate",
@@ -370,7 +373,7 @@ def _args() -> argparse.Namespace:
     job = JOBS[a.job]
     a.rounds, a.steps = a.rounds or job["rounds"], a.steps or job["steps"]
     a.seq_len, a.micro, a.accum = a.seq_len or job["seq_len"], a.micro or job["micro"], job["accum"]
-    a.sides = [s for s in a.sides.split(",") if s and not (a.precision == "bf16" and s == "bare")]
+    a.sides = [s for s in a.sides.split(",") if s and not (a.precision != "fp32" and s == "bare")]
     bad = [s for s in a.sides if s not in SIDES]
     if bad or "ultrascale" not in a.sides:
         sys.exit(f"error: --sides={','.join(a.sides)}: choose from {','.join(SIDES)}, ultrascale included")
@@ -384,7 +387,7 @@ def main() -> None:
     a = _args()
     from ultrascale.cpu import detect
 
-    if a.precision == "bf16" and not detect().bf16_native:
+    if a.precision != "fp32" and not detect().bf16_native:
         print(f"--precision bf16: left out on this CPU ({detect().describe()}): without AMX or AVX-512 BF16 "
               "train.py keeps autocast off (emulated bf16 is slower than fp32), so there is no bf16 pair to compare")  # fmt: skip
         return
@@ -400,7 +403,7 @@ def main() -> None:
               f"data.seq_len={a.seq_len}", f"data.micro_batch={a.micro}", f"data.global_batch={gb}",
               f"train.steps={a.steps}", "train.eval_interval=0", "train.checkpoint_interval=0",
               "optim.sched.warmup_steps=5", "data.eval_batches=1",
-              *(["precision.autocast=bf16"] if a.precision == "bf16" else []), *shlex.split(a.train_args)]  # fmt: skip
+              *PRECISION_ARGS[a.precision], *shlex.split(a.train_args)]  # fmt: skip
     n = len(a.sides)
     bar = tqdm(total=1 + n * a.rounds, desc=f"{a.job} runs", unit="run", dynamic_ncols=True)
     ref = tmp / "warmup"  # untimed; its config.yaml and ds_config.json feed the baselines

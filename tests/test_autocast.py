@@ -77,6 +77,13 @@ def test_the_fused_loss_follows_autocast_like_hfs_head():
     torch.testing.assert_close(ours[0], hf_cast[0], rtol=1e-5, atol=1e-6)
     for mine, ref in zip(ours[1:], hf_cast[1:]):
         torch.testing.assert_close(mine, ref, rtol=2e-2, atol=2e-4)
+    # bf16 weights (precision=bf16, no autocast): the same bf16 GEMMs, gradients returned in the weights' dtype
+    h16, w16 = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    loss16 = linear_cross_entropy(h16, w16, labels, chunk_tokens=32)
+    loss16.backward()
+    assert loss16.dtype == torch.float32 and h16.grad.dtype == w16.grad.dtype == torch.bfloat16
+    ref16 = torch.nn.functional.cross_entropy((h16.detach() @ w16.detach().T).float(), labels)
+    torch.testing.assert_close(loss16.detach(), ref16, rtol=1e-5, atol=1e-6)
 
 
 def test_off_where_the_cpu_has_no_native_bf16_and_refused_over_16_bit_weights():

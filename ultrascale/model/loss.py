@@ -62,11 +62,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad):
-        # Inside the caller's autocast (precision.autocast=bf16) the three GEMMs take its dtype, as autocast gives
-        # every other matmul of the forward (and HF's lm_head): on a CPU with AMX they were 40 % of a bf16 step in
-        # fp32. The log-sum-exp, the softmax and both gradients' accumulation stay fp32.
+        # Inside the caller's autocast (precision.autocast=bf16), or over 16-bit weights, the three GEMMs take that
+        # dtype, as every other matmul of the forward does (and HF's lm_head): on a CPU with AMX they were 40 % of a
+        # bf16 step in fp32. The log-sum-exp, the softmax and both gradients' accumulation stay fp32.
         dev = hidden.device.type
         mm = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        if mm is None and hidden.dtype == weight.dtype == torch.bfloat16:
+            mm = torch.bfloat16  # bf16 weights (precision=bf16): the head's GEMMs in bf16, as HF's lm_head
+            # (fp16 keeps fp32 GEMMs: a CPU has no fast fp16 GEMM, and its loss scale wants fp32 partial sums)
         with torch.autocast(dev, enabled=False):
             return _ChunkedLinearCrossEntropy._forward(
                 ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad, mm
