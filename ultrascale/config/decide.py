@@ -138,7 +138,9 @@ def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: Cpu
     if backend == "gloo" and cpu is not None:
         chunk, why = cpu_loss_chunk(cpu, int(hf_config.vocab_size), _bf16_matmuls(cfg, cpu))
         return Choice(True, f"{what}, {chunk} tokens a chunk ({why})", chunk)
-    return Choice(True, f"{what}, chunk from the vocabulary's {CHUNK_BUDGET_MIB} MiB logit budget", None)
+    from ultrascale.model.loss import CHUNK_BUDGET_BYTES
+
+    return Choice(True, f"{what}, chunk from the vocabulary's {CHUNK_BUDGET_BYTES >> 20} MiB logit budget", None)
 
 
 def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None) -> Choice:
@@ -150,8 +152,7 @@ def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str
             return Choice(False, f"{configured} (train.attn_block_size unset: the blocks are measured on CPU only)")
         block, reason = cpu_attn_block(cpu or CpuInfo(), int(cfg.data.seq_len), _bf16_matmuls(cfg, cpu))
     if not block:
-        return Choice(False, f"{configured} ({reason}: 0)" if reason != "train.attn_block_size" else
-                      f"{configured} (train.attn_block_size=0)")  # fmt: skip
+        return Choice(False, f"{configured} (train.attn_block_size=0)")
     if topo.pp > 1:
         return Choice(False, f"{configured} (the pipeline stages build their own masks; train.attn_block_size unused)")
     if topo.sp > 1:
@@ -236,9 +237,6 @@ def _moe_why(experts: int, topo: Topology) -> str:
 
 # --- The CPU levers: pure functions of the CPU's features (ultrascale.cpu.CpuInfo), measured per CPU by
 # `python bench/bench_cpu_levers.py` (bench/README.md has each CPU's table). ---
-
-CHUNK_BUDGET_MIB = 32
-"""GPU (and unknown CPU) loss chunk: as many tokens as keep one chunk's fp32 logits within this budget."""
 
 
 def _bf16_matmuls(cfg: Any, cpu: CpuInfo | None) -> bool:
