@@ -122,6 +122,7 @@ def test_a_truncated_latest_falls_back_to_the_newest_checkpoint_that_verifies(tm
 def test_a_signal_or_the_stop_file_becomes_a_stop_and_a_second_signal_only_counts(tmp_path, capfd):
     from ultrascale.train.stop import FILE_CODE, StopRequest
 
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under `nohup ... &`
     stop = StopRequest(0, tmp_path / "STOP").install()
     try:
         assert stop.local(check_file=True) == 0
@@ -133,7 +134,7 @@ def test_a_signal_or_the_stop_file_becomes_a_stop_and_a_second_signal_only_count
         assert "SIGUSR1: finishing this step, then saving a checkpoint" in err and "already stopping" in err
     finally:
         stop.restore()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # put back as it was found
     by_file = StopRequest(0, tmp_path / "STOP")
     (tmp_path / "STOP").write_text("USR1\n")
     assert by_file.local(check_file=False) == 0  # only rank 0 reads the file
