@@ -387,8 +387,9 @@ def main() -> None:
     a = _args()
     from ultrascale.cpu import detect
 
-    if a.precision != "fp32" and not detect().bf16_native:
-        print(f"--precision bf16: left out on this CPU ({detect().describe()}): without AMX or AVX-512 BF16 "
+    cpu = detect()
+    if a.precision != "fp32" and not cpu.bf16_native:
+        print(f"--precision {a.precision}: left out on this CPU ({cpu.describe()}): without AMX or AVX-512 BF16 "
               "train.py keeps autocast off (emulated bf16 is slower than fp32), so there is no bf16 pair to compare")  # fmt: skip
         return
     from tqdm import tqdm

@@ -1,5 +1,6 @@
-"""``precision.autocast=bf16``: the forward's matmuls run in bf16 over fp32 weights, gradients and Adam, the
-fused loss stays fp32, and it is off, with the reason, where the CPU would only emulate bf16."""
+"""``precision.autocast=bf16``: the forward's matmuls run in bf16 over fp32 weights, gradients and Adam (the
+fused loss's GEMMs too, its softmax in fp32), and it is off, with the reason, where the CPU would only emulate
+bf16."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import FAST, check, launch, losses
-from ultrascale.dist import cpu_bf16_native
+from ultrascale.cpu import detect
 from ultrascale.model.autocast import install_autocast
 from ultrascale.model.loss import install_fused_loss
 
@@ -118,7 +119,7 @@ def test_two_ranks_train_under_autocast_like_fp32(tiny_data, tmp_path):
     """ZeRO-1 on 2 ranks. Autocast on (natively, or emulated where the CPU has no bf16): the banner says so, the
     losses are not fp32's bits (it really ran in bf16) yet follow them and fall; the ranks agree (``check``).
     On a CPU without native bf16 the plain request must be off, say why, and train fp32's exact losses."""
-    native = cpu_bf16_native()
+    native = detect().bf16_native
     runs, lines = {}, {}
     arms = {"fp32": [], "autocast": ["precision.autocast=bf16"]}
     if not native:

@@ -49,14 +49,6 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def cpu_bf16_native() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX); elsewhere torch emulates them,
-    slower than fp32."""
-    from ultrascale.cpu import detect
-
-    return detect().bf16_native
-
-
 def detect_backend() -> str:
     """``nccl`` on a GPU machine (unless ``DS_ACCELERATOR=cpu``), ``gloo`` otherwise; no side effects."""
     if os.environ.get("DS_ACCELERATOR") == "cpu" or not has_gpu():
@@ -166,13 +158,6 @@ def local_world_size() -> int:
         if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 0:
             return int(os.environ[name])
     return 1
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask: a Slurm allocation or taskset, not the whole box)."""
-    from ultrascale.cpu import detect
-
-    return detect().cpus
 
 
 def _launcher_default_omp() -> bool:

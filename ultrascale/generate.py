@@ -637,7 +637,7 @@ def decide_autocast(model, asked: str = "none") -> tuple[tuple[str, torch.dtype]
     """Whether the forward runs under bf16 autocast, decided once as training decides ``precision.autocast``: only
     when asked (``bf16``; it changes greedy tokens against fp32, so it is never the default), and only where the
     hardware computes bf16 natively (a CUDA GPU with bf16, a CPU with AVX-512 BF16 or AMX). (setting, why)."""
-    from ultrascale.dist import cpu_bf16_native
+    from ultrascale.cpu import detect
 
     param = next(model.parameters())
     if asked in (None, "none"):
@@ -650,6 +650,6 @@ def decide_autocast(model, asked: str = "none") -> tuple[tuple[str, torch.dtype]
         if torch.cuda.is_bf16_supported():
             return ("cuda", torch.bfloat16), "bf16 (the GPU computes bf16 natively)"
         return None, "off: this GPU has no native bf16"
-    if cpu_bf16_native():
+    if detect().bf16_native:
         return ("cpu", torch.bfloat16), "bf16 (this CPU has AVX-512 BF16/AMX)"
     return None, "off: this CPU has no AVX-512 BF16 or AMX (bf16 would be emulated, slower than fp32)"

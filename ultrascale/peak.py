@@ -4,8 +4,8 @@ A CPU has no datasheet peak a run can reach, so MFU there is ``achieved / calibr
 what a large, long GEMM reaches per rank with the thread count the run uses while every rank of the node
 runs it at once (ranks that share cores share the rate). A short, small matmul at start-up, measured while
 the other ranks were still importing, read high and low at random; it made a SmolLM2-135M run log 88-100 %
-MFU. The steady-state figure is the median of timed windows after a warm-up, and is stored per CPU model (name and fingerprint),
-dtype, threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` (default the project's ``.cache/ultrascale``),
+MFU. The steady-state figure is the median of timed windows after a warm-up, and is stored per CPU (name and
+fingerprint), dtype, threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` (default the project's ``.cache/ultrascale``),
 so a machine measures it once. ``torchrun --nproc_per_node 2 -m ultrascale.peak --remeasure`` measures it again
 for 2 ranks per node (do it on a quiet machine: a reading taken under load inflates every later MFU).
 """

@@ -81,7 +81,6 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
     or a CPU whose features are unknown (the levers then keep their measured-elsewhere defaults and say so)."""
     from ultrascale.model.moe import num_experts
 
-    bf16_native = cpu.bf16_native if cpu is not None else True
     stage = cfg.zero.stage
     experts = num_experts(hf_config)
     attn = str(cfg.model.attn_implementation)
@@ -98,7 +97,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
         flat_batches=doc.on and attn.startswith("flash"),
         step_breakdown=_step_breakdown(cfg, topo),
         overlap_loss_reduce=_overlap_loss_reduce(cfg, topo),
-        autocast=_autocast(cfg, topo, backend, bf16_native, cpu),
+        autocast=_autocast(cfg, topo, backend, cpu),
         moe=Choice(experts > 0, _moe_why(experts, topo), experts),
         moe_leaf_modules=experts > 0 and stage == 3 and topo.ep == 1,
         hf_config=hf_config,
@@ -200,8 +199,9 @@ def _overlap_loss_reduce(cfg: Any, topo: Topology) -> Choice:
     return Choice(True, "loss all-reduce overlapped with the last backward")
 
 
-def _autocast(cfg: Any, topo: Topology, backend: str, bf16_native: bool, cpu: CpuInfo | None) -> Choice:
+def _autocast(cfg: Any, topo: Topology, backend: str, cpu: CpuInfo | None) -> Choice:
     p = cfg.precision
+    bf16_native = cpu is None or cpu.bf16_native  # cpu=None: a GPU
     if p.autocast == "none":
         if backend == "gloo" and cpu is not None and cpu.bf16_native and p.dtype == "fp32":
             return Choice(False, f"off (precision.autocast=none): this CPU has {cpu.matrix_unit}, which "
@@ -268,9 +268,6 @@ units): 4 blocks (62.5 % of the tiles): 1.48x over SDPA's masked kernel at seq 2
 2 blocks (75 %): 1.25x, where blocks of 128 ran 0.62x (``python bench/bench_cpu_levers.py --dtype bf16``)."""
 MIN_BLOCK = 64
 """Below this a block's SDPA call costs more than the tiles it skips on every CPU measured."""
-FP32_CHUNK = 128
-"""Fused loss chunk with fp32 GEMMs: the start of a plateau (128..1,024 within 5 % at 49k, on the Zen 4 and the
-AMX Xeon alike), and the smallest logits buffer on it (one chunk is ``chunk x V x 4`` bytes)."""
 CHUNK_LOGITS_CAP_MIB = 256
 """A chunk's fp32 logits never exceed this, whatever the matrix unit asks (1,024 x 49,152 is 192 MiB)."""
 
@@ -292,8 +289,10 @@ def cpu_loss_chunk(cpu: CpuInfo, vocab: int, bf16: bool) -> tuple[int, str]:
     chunk needs for that pass to stay small: 128 with fp32 GEMMs, 8x that where autocast puts them on a bf16
     matrix unit (4.8x the fp32 GEMM rate on the AMX Xeon, 4.9x on the Zen 4; at 49k the bf16 loss ran 0.67x the
     plain head at 128 tokens and 1.28x at 1,024), capped so one chunk's fp32 logits stay within 256 MiB."""
+    from ultrascale.model.loss import CPU_MAX_CHUNK_TOKENS
+
     native = bf16 and cpu.bf16_native
-    want = FP32_CHUNK * (8 if native else 1)
+    want = CPU_MAX_CHUNK_TOKENS * (8 if native else 1)
     cap = max(16, CHUNK_LOGITS_CAP_MIB * 2**20 // (4 * vocab))
     chunk = min(want, 1 << (cap.bit_length() - 1))
     unit = f"bf16 GEMMs on {cpu.matrix_unit}" if native else "fp32 GEMMs"

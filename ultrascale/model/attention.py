@@ -3,8 +3,9 @@
 Why: a packed row holding several documents gives SDPA an explicit ``[b, 1, s, s]`` mask, and with a mask
 PyTorch's fused CPU kernel computes every query x key tile, including the upper triangle that causality masks
 out anyway (a one-document row has no mask: HF leaves it to SDPA's ``is_causal`` kernel, which skips those
-tiles itself and is left alone here: spelling its mask out for the blocks ran 0.63x at seq 2,048). Cutting the queries into blocks of ``B`` and giving block ``i`` only keys ``[0, (i + 1) * B)``
-skips those tiles: with ``n`` blocks the attention does ``(n + 1) / 2n`` of the work (62.5 % at 4 blocks).
+tiles itself and is left alone here: spelling its mask out for the blocks ran 0.63x at seq 2,048). Cutting
+the queries into blocks of ``B`` and giving block ``i`` only keys ``[0, (i + 1) * B)`` skips those tiles:
+with ``n`` blocks the attention does ``(n + 1) / 2n`` of the work (62.5 % at 4 blocks).
 Every key dropped is one the causal mask forbids, so the output is the same function of the inputs (the
 test compares it with HF's ``sdpa`` to float rounding). ``make bench-attention``: fwd+bwd 1.065x faster
 compiled on the tiny model (eager only breaks even; the history, SmolLM2 and train.py figures are in
@@ -13,8 +14,8 @@ bench/README.md).
 It is registered as its own HF attention implementation (``AttentionInterface``, with HF's SDPA mask
 builder) and set on the model by ``install_blocked_attention`` at train time, so the model's config still
 says ``sdpa``. The block size is the run's decision (``ultrascale/config/decide.py``: blocks per row by the
-CPU's matrix unit). Calls that are not a full causal square with a mask (a one-document row, decoding with a KV cache, a short prompt, a paged
-cache, position bias) go to HF's ``sdpa`` unchanged.
+CPU's matrix unit). Calls that are not a full causal square with a mask (a one-document row, decoding with a
+KV cache, a short prompt, a paged cache, position bias) go to HF's ``sdpa`` unchanged.
 """
 
 from __future__ import annotations

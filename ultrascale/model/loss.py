@@ -33,7 +33,9 @@ CHUNK_BUDGET_BYTES = 32 * 2**20
 """A byte budget for one chunk's fp32 logits (the only vocab-sized buffer): 170 tokens at a 49k vocabulary.
 Peak memory is flat up to ~256 tokens at 2,048 x 49,152 (`python bench/bench_loss.py --sweep`; bench/README.md)."""
 CPU_MAX_CHUNK_TOKENS = 128
-"""On CPU a chunk must also stay cache-sized: 128 tokens was the fastest of 32..1,024 at 49k (bench/README.md)."""
+"""The CPU chunk with fp32 GEMMs: the start of a plateau (128..1,024 within 5 % at 49k on the AMX Xeon; the
+fastest of 32..1,024 on the Zen 4) and the smallest logits buffer on it (bench/README.md). The run's chunk is
+decided per CPU from it (``ultrascale.config.decide.cpu_loss_chunk``)."""
 
 _IMPLS = ("auto", "chunked", "liger", "cce")
 
@@ -79,8 +81,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def _forward(ctx, hidden, weight, labels, chunk, ignore_index, reduction, need_hidden_grad, need_weight_grad,
                  mm=None):  # fmt: skip
         n = hidden.shape[0]
-        w32 = weight.float()  # no copy for fp32; bf16/fp16 heads are upcast once: fp32 math throughout
-        w_mm = weight.to(mm) if mm is not None else w32  # the GEMMs' copy of the head (one cast a call)
+        # The head as the GEMMs take it, cast once a call: fp32 (no copy for fp32; bf16/fp16 heads upcast) or ``mm``.
+        w = weight.float() if mm is None else weight.to(mm)
+        h_dtype = torch.float32 if mm is None else mm
         valid_all = labels != ignore_index
         n_valid = valid_all.sum()
         # 'mean' divides by the number of targets; with none the loss is 0 and the gradients are zero (not NaN).
@@ -89,15 +92,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # fp32 until the backward has applied grad_output: an fp16 loss scale must be applied before the cast
         # to fp16, or the small per-token gradients of a mean over many tokens underflow.
         grad_hidden = hidden.new_empty(hidden.shape, dtype=torch.float32) if need_hidden_grad else None
-        grad_weight = torch.zeros_like(w32) if need_weight_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            h = hidden[start:end].float()
+            h = hidden[start:end].to(h_dtype)
             valid = valid_all[start:end]
             target = torch.where(valid, labels[start:end], 0)
             # One [c, V] fp32 buffer for the whole chunk: logits, then exp(logits - max), then the gradient.
             # (torch.logsumexp would allocate two more of its size.)
-            logits = h @ w32.T if mm is None else (h.to(mm) @ w_mm.T).float()
+            logits = (h @ w.T).float()  # no copy in fp32
             row_max = logits.amax(dim=1, keepdim=True)
             picked = logits.gather(1, target[:, None])
             exps = logits.sub_(row_max).exp_()
@@ -110,17 +113,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             row_scale = valid.float()[:, None] * scale
             grad_logits = exps.mul_(row_scale / sums)
             grad_logits[torch.arange(end - start, device=logits.device), target] -= row_scale.squeeze(1)
-            if mm is None:
-                if grad_hidden is not None:
-                    grad_hidden[start:end] = grad_logits @ w32
-                if grad_weight is not None:
-                    grad_weight.addmm_(grad_logits.T, h)
-                continue
-            g_mm = grad_logits.to(mm)
+            g = grad_logits if mm is None else grad_logits.to(mm)
             if grad_hidden is not None:
-                grad_hidden[start:end] = g_mm @ w_mm
+                grad_hidden[start:end] = g @ w
             if grad_weight is not None:
-                grad_weight += g_mm.T @ h.to(mm)
+                if mm is None:
+                    grad_weight.addmm_(g.T, h)  # in place: no [V, h] temporary
+                else:
+                    grad_weight += g.T @ h  # the bf16 product summed in fp32
         ctx.grads = (grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total * scale
