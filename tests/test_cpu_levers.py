@@ -52,13 +52,20 @@ def test_threads_are_the_physical_cores_per_rank_and_the_users_omp_wins():
     assert cpu_threads(ICX, 2, omp="3") == (3, "OMP_NUM_THREADS=3 from the environment")
 
 
-@pytest.mark.parametrize("cpu", [SPR, ZEN4, ICX, ZEN3], ids=["spr", "zen4", "icx", "zen3"])
-def test_every_cpu_gets_a_block_and_a_chunk_with_its_reason(cpu):
-    for bf16 in (False, True):
+@pytest.mark.parametrize(
+    "cpu, blocks, chunks",
+    [(SPR, (512, 1024), (128, 1024)), (ZEN4, (512, 1024), (128, 1024)), (ICX, (512, 512), (128, 128)),
+     (ZEN3, (512, 512), (128, 128))],
+    ids=["spr", "zen4", "icx", "zen3"],
+)  # fmt: skip
+def test_every_cpu_gets_a_block_and_a_chunk_with_its_reason(cpu, blocks, chunks):
+    """Seq 2,048, (fp32, bf16 matmuls): 4 blocks of 512 a row in fp32; 2 of 1,024 where the CPU computes bf16
+    natively, and fp32's levers where it would emulate it. A CPU left without blocks (0) is a failure here."""
+    for bf16, block_want, chunk_want in zip((False, True), blocks, chunks):
         block, why = cpu_attn_block(cpu, 2048, bf16)
-        assert block >= 0 and why
+        assert block == block_want and why.startswith(f"{2048 // block_want} blocks a row"), (bf16, block, why)
         chunk, why = cpu_loss_chunk(cpu, 49152, bf16)
-        assert 16 <= chunk <= 2048 and why
+        assert chunk == chunk_want and why, (bf16, chunk, why)
 
 
 def test_decide_takes_the_cpus_levers_and_names_them_in_the_banner():
@@ -72,8 +79,9 @@ def test_decide_takes_the_cpus_levers_and_names_them_in_the_banner():
         d = decide(cfg, topo, hf, "gloo", cpu)
         chunk, _ = cpu_loss_chunk(cpu, hf.vocab_size, False)
         block, _ = cpu_attn_block(cpu, 2048, False)
+        assert (chunk, block) == (128, 512)  # fp32 matmuls (no autocast) on every one of these CPUs
         assert d.fused_loss.value == chunk and f"{chunk} tokens a chunk" in d.fused_loss.why
-        assert d.attention.on == (block > 0) and (d.attention.value == block or not block)
+        assert d.attention.on and d.attention.value == block and f"query blocks of {block}" in d.attention.why
     # a number in the config is the user's, whatever the CPU
     forced = decide(compose(["model=smollm2_135m", "train.loss_chunk_tokens=96", "train.attn_block_size=32"]),
                     topo, hf, "gloo", SPR)  # fmt: skip
