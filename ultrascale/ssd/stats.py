@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -137,19 +138,24 @@ def paired_bootstrap(
     }
 
 
-def choose_on_dev(per_setting: Mapping[str, Mapping[str, float]], dev: Sequence[str]) -> tuple[str, float]:
+def choose_on_dev(
+    per_setting: Mapping[str, Mapping[str, float]],
+    dev: Sequence[str],
+    prefer: Callable[[str], Any] | None = None,
+) -> tuple[str, float]:
     """The setting with the best mean score over the ``dev`` problems, and that dev score.
 
     Only dev problems are read, so the setting is picked without looking at the test half and the test
     number that follows is an unbiased estimate of the chosen setting (picking the best of several settings
-    on the reporting set inflates it). Ties go to the first setting name in sort order, so the choice does
-    not depend on dict order.
+    on the reporting set inflates it). Ties go to the smallest ``prefer(setting)`` (the caller's order of
+    preference: greedy first, since it is one sample per problem and gives the same answer every time), then
+    to the first name in sort order, so the choice never depends on dict order.
     """
     if not per_setting:
         raise ValueError("no settings to choose from")
     ids = _check_unique(dev, "dev")
     best: tuple[str, float] | None = None
-    for setting in sorted(per_setting):
+    for setting in sorted(per_setting, key=lambda s: (prefer(s), s) if prefer else s):
         score = float(_scores(per_setting[setting], ids, f"setting {setting!r}").mean())
         if best is None or score > best[1]:
             best = (setting, score)
