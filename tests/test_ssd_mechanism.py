@@ -47,3 +47,30 @@ def test_a_sharpened_model_has_less_tail_mass_in_every_bin_and_the_plot_is_writt
     same = binned(b, b)
     assert all(r["tail_diff"] == 0 and r["entropy_diff_se"] == 0 for r in same if r["positions"])
     assert plot(bins, tmp_path / "mechanism.png").stat().st_size > 10_000
+
+
+def test_the_paired_standard_error_is_the_sample_sd_of_the_per_position_differences_over_root_n():
+    """Pinned by hand: a bin's SE is stdev(new - base) / sqrt(n) over its positions (n - 1 in the variance), not
+    the SE of two independent means (the positions are the same in both models, so their level cancels) and not
+    the population SD; a bin of one position has no spread to measure and reports 0."""
+    import math
+    import statistics
+
+    f = torch.tensor
+    base = {"confidence": f([0.10, 0.15, 0.96, 0.97, 0.98, 0.50]), "entropy": f([1.0, 2.0, 0.10, 0.20, 0.40, 1.5]),
+            "tail": f([0.30, 0.50, 0.010, 0.020, 0.040, 0.2])}  # fmt: skip
+    new = {"confidence": base["confidence"], "entropy": f([1.1, 2.1, 0.10, 0.25, 0.30, 1.0]),
+           "tail": f([0.25, 0.40, 0.008, 0.010, 0.045, 0.3])}  # fmt: skip
+    rows = {r["lo"]: r for r in binned(base, new)}
+    fork, lock, one = rows[0.0], rows[0.95], rows[0.4]
+    assert (fork["positions"], lock["positions"], one["positions"]) == (2, 3, 1)
+    by_hand = {  # (bin, key): the differences of its positions, typed out
+        (0.0, "entropy"): [0.1, 0.1], (0.0, "tail"): [-0.05, -0.10],
+        (0.95, "entropy"): [0.0, 0.05, -0.10], (0.95, "tail"): [-0.002, -0.010, 0.005],
+    }  # fmt: skip
+    for (lo, key), d in by_hand.items():
+        assert rows[lo][f"{key}_diff"] == pytest.approx(statistics.fmean(d), abs=1e-6)
+        assert rows[lo][f"{key}_diff_se"] == pytest.approx(statistics.stdev(d) / math.sqrt(len(d)), rel=1e-4, abs=1e-7)
+    assert rows[0.0]["entropy_diff_se"] == pytest.approx(0.0, abs=1e-6)  # a constant shift is measured exactly
+    assert rows[0.95]["entropy_diff_se"] == pytest.approx(0.04409585518440985, rel=1e-4)  # sqrt(0.005833/3)
+    assert one["entropy_diff"] == pytest.approx(-0.5) and one["entropy_diff_se"] == 0.0 and one["tail_diff_se"] == 0.0
