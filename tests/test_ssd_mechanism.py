@@ -41,9 +41,8 @@ def test_a_sharpened_model_has_less_tail_mass_in_every_bin_and_the_plot_is_writt
     assert sum(r["positions"] for r in bins) == 6 * 23
     filled = [r for r in bins if r["positions"]]
     assert filled and all(r["tail_new"] < r["tail_base"] and r["entropy_new"] < r["entropy_base"] for r in filled)
-    for r in filled:  # the paired change is the difference of the means, with a standard error beside it
+    for r in filled:  # the paired change is the difference of the means (its SE: the test below)
         assert r["tail_diff"] == pytest.approx(r["tail_new"] - r["tail_base"], abs=1e-6) and r["tail_diff"] < 0
-        assert r["tail_diff_se"] >= 0 and r["entropy_diff_se"] >= 0
     same = binned(b, b)
     assert all(r["tail_diff"] == 0 and r["entropy_diff_se"] == 0 for r in same if r["positions"])
     assert plot(bins, tmp_path / "mechanism.png").stat().st_size > 10_000
