@@ -123,21 +123,6 @@ def _dedupe(problems: list[dict], counts: Counter) -> list[dict]:
     return out
 
 
-def _decontaminate(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict]:
-    from data_prep.decontam import Decontaminator
-
-    det = Decontaminator(["humaneval"], None, cfg.decontam_ngram, cfg.decontam_min_overlap)
-    out = []
-    for p in problems:
-        hit = det.match(p["prompt"] + p.get("reference", ""))
-        if hit:
-            counts["humaneval_contaminated"] += 1
-            log.info(f"problems: drop {p['task_id']} (matches {hit[0]}, overlap {hit[1]})")
-            continue
-        out.append(p)
-    return out
-
-
 MAX_CONSTANT_STUBS = 3
 """Distinct documented answers tried as constant bodies per problem (each one is a sandbox run)."""
 
@@ -227,7 +212,9 @@ def build(cfg: DictConfig) -> tuple[list[dict], dict]:
         problems = mine(cfg, counts)
     counts["mined"] = len(problems)
     problems = _dedupe(problems, counts)
-    problems = _decontaminate(problems, cfg, counts)
+    from ultrascale.ssd.prompts import decontaminate  # prompts builds on this module: imported here, not above
+
+    problems = decontaminate(problems, cfg, counts)
     problems = _verify(problems, cfg, counts)
     counts["kept"] = len(problems)
     if not problems:

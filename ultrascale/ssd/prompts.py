@@ -29,6 +29,8 @@ import json
 import logging
 import random
 from collections import Counter
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,14 +280,19 @@ def _dedupe(records: list[dict], counts: Counter) -> list[dict]:
     return out
 
 
-def _decontaminate(
-    records: list[dict], cfg: DictConfig, held_out: list[tuple[str, str]], held_out_keys: set[str], counts: Counter
+def decontaminate(
+    records: list[dict],
+    cfg: DictConfig,
+    counts: Counter,
+    held_out: Sequence[tuple[str, str]] = (),
+    held_out_keys: AbstractSet[str] = frozenset(),
 ) -> list[dict]:
     """Drop prompts overlapping HumanEval or a held-out problem, with data prep's n-gram matcher and settings.
 
-    The held-out problems are added to the same index as HumanEval's items, so one pass checks both. A body
-    identical to a held-out one is dropped too: a short function has fewer than ``decontam_ngram`` words and
-    no n-grams at all.
+    The one matcher for every source of training prompts (mined, corpus, JSONL; RFT's problems too): each
+    record's prompt plus its ``reference`` when it has one. The held-out problems are added to the same index
+    as HumanEval's items, so one pass checks both. A body identical to a held-out one (``_body``, an AST key)
+    is dropped too: a short function has fewer than ``decontam_ngram`` words and no n-grams at all.
     """
     from data_prep.decontam import Decontaminator, ngrams
 
@@ -301,8 +308,8 @@ def _decontaminate(
     det.last = {g.rsplit(" ", 1)[-1] for g in det.index}
     out = []
     for r in records:
-        hit = det.match(r["prompt"] + r["reference"])
-        if r["_body"] in held_out_keys:
+        hit = det.match(r["prompt"] + r.get("reference", ""))
+        if r.get("_body") in held_out_keys:
             hit = hit if hit and hit[0].startswith(HELD_OUT_PREFIX) else ("heldout/identical body", 1.0)
         if hit:
             reason = "validation_contaminated" if hit[0].startswith(HELD_OUT_PREFIX) else "humaneval_contaminated"
@@ -346,7 +353,7 @@ def build_prompts(cfg: DictConfig, *, deny: bool = False) -> tuple[list[dict], d
     records = _dedupe(records, counts)
     held_out, held_out_keys = held_out_problems(held_out_docs)
     counts["heldout_problems"] = sum(item_id.endswith("#body") for item_id, _ in held_out)
-    records = _decontaminate(records, cfg, held_out, held_out_keys, counts)
+    records = decontaminate(records, cfg, counts, held_out, held_out_keys)
     if cfg.max_problems is not None and len(records) > cfg.max_problems:
         keep = sorted(random.Random(cfg.seed).sample(range(len(records)), cfg.max_problems))
         counts["over_max_problems"] = len(records) - len(keep)
@@ -366,6 +373,28 @@ def build_prompts(cfg: DictConfig, *, deny: bool = False) -> tuple[list[dict], d
     report = {"input": cfg.input, "train_repos_from": cfg.train_repos_from}
     report |= {k: counts[k] for k in order}  # zeros too: a filter that dropped nothing is worth knowing
     return records, report
+
+
+def jsonl_prompts(cfg: DictConfig) -> tuple[list[dict], dict]:
+    """(prompts, report) from ``problems.jsonl`` (``cfg`` is the ``problems`` node), through the same
+    decontamination as mined prompts: HumanEval always, and with ``train_repos_from`` the doctested problems of
+    that dataset's validation repositories (the second evaluation set). A prompt file is someone else's data:
+    nothing in it is known to be clean."""
+    if not cfg.jsonl:
+        raise ConfigError('problems.source=jsonl needs problems.jsonl=FILE (one {"prompt": ...} per line)')
+    counts: Counter = Counter()
+    records = load_prompt_jsonl(cfg.jsonl)
+    counts["seen"] = len(records)
+    held_out, held_out_keys = [], set()
+    if cfg.train_repos_from:
+        held_out, held_out_keys = held_out_problems(_split_documents(cfg, Counter())[1])
+    counts["heldout_problems"] = sum(item_id.endswith("#body") for item_id, _ in held_out)
+    records = decontaminate(records, cfg, counts, held_out, held_out_keys)
+    counts["kept"] = len(records)
+    if not records:
+        raise DataError(f"problems.jsonl={cfg.jsonl}: every prompt overlaps an evaluation set ({dict(counts)})")
+    keys = ("seen", "heldout_problems", "humaneval_contaminated", "validation_contaminated", "kept")
+    return records, {"jsonl": str(cfg.jsonl), "train_repos_from": cfg.train_repos_from} | {k: counts[k] for k in keys}
 
 
 def load_prompt_jsonl(path: str | Path) -> list[dict]:
