@@ -111,6 +111,9 @@ def init_distributed(timeout_min: int = 60) -> str:
     """Join (or, for plain ``python train.py``, create) the process group. Returns the backend."""
     import torch.distributed as dist
 
+    from ultrascale.device import check_torch
+
+    check_torch()
     backend = select_accelerator()
     if "WORLD_SIZE" not in os.environ:  # plain python: a real 1-rank group, so the code path is the same
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")

@@ -87,7 +87,9 @@ def _all_ranks(value: float, op: str) -> float:
 
     if not (tdist.is_available() and tdist.is_initialized()):
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    from ultrascale.device import coll_tensor
+
+    t = coll_tensor([value], torch.float64)
     tdist.all_reduce(t, op=tdist.ReduceOp.MIN if op == "min" else tdist.ReduceOp.SUM)
     return float(t) if op == "min" else float(t) / tdist.get_world_size()
 

@@ -50,6 +50,12 @@ class Batch:
             kw["position_ids"] = self.position_ids
         return kw
 
+    def pinned(self) -> Batch:
+        """The micro-batch in page-locked host memory (a CUDA run's copy to the device is then asynchronous)."""
+        from ultrascale.device import pin
+
+        return Batch(*(None if t is None else pin(t) for t in (self.input_ids, self.labels, self.position_ids)))
+
     def flattened(self) -> Batch:
         """The micro-batch as one [1, b*s] row: what varlen FlashAttention needs to see document boundaries.
 

@@ -93,6 +93,9 @@ class EvalConfig:
     """Where eval_results.json goes; defaults to ``<run_dir>/eval/<tag>`` or ``<model_dir>/eval``."""
     dtype: Precision = Precision.fp32
     """Evaluation precision: fp32 (exact, CPU-friendly), bf16 or fp16."""
+    device: str = "auto"
+    """Where the model runs: ``auto`` (this process's GPU when it has one, ``cuda:LOCAL_RANK``; else the CPU),
+    ``cpu``, ``cuda`` or ``cuda:N``. A GPU node evaluates on its GPU without being told."""
     wandb: bool = True
     """Log the results to the run's wandb run (same id as training, offline unless configured)."""
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)

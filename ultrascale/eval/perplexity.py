@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrascale.data.shards import open_split
+from ultrascale.device import to_device
 from ultrascale.errors import DataError
 
 
@@ -54,6 +55,7 @@ def perplexity(
     rank, world = shard
     indices = np.arange(rank, n, world)
     model.eval()
+    device = next(model.parameters()).device  # the batches go where the model is (a GPU when eval.py has one)
     total, tokens = 0.0, 0
     starts = range(0, len(indices), batch_size)
     for i in tqdm(starts, desc="perplexity", unit="batch", mininterval=5.0, disable=not progress):
@@ -63,7 +65,7 @@ def perplexity(
                 f"{data_path} holds token id {int(ids.max())} but the model's vocab_size is {vocab}: "
                 "evaluate with the tokenizer/data the model was trained on"
             )
-        s, t = loss_sums(model, ids)
+        s, t = loss_sums(model, to_device(ids, device))
         total += s
         tokens += t
     loss = total / max(tokens, 1)
@@ -86,7 +88,9 @@ def reduce_across_ranks(result: dict) -> dict:
 
     if not (dist.is_available() and dist.is_initialized()):
         return result
-    t = torch.tensor([result["loss_sum"], result["tokens"], result["samples"]], dtype=torch.float64)
+    from ultrascale.device import coll_tensor
+
+    t = coll_tensor([result["loss_sum"], result["tokens"], result["samples"]], torch.float64)
     dist.all_reduce(t)
     loss = float(t[0]) / max(float(t[1]), 1.0)
     return {

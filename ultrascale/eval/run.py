@@ -19,7 +19,7 @@ from ultrascale.data.sources import primary_path
 from ultrascale.errors import ConfigError
 from ultrascale.eval.config import check
 from ultrascale.jsonio import write_json, write_jsonl
-from ultrascale.model.build import torch_dtype
+from ultrascale.model.build import load_pretrained
 
 log = logging.getLogger("ultrascale")
 
@@ -73,7 +73,7 @@ def table(results: dict) -> str:
 
 def run(cfg: DictConfig) -> dict:
     """Evaluate; write ``eval_results.json`` (and HumanEval samples) to the output dir; return the results."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ultrascale.data.shards import load_manifest
     from ultrascale.eval import humaneval
@@ -104,7 +104,8 @@ def run(cfg: DictConfig) -> dict:
             results["model"] = str(model_dir)
             out_dir = resolve_path(cfg.output_dir) if cfg.output_dir else model_dir / "eval"
             tok_dir = cfg.tokenizer_dir or model_dir
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(cfg.dtype))
+        model = load_pretrained(model_dir, str(cfg.dtype), str(cfg.device))
+        log.info(f"eval: {model_dir} on {model.device} ({cfg.dtype})")
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
         if "perplexity" in cfg.tasks:
             load_manifest(data_path)  # fail with the data error before loading anything heavier

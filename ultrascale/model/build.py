@@ -155,3 +155,17 @@ def count_params(model_cfg: DictConfig) -> dict[str, int]:
 
 def torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def load_pretrained(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "auto"):
+    """An HF causal LM from a local directory, in eval mode, on ``device`` (``auto``: this rank's GPU when it
+    has one, else the CPU: :func:`ultrascale.device.resolve`). Evaluation, SSD sampling, scoring and the
+    mechanism study load through here, so none of them is left on the CPU of a GPU node."""
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale.device import resolve
+
+    dt = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)
+    target = device if isinstance(device, torch.device) else resolve(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dt)
+    return model.to(target).eval()

@@ -163,10 +163,11 @@ class MoEStats:
             counts = torch.stack(per_layer)
             tokens = logits[0].shape[0]
             capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
-            self.over += (counts - capacity).clamp(min=0).sum()
+            # accumulated where the router ran: no host sync per micro-batch, no CPU tensor beside a CUDA one
+            self.over = self.over.to(counts.device) + (counts - capacity).clamp(min=0).sum()
             self.counts = counts if self.counts is None else self.counts + counts
             if aux is not None:
-                self.aux += float(aux.detach())
+                self.aux = self.aux.to(counts.device) + aux.detach().double()
             self.n += 1
         return lm
 
@@ -174,7 +175,10 @@ class MoEStats:
         """Per-layer expert shares, max/mean load and over-capacity fraction, summed over all ranks."""
         if self.counts is None:
             return {}
-        counts, over, aux, n = self.counts, self.over, self.aux, torch.tensor([float(self.n)], dtype=torch.float64)
+        from ultrascale.device import coll_tensor
+
+        # on the backend's device: NCCL reduces CUDA tensors only (the counts already are on a GPU run)
+        counts, over, aux, n = (coll_tensor(t, torch.float64) for t in (self.counts, self.over, self.aux, [self.n]))
         if tdist.is_initialized() and tdist.get_world_size() > 1:
             for t in (counts, over, aux, n):
                 tdist.all_reduce(t)

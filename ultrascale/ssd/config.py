@@ -242,6 +242,9 @@ class SSDConfig:
     finetune's ranks are separate processes); null keeps torch's default (``OMP_NUM_THREADS``)."""
     dtype: Precision = Precision.fp32
     """Precision for sampling (fp32 is exact and not slower on CPUs without AMX)."""
+    device: str = "auto"
+    """Where sampling runs: ``auto`` (the GPU when the machine has one, else the CPU), ``cpu``, ``cuda``, ``cuda:N``.
+    The finetune is train.py's own ranks and evaluation is eval.py's ``device``."""
     problems: ProblemsConfig = field(default_factory=ProblemsConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

@@ -32,8 +32,9 @@ def position_stats(model, rows: Iterable[torch.Tensor], top_k: int = 20) -> dict
     """Per predicted position of every row: top-1 probability, entropy and mass outside the top-k (fp32)."""
     conf, ent, tail = [], [], []
     model.eval()
+    device = next(model.parameters()).device
     for ids in rows:
-        logits = model(input_ids=ids[None]).logits[0, :-1].float()
+        logits = model(input_ids=ids[None].to(device)).logits[0, :-1].float()
         logp = logits.log_softmax(-1)
         p = logp.exp()
         conf.append(p.max(-1).values)
@@ -117,15 +118,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, default=16, help="held-out rows to score")
     ap.add_argument("--top-k", type=int, default=20, help="the truncation's k (the tail is the mass outside it)")
     ap.add_argument("--out", type=Path, default=Path("mechanism"), help="directory for mechanism.json and .png")
+    ap.add_argument("--device", default="auto", help="where the models run: auto (the GPU when there is one), cpu, "
+                    "cuda, cuda:N")  # fmt: skip
     ap.add_argument("--title", default="", help="the plot's title (default: 'SSD mechanism on held-out code')")
     a = ap.parse_args(argv)
-    from transformers import AutoModelForCausalLM
+    from ultrascale.model.build import load_pretrained
 
     rows = held_out_rows(Path(a.data), a.rows)
     stats = {}
     for side, d in (("base", a.base), ("new", a.new)):
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-        stats[side] = position_stats(model, rows, a.top_k)
+        model = load_pretrained(d, "fp32", a.device)
+        stats[side] = {k: v.cpu() for k, v in position_stats(model, rows, a.top_k).items()}
         del model
     result = {"base": a.base, "new": a.new, "data": a.data, "rows": len(rows), "top_k": a.top_k,
               "bins": binned(stats["base"], stats["new"])}  # fmt: skip

@@ -23,7 +23,6 @@ from ultrascale.eval.sandbox import Limits
 from ultrascale.ssd.execute import verdicts
 
 log = logging.getLogger("ultrascale")
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def normalized(problem: dict, completion: str) -> str:
@@ -46,16 +45,21 @@ def normalized(problem: dict, completion: str) -> str:
 
 
 def generate_all(
-    model_dir, problems: list[dict], cfg: DictConfig, dtype: str = "fp32", details: bool = False
+    model_dir,
+    problems: list[dict],
+    cfg: DictConfig,
+    dtype: str = "fp32",
+    details: bool = False,
+    device: str = "auto",
 ) -> tuple[list[list], dict]:
     """``cfg.n`` completions per problem (in problem order; with ``details`` each a dict with ``text``, ``finish``
     and ``tokens``) and timing stats."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ultrascale.eval.humaneval import STOP_SEQUENCES, generate
+    from ultrascale.model.build import load_pretrained
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, DTYPES[dtype]))
+    model = load_pretrained(model_dir, dtype, device)  # the GPU a node has (auto), else the CPU
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     t0 = time.perf_counter()
     out = generate(model, tokenizer, [p["prompt"] for p in problems], n_samples=cfg.n, temperature=cfg.temperature,

@@ -34,9 +34,19 @@ def _stability_line(cfg: Any) -> str:
     return f"non-finite -> {st.nonfinite}, spike -> {spike}, stop after {st.max_consecutive} bad steps in a row"
 
 
+def deepspeed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "?"
+
+
 def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Path) -> str:
     """What was built, on rank 0: the layout and every decision with its reason (this module only prints)."""
     from ultrascale.cpu import detect
+    from ultrascale.device import runtime
     from ultrascale.dist import select_accelerator, threads_note
 
     backend = select_accelerator()
@@ -50,6 +60,7 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"  optimizer  {d.optimizer_owner.why}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
         f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}{threads}; MFU peak from {peak_src}",
+        f"  runtime    {runtime()}, deepspeed {deepspeed_version()}",
         *([f"  cpu        {detect().describe()}"] if backend == "gloo" else []),
         f"  packing    document masking {d.document_masking.why}",
         f"  stability  {_stability_line(cfg)}",

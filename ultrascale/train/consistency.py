@@ -12,6 +12,8 @@ import hashlib
 import torch
 import torch.distributed as tdist
 
+from ultrascale.device import coll_tensor
+
 
 def param_digest(module: torch.nn.Module) -> str:
     """Digest of the replicated parameters (ZeRO-3 partitions gathered). Expert-parallel experts differ per
@@ -48,7 +50,7 @@ def replicas_agree(module: torch.nn.Module, group=None) -> tuple[bool, list[str]
         return True, [digest], [[0]]
     digests: list[str] = [""] * tdist.get_world_size(group)
     tdist.all_gather_object(digests, digest, group=group)
-    agree = torch.tensor([int(all(d == digests[0] for d in digests))])
+    agree = coll_tensor([int(all(d == digests[0] for d in digests))])
     tdist.all_reduce(agree, op=tdist.ReduceOp.MIN)
     mine = sorted(tdist.get_process_group_ranks(group)) if group is not None else list(range(tdist.get_world_size()))
     every: list = [None] * tdist.get_world_size()

@@ -15,6 +15,7 @@ import torch.distributed as tdist
 
 from ultrascale import dist
 from ultrascale.data.loader import eval_batches
+from ultrascale.device import coll_tensor
 from ultrascale.jsonio import write_jsonl
 
 
@@ -58,7 +59,9 @@ class Evaluator:
                     totals[i] += torch.tensor([float(loss) * b.num_targets, b.num_targets], dtype=torch.float64)
         t.engine.train()
         if tdist.is_initialized() and tdist.get_world_size() > 1:
-            tdist.all_reduce(totals)
+            on_comm = coll_tensor(totals)  # NCCL reduces CUDA tensors only
+            tdist.all_reduce(on_comm)
+            totals = on_comm.cpu()
         total = totals.sum(0)
         loss = float(total[0] / total[1]) if total[1] else float("nan")
         # The same first data.eval_batches x micro_batch x dp samples of the validation split every time: say how

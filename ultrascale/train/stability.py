@@ -184,7 +184,9 @@ def agree(verdict: Verdict, stop: int = 0, written: int = -1) -> Agreement:
         return Agreement(verdict, stop, written)
     code = ACTIONS.index(verdict.action) * len(REASONS) + REASONS.index(verdict.reason)
     z = math.nan if verdict.zscore is None else float(verdict.zscore)
-    mine = torch.tensor([float(code), z, float(stop), float(written)], dtype=torch.float64)
+    from ultrascale.device import coll_tensor
+
+    mine = coll_tensor([float(code), z, float(stop), float(written)], torch.float64)
     rows = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
     tdist.all_gather(rows, mine)
     best = max(rows, key=lambda r: int(r[0]))  # the lowest rank among ties

@@ -39,6 +39,7 @@ from ultrascale.data import sources as data_sources
 from ultrascale.data.loader import TRACE_ENV, Batch, StepBatches
 from ultrascale.data.prepare import check_prepared, ensure_prepared
 from ultrascale.data.shards import load_manifest, open_split
+from ultrascale.device import coll_tensor, to_device
 from ultrascale.jsonio import write_json, write_jsonl
 from ultrascale.model import sequence
 from ultrascale.model.flops import train_flops_per_token
@@ -85,7 +86,7 @@ class _LossReduce:
     """The mean of a loss over every rank, all-reduced asynchronously: started here, read with ``wait()``."""
 
     def __init__(self, local: torch.Tensor) -> None:
-        self.value = local.detach().float().clone()
+        self.value = coll_tensor(local, torch.float32).clone()
         multi = tdist.is_initialized() and tdist.get_world_size() > 1
         self.work = tdist.all_reduce(self.value, async_op=True) if multi else None
 
@@ -283,7 +284,14 @@ class Trainer:
         return tokenizer
 
     # ---- one optimizer step ---------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where every micro-batch goes: the engine's device (``cuda:LOCAL_RANK`` on a GPU run)."""
+        return self.engine.device
+
     def pipe_inputs(self, b: Batch):
+        """A micro-batch as the pipeline engine's data iterator yields it, on the engine's device."""
+        b = to_device(b, self.device)
         inputs = (b.input_ids, b.position_ids) if b.position_ids is not None else b.input_ids
         return inputs, b.labels
 
@@ -324,6 +332,8 @@ class Trainer:
         batch = self.batches.get(st.step + self.data_offset, micro)
         if self.decisions.flat_batches:
             batch = batch.flattened()
+        if self.device.type == "cuda":  # page-locked, so the copy in loss() runs asynchronously
+            batch = batch.pinned()
         self.breakdown.add("data_wait_s", time.perf_counter() - t)
         return batch
 
@@ -400,7 +410,7 @@ class Trainer:
         if st.fault is not None and (last or math.isnan(st.fault)):
             local *= st.fault
         t = time.perf_counter()
-        totals = torch.tensor([local, float(last)], dtype=torch.float64)
+        totals = coll_tensor([local, float(last)], torch.float64)
         if tdist.is_initialized():
             tdist.all_reduce(totals)
         self.breakdown.add("comm_s", time.perf_counter() - t)
@@ -408,7 +418,9 @@ class Trainer:
         return st.verdict.bad
 
     def loss(self, batch: Batch, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss to backpropagate, LM loss to log) for one micro-batch (non-pipeline path)."""
+        """(loss to backpropagate, LM loss to log) for one micro-batch (non-pipeline path), moved to the engine's
+        device first: training and evaluation both come through here."""
+        batch = to_device(batch, self.device)
         if self.sp_group is not None:
             return sequence.sp_loss(self.engine, batch, self.sp_group, self.topo.sp)
         out = self.engine(**batch.model_inputs())
