@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -178,18 +179,37 @@ def test_the_writer_reuses_its_staging_buffers_from_one_save_to_the_next(tmp_pat
         assert torch.equal(got["w"], torch.full((1000,), float(step))) and got["again"] is got["w"]
 
 
+class _Probe:
+    """Pickled by the writer thread inside ``torch.save``: records when its file is written (and, for the gate,
+    holds the thread there until the test lets it go), then loads back as its name."""
+
+    def __init__(self, name: str, log: list[str], gate: threading.Event | None = None):
+        self.name, self.log, self.gate = name, log, gate
+
+    def __reduce__(self):
+        if self.gate is not None:
+            assert self.gate.wait(60), "the test never released the writer"
+        self.log.append(self.name)
+        return (str, (self.name,))
+
+
 def test_the_writer_writes_in_order_and_reports_a_failed_write(tmp_path):
     from ultrascale.train.ckpt_writer import BackgroundWriter
 
-    writer = BackgroundWriter()
-    writer.begin(5, delay_s=0.2)
-    writer.save({"w": torch.arange(4)}, str(tmp_path / "a.pt"))
-    writer.put(str(tmp_path / "b.pt"), {"rng": 1})
+    writer, log, gate = BackgroundWriter(), [], threading.Event()
+    writer.begin(5)
+    writer.put(str(tmp_path / "gate.pt"), _Probe("gate", log, gate))  # the thread is held inside this write
+    writer.save({"w": torch.arange(4), "probe": _Probe("a", log)}, str(tmp_path / "a.pt"))
+    writer.put(str(tmp_path / "b.pt"), {"rng": 1, "probe": _Probe("b", log)})
     writer.mark(5)
-    assert writer.written() == -1 and writer.pending()  # still sleeping on the planted slow disk
+    assert writer.written() == -1 and writer.pending() and log == []  # held: nothing written, nothing counted
+    gate.set()
     writer.wait()
     assert writer.written() == 5 and not writer.pending()
-    assert torch.equal(torch.load(tmp_path / "a.pt")["w"], torch.arange(4))
+    assert log == ["gate", "a", "b"]  # queue order, and every file of checkpoint 5 before it counts as written
+    a, b = writer.load(str(tmp_path / "a.pt")), writer.load(str(tmp_path / "b.pt"))
+    assert torch.equal(a["w"], torch.arange(4)) and a["probe"] == "a"
+    assert b == {"rng": 1, "probe": "b"}
     writer.begin(6)
     writer.save({"w": torch.zeros(1)}, str(tmp_path / "missing_dir" / "c.pt"))
     writer.mark(6)
@@ -199,12 +219,18 @@ def test_the_writer_writes_in_order_and_reports_a_failed_write(tmp_path):
 
 # ---- threads per rank ------------------------------------------------------------------------------------------
 
-_THREADS = "from ultrascale.dist import cpu_threads; print(cpu_threads()[0])"
+# A planted CPU: 16 logical CPUs, 2 SMT threads a core, so 8 physical cores and a share of 4 for each of 2 ranks.
+# On a 2-core box the share is 1, the same number as a user's OMP_NUM_THREADS=1: that could not tell torchrun's
+# default (which must be overridden) from the user's choice (which must win).
+_THREADS = (
+    "import ultrascale.cpu as c; c.detect = lambda: c.CpuInfo(cpus=16, threads_per_core=2); "
+    "from ultrascale.dist import cpu_threads; print(cpu_threads()[0])"
+)
 
 
 def _threads(env: dict[str, str], parent_env: dict[str, str]) -> int:
-    """cpu_threads() in a rank whose parent (a stand-in launcher) was started with ``parent_env`` and set
-    ``env`` for the rank, as torchrun and the deepspeed launcher do."""
+    """cpu_threads() in a rank on the planted CPU whose parent (a stand-in launcher) was started with ``parent_env``
+    and set ``env`` for the rank, as torchrun and the deepspeed launcher do."""
     child = f"import os, subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', {_THREADS!r}], env={{**os.environ, **{env!r}}}).returncode)"
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")}
     out = subprocess.run([sys.executable, "-c", child], env={**base, **parent_env}, cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
@@ -212,15 +238,11 @@ def _threads(env: dict[str, str], parent_env: dict[str, str]) -> int:
 
 
 def test_every_launcher_gives_each_rank_its_share_of_the_cores():
-    from ultrascale.config.decide import cpu_threads
-    from ultrascale.cpu import detect
-
-    share = cpu_threads(detect(), 2)[0]  # this machine's physical cores / 2 ranks (test_cpu_levers plants others)
     # the deepspeed launcher says LOCAL_SIZE (not LOCAL_WORLD_SIZE) and sets no OMP_NUM_THREADS
-    assert _threads({"LOCAL_SIZE": "2"}, {}) == share
-    # torchrun says LOCAL_WORLD_SIZE and sets OMP_NUM_THREADS=1 itself when the user did not
-    assert _threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}, {}) == share
-    # a user's own OMP_NUM_THREADS wins under every launcher
+    assert _threads({"LOCAL_SIZE": "2"}, {}) == 4
+    # torchrun says LOCAL_WORLD_SIZE and sets OMP_NUM_THREADS=1 itself when the user did not: overridden
+    assert _threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}, {}) == 4
+    # a user's own OMP_NUM_THREADS wins under every launcher, 1 included
     assert _threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"},
                     {"OMP_NUM_THREADS": "1"}) == 1  # fmt: skip
     assert _threads({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, {"OMP_NUM_THREADS": "3"}) == 3
