@@ -20,6 +20,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from ultrascale.device import to_device
 from ultrascale.dist import free_port  # torchrun passes --master_port 0 to the ranks literally
 
 STAGES = (0, 1, 2, 3)
@@ -256,7 +257,7 @@ def _engine_logits(out: Path, run_dirs: list[Path]) -> None:
         else:
             ids = torch.from_numpy(split.get(np.arange(2)))
             with torch.no_grad():
-                logits = engine(input_ids=ids).logits.float()
+                logits = engine(input_ids=to_device(ids, engine.device)).logits.float().cpu()
             if topo.tp > 1:  # AutoTP's head is vocab-parallel: each tp rank holds its slice of the vocabulary
                 import torch.distributed as tdist
 

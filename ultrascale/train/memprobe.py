@@ -27,7 +27,7 @@ def one_step(engine, d, micro_batch: int, seq_len: int, vocab: int) -> None:
 
     g = torch.Generator().manual_seed(0)
     batches = [
-        torch.randint(0, vocab, (micro_batch, seq_len), generator=g)
+        torch.randint(0, vocab, (micro_batch, seq_len), generator=g).to(engine.device)
         for _ in range(engine.gradient_accumulation_steps())
     ]
     if d.pipeline:
