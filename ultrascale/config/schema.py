@@ -25,6 +25,13 @@ class CompileScope(StrEnum):
     layers = "layers"
 
 
+class AttentionKernel(StrEnum):
+    auto = "auto"
+    sdpa = "sdpa"
+    blocks = "blocks"
+    flex = "flex"
+
+
 class Precision(StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -357,6 +364,17 @@ class TrainConfig:
     """Tokens per chunk of the fused loss; 0: decided from the machine (CPU: 128 with fp32 GEMMs, 1,024 where
     autocast puts them on a bf16 matrix unit, within a 256 MiB logits budget; GPU: the vocabulary's 32 MiB budget;
     ``ultrascale/config/decide.py``)."""
+    attention_kernel: AttentionKernel = AttentionKernel.auto
+    """The attention kernel of training with ``model.attn_implementation=sdpa``. Packed rows holding several
+    documents need attention that stops at each boundary; HF's sdpa spells that as a dense ``[b, 1, s, s]`` mask,
+    which keeps SDPA off its FlashAttention kernel on a GPU (17.5 % MFU on the first H200 run). ``flex``:
+    FlexAttention with a block mask built once per forward from the position ids (causal AND same document AND
+    the model's sliding window; ``ultrascale/model/flex.py``): tiles across documents and above the diagonal are
+    skipped, no mask is materialized; one-document rows and decoding keep SDPA. ``blocks``: causal SDPA in query
+    blocks (``train.attn_block_size``). ``sdpa``: HF's as configured. ``auto``: flex on CUDA GPUs of compute
+    capability 8.0+ when documents are masked; on CPU the blocks for multi-document rows and SDPA's causal
+    kernel for one-document rows (torch 2.13 has no CPU FlexAttention backward: forcing ``flex`` on a CPU trains
+    through its slow reference implementation, for checking). Causal text decoders with pp=1 and sp=1."""
     attn_block_size: int | None = num(None, ge=0)
     """With ``model.attn_implementation=sdpa``: run causal attention in query blocks of this many tokens, each
     block attending only to keys up to its own end, so the tiles the causal mask forbids are never computed

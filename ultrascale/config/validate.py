@@ -156,6 +156,7 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> De
             "autocast computes in bf16 over fp32 weights; with 16-bit weights use precision.autocast=none"
         )
     hf = build_hf_config(cfg.model)
+    _attention_rules(cfg, topo, hf)
     cpu = None
     if backend == "gloo":
         from ultrascale.cpu import detect
@@ -172,6 +173,77 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> De
             "lower data.seq_len or raise model.config.max_position_embeddings"
         )
     return d
+
+
+def _attention_rules(cfg: DictConfig, topo: Topology, hf: Any) -> None:
+    """A forced ``train.attention_kernel`` (flex, blocks) on a run that cannot take it: ``auto`` falls back by
+    itself with the reason in the banner, but a kernel the user named must run or say why not."""
+    kernel = str(cfg.train.attention_kernel)
+    if kernel not in ("flex", "blocks"):
+        return
+    key = f"train.attention_kernel={kernel}"
+    fix = "use train.attention_kernel=auto"
+    if topo.pp > 1:
+        raise ConfigError(
+            f"{key} needs parallel.pp=1 (got {topo.pp}): the pipeline stages build their own masks; {fix}"
+        )
+    if topo.sp > 1:
+        raise ConfigError(f"{key} needs parallel.sp=1 (got {topo.sp}): Ulysses wraps the attention core; {fix}")
+    attn = str(cfg.model.attn_implementation)
+    if attn != "sdpa":
+        raise ConfigError(
+            f"{key} replaces model.attn_implementation=sdpa (got {attn}): set model.attn_implementation=sdpa, or {fix}"
+        )
+    from ultrascale.model.attention import CAUSAL_MODEL_TYPES
+
+    if hf.model_type not in CAUSAL_MODEL_TYPES:
+        raise ConfigError(
+            f"{key} needs a causal text decoder (one of {sorted(CAUSAL_MODEL_TYPES)}), got model.type="
+            f"{cfg.model.type}: {fix}"
+        )
+    if kernel == "blocks" and cfg.train.attn_block_size == 0:
+        raise ConfigError(
+            f"{key} with train.attn_block_size=0 asks for blocks of nothing: unset train.attn_block_size or set a size"
+        )
+    dropout = float(getattr(hf, "attention_dropout", 0.0) or 0.0)
+    if kernel == "flex" and dropout > 0:
+        raise ConfigError(
+            f"{key} has no attention dropout (model.config.attention_dropout={dropout}): set it to 0, or {fix}"
+        )
+
+
+def _checkpointing_rules(cfg: DictConfig, topo: Topology) -> None:
+    """``train.activation_checkpointing``: one of the modes (booleans mean full/none), and selective only where
+    its per-op policy runs."""
+    from ultrascale.config.decide import checkpointing_mode, selective_unavailable
+
+    value = cfg.train.activation_checkpointing
+    try:
+        mode = checkpointing_mode(value)
+    except ValueError:
+        raise ConfigError(
+            f"train.activation_checkpointing={value!r} is not one of auto, none, selective, full "
+            "(true/false mean full/none)"
+        ) from None
+    why = selective_unavailable(topo) if mode == "selective" else None
+    if why:
+        raise ConfigError(f"train.activation_checkpointing=selective is not available: {why}; use full (or auto)")
+
+
+def _loss_kernel_rules(cfg: DictConfig, d: Decisions, backend: str) -> None:
+    """A named ``train.loss_kernel=liger`` runs or says why not (``auto`` falls back by itself)."""
+    if str(cfg.train.loss_kernel) != "liger":
+        return
+    if backend == "gloo":
+        raise ConfigError(
+            "train.loss_kernel=liger needs CUDA (liger-kernel's kernels are Triton): use train.loss_kernel=auto "
+            "or chunked on CPU"
+        )
+    if not d.fused_loss.on:
+        raise ConfigError(f"train.loss_kernel=liger is the fused loss's kernel, but the fused loss is off: "
+                          f"{d.fused_loss.why}; use train.loss_kernel=auto")  # fmt: skip
+    if d.loss_kernel.value != "liger":
+        raise ConfigError(f"{d.loss_kernel.why}, or use train.loss_kernel=auto")
 
 
 def _mixture_rules(data: DictConfig, train_steps: int) -> None:

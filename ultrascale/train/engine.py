@@ -98,10 +98,19 @@ def _apply_loss(model, d: Decisions) -> None:
 
 
 def _apply_attention(model, d: Decisions) -> None:
-    if d.attention.on:
+    """FlexAttention or the blocked SDPA, as decided: each is an HF attention implementation set on the built model."""
+    if not d.attention.on:
+        return
+    if d.attention.value == "flex":
+        from ultrascale.model.flex import install_flex_attention
+
+        installed, why = install_flex_attention(model)
+    else:
         from ultrascale.model.attention import install_blocked_attention
 
-        install_blocked_attention(model, d.attention.value)
+        installed, why = install_blocked_attention(model, d.attention.value)
+    if not installed:  # the decision checked the config; only the built model can still refuse
+        raise ConfigError(f"the attention kernel cannot install on this model ({why}): set train.attention_kernel=sdpa")
 
 
 def _apply_autocast(model, d: Decisions) -> None:
