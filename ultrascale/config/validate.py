@@ -212,40 +212,6 @@ def _attention_rules(cfg: DictConfig, topo: Topology, hf: Any) -> None:
         )
 
 
-def _checkpointing_rules(cfg: DictConfig, topo: Topology) -> None:
-    """``train.activation_checkpointing``: one of the modes (booleans mean full/none), and selective only where
-    its per-op policy runs."""
-    from ultrascale.config.decide import checkpointing_mode, selective_unavailable
-
-    value = cfg.train.activation_checkpointing
-    try:
-        mode = checkpointing_mode(value)
-    except ValueError:
-        raise ConfigError(
-            f"train.activation_checkpointing={value!r} is not one of auto, none, selective, full "
-            "(true/false mean full/none)"
-        ) from None
-    why = selective_unavailable(topo) if mode == "selective" else None
-    if why:
-        raise ConfigError(f"train.activation_checkpointing=selective is not available: {why}; use full (or auto)")
-
-
-def _loss_kernel_rules(cfg: DictConfig, d: Decisions, backend: str) -> None:
-    """A named ``train.loss_kernel=liger`` runs or says why not (``auto`` falls back by itself)."""
-    if str(cfg.train.loss_kernel) != "liger":
-        return
-    if backend == "gloo":
-        raise ConfigError(
-            "train.loss_kernel=liger needs CUDA (liger-kernel's kernels are Triton): use train.loss_kernel=auto "
-            "or chunked on CPU"
-        )
-    if not d.fused_loss.on:
-        raise ConfigError(f"train.loss_kernel=liger is the fused loss's kernel, but the fused loss is off: "
-                          f"{d.fused_loss.why}; use train.loss_kernel=auto")  # fmt: skip
-    if d.loss_kernel.value != "liger":
-        raise ConfigError(f"{d.loss_kernel.why}, or use train.loss_kernel=auto")
-
-
 def _mixture_rules(data: DictConfig, train_steps: int) -> None:
     """``data.sources`` and ``data.stages``: positive weights, known names, stage ends that move forward."""
     from ultrascale.data.sources import stage_end
