@@ -6,7 +6,9 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
+from torch.overrides import TorchFunctionMode
 
 from tests.conftest import FAST, check, launch, losses
 from ultrascale.data.loader import make_batch
@@ -96,16 +98,36 @@ def test_runs_one_kernel_call_per_block():
     assert calls == 4 * 2
 
 
+class _SdpaCalls(TorchFunctionMode):
+    """Every ``F.scaled_dot_product_attention`` call as (query shape, mask given?, is_causal)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[tuple[int, ...], bool, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            self.calls.append((tuple(args[0].shape), mask is not None, bool(causal)))
+        return func(*args, **kwargs)
+
+
 def test_a_one_document_row_goes_to_sdpas_causal_kernel_once_per_layer():
     """No mask (HF found no document boundary): the causal kernel skips the upper tiles itself, so the blocks leave
-    the row alone (spelling its mask out for them ran 0.63x at seq 2,048: bench/README.md)."""
+    the row alone (spelling its mask out for them ran 0.63x at seq 2,048: bench/README.md). The kernel is chosen
+    by the call's arguments: ``is_causal=True`` and no mask; a dense causal mask with ``is_causal=False`` computes
+    the same numbers with every tile."""
     _, blocked = _pair(block=64)
     ids = torch.randint(4, 97, (1, 256), generator=torch.Generator().manual_seed(1))  # no EOS: one document
     batch = make_batch(ids.numpy(), None, EOS, True)
-    with torch.profiler.profile() as prof, torch.no_grad():
+    with torch.profiler.profile() as prof, torch.no_grad(), _SdpaCalls() as seen:
         blocked(**batch.model_inputs())
     calls = sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
     assert calls == 1 * 2
+    heads, head_dim = TINY["num_attention_heads"], TINY["hidden_size"] // TINY["num_attention_heads"]
+    assert seen.calls == [((1, heads, 256, head_dim), False, True)] * 2  # the whole row, no mask, causal: per layer
 
 
 def test_block_size_grows_with_long_rows_and_install_refuses_what_it_cannot_keep_exact():
