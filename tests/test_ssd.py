@@ -238,13 +238,44 @@ def test_sft_sample_masks_the_prompt_and_appends_eos(tokenizer_dir):
     eos = eos_id(tok)
     prompt, completion = 'def add(a, b):\n    """Sum."""\n', "    return a + b\n"
     ids, mask = encode(tok, prompt, completion, eos)
-    n_prompt = len(tok(prompt)["input_ids"])
+    n_prompt = len(tok(prompt.rstrip("\n"), add_special_tokens=False)["input_ids"])
     assert not mask[:n_prompt].any() and mask[n_prompt:].all()
     assert ids[-1] == eos and mask[-1]  # the model learns to stop
     assert tok.decode(ids[:-1]) == prompt + completion
-    assert tok.decode(ids[n_prompt:-1]) == completion
+    assert tok.decode(ids[n_prompt:-1]) == "\n" + completion  # the healed newline is the body's first target
+    # the sample is the text tokenized as one document: newline + indent is one token here, as in generation,
+    # not the prompt's bare newline token followed by an indent token
+    assert ids[:-1].tolist() == tok(prompt + completion, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids[n_prompt : n_prompt + 1]) == "\n   "
+    raw, raw_mask = encode(tok, prompt, completion, eos, heal_newline=False)  # sampled without healing: as is
+    assert tok.decode(raw[~raw_mask]) == prompt and tok.decode(raw[raw_mask][:-1]) == completion
     with pytest.raises(DataError, match=r"sft\.eos_token"):
         eos_id(tok, "<no such token>")
+
+
+def test_the_finetuning_prompt_is_what_the_sampler_prefills(tiny_start_model):
+    """Train and eval split a sample at the same token: the prompt ids of a finetuning sample are the ids the
+    sampler feeds the model (recorded from the model's own forward). Before, SFT encoded the prompt with its
+    bare trailing newline token, which generation (healed) never conditions on."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ultrascale.eval.humaneval import generate
+    from ultrascale.ssd.sft import encode, eos_id
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_start_model), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(tiny_start_model))
+    prompt = 'def add(a, b):\n    """Return the sum of a and b."""\n'
+    fed: list[list[int]] = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"][0].tolist()),
+                                                 with_kwargs=True)  # fmt: skip
+    try:
+        [[completion]] = generate(model, tok, [prompt], max_new_tokens=6, stops=())
+    finally:
+        hook.remove()
+    ids, mask = encode(tok, prompt, completion, eos_id(tok))
+    assert fed and ids[~mask].tolist() == fed[0]  # the prefill: the sample's prompt, token for token
+    assert tok.decode(ids[:-1]) == prompt + completion  # and the text is the program that was sampled
 
 
 def test_sft_build_packs_masked_rows_the_loader_turns_into_labels(tokenizer_dir, tmp_path):
@@ -279,7 +310,7 @@ def test_sft_build_packs_masked_rows_the_loader_turns_into_labels(tokenizer_dir,
     train = {t for s, t in targets if s == "train"}
     val = {t for s, t in targets if s == "validation"}
     assert len(targets) == 5 and not train & val
-    assert "    y = x\n    return y + 0\n" in (train | val)
+    assert "\n    y = x\n    return y + 0\n" in (train | val)  # the targets start at the healed newline
 
 
 def test_finetune_steps_and_command_line():

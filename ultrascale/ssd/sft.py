@@ -1,9 +1,10 @@
 """The finetuning set: kept samples as prompt + completion + EOS, packed into shards, prompt tokens masked.
 
-Tokenized with the *model's* tokenizer the way HumanEval presents a problem: the prompt is encoded alone (with
-the tokenizer's special-token handling, as ``generate`` encodes it, ending in its bare newline token) and the
-completion's tokens follow, so the model learns to continue exactly the token sequence it will be scored on
-(even when sampling healed the prompt boundary, see ``sample.heal_newline``). The loss mask is True on the
+Tokenized with the *model's* tokenizer and split where generation splits it
+(:func:`ultrascale.eval.humaneval.encode_sample`): the prompt without its trailing newline, encoded as the
+sampler encodes it (no special tokens), then the newline and the completion, so the model learns the token
+sequence it produces when sampled and scored (``sample.heal_newline``: newline + indent is one token, which a
+prompt ending in a bare newline token would never let it train). The loss mask is True on the
 completion and on the EOS after it (the model learns where to stop), False on the prompt and on the EOS
 padding at the end of a packed row. Rows hold several samples; the loader's document masking restarts
 position ids after every EOS and keeps attention inside one sample.
@@ -35,10 +36,14 @@ def eos_id(tokenizer, eos_token: str | None = None) -> int:
     return int(tid)
 
 
-def encode(tokenizer, prompt: str, completion: str, eos: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, loss mask) of one sample: prompt (masked out) + completion + EOS (targets)."""
-    p = tokenizer(prompt)["input_ids"]
-    c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+def encode(
+    tokenizer, prompt: str, completion: str, eos: int, heal_newline: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, loss mask) of one sample: prompt (masked out) + completion + EOS (targets), split at the boundary
+    generation uses (:func:`ultrascale.eval.humaneval.encode_sample`, with the sampling's ``heal_newline``)."""
+    from ultrascale.eval.humaneval import encode_sample
+
+    p, c = encode_sample(tokenizer, prompt, completion, heal_newline)
     ids = np.asarray([*p, *c, eos], dtype=np.int64)
     mask = np.zeros(len(ids), dtype=bool)
     mask[len(p) :] = True
@@ -68,8 +73,12 @@ def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: int) -
     )
 
 
-def build(records: list[dict], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg) -> dict:
+def build(
+    records: list[dict], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg, heal_newline: bool = True
+) -> dict:
     """Write the packed SFT dataset for ``records`` (``{task_id, prompt, completion}``) to ``out_dir``.
+
+    ``heal_newline`` is the sampling's (``sample.heal_newline``): the samples are encoded as they were generated.
 
     Written into a temporary sibling and renamed, so ``out_dir`` exists only when complete. Returns stats.
     """
@@ -82,7 +91,7 @@ def build(records: list[dict], tokenizer_dir: str | os.PathLike, out_dir: str | 
     eos = eos_id(tokenizer, cfg.eos_token)
     encoded, too_long = [], 0
     for r in records:
-        ids, mask = encode(tokenizer, r["prompt"], r["completion"], eos)
+        ids, mask = encode(tokenizer, r["prompt"], r["completion"], eos, heal_newline)
         if len(ids) > cfg.seq_len:
             too_long += 1
             continue
@@ -112,6 +121,7 @@ def build(records: list[dict], tokenizer_dir: str | os.PathLike, out_dir: str | 
         "target_tokens": int(train[1].sum()),
         "prompt_tokens": int(sum(int((~m).sum()) for t, _, m in encoded if t not in val_tasks)),
         "eos_token_id": eos,
+        "prompt_boundary": "healed (the prompt's trailing newlines start the completion)" if heal_newline else "as is",
         "validation": "held-out problems" if val_tasks else "a copy of train (fewer than 2 problems kept)",
     }
     write_samples(
