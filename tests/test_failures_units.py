@@ -170,10 +170,10 @@ def test_the_writer_reuses_its_staging_buffers_from_one_save_to_the_next(tmp_pat
         (tmp_path / f"s{step}").mkdir()
         writer.begin(step)
         writer.save({"w": w, "again": w}, str(tmp_path / f"s{step}" / "model.pt"))
-        ptrs.append(writer._staging[("model.pt", 0)].data_ptr())
+        ptrs.append(writer.staging.buffers[("model.pt", 0)].data_ptr())
         writer.mark(step)
         writer.wait()
-    assert ptrs[0] == ptrs[1] and len(writer._staging) == 1  # one buffer, reused; the alias copied once
+    assert ptrs[0] == ptrs[1] and len(writer.staging.buffers) == 1  # one buffer, reused; the alias copied once
     for step in (1, 2):
         got = torch.load(tmp_path / f"s{step}" / "model.pt")
         assert torch.equal(got["w"], torch.full((1000,), float(step))) and got["again"] is got["w"]

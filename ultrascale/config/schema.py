@@ -25,6 +25,12 @@ class CompileScope(StrEnum):
     layers = "layers"
 
 
+class CheckpointStaging(StrEnum):
+    auto = "auto"
+    pinned = "pinned"
+    pageable = "pageable"
+
+
 class AttentionKernel(StrEnum):
     auto = "auto"
     sdpa = "sdpa"
@@ -329,6 +335,13 @@ class TrainConfig:
     background thread while the next steps run; ``latest`` moves once every rank has written it, so a crash
     mid-write leaves the previous checkpoint as ``latest``. Costs one checkpoint's size of host memory while
     it is written. False: every rank writes before the step after it starts (`make bench-checkpoint`)."""
+    checkpoint_staging: CheckpointStaging = CheckpointStaging.auto
+    """Where the background writer's snapshot lands (``ultrascale/train/ckpt_writer.py``). ``pinned``: page-locked
+    host buffers, allocated at the first save and reused by every later one, filled by non-blocking device-to-host
+    DMA on a side stream with one synchronisation per checkpoint. ``pageable``: ordinary reused buffers, blocking
+    copies through the driver's bounce buffer: the first GPU run's 17 GB took 9.2 s that way (~1.9 GB/s).
+    ``auto``: pinned on CUDA, pageable on a CPU (nothing to pin for). Pinned memory cannot be swapped: it is the
+    checkpoint's size per rank of locked host RAM (`python bench/checkpoint_stall.py --staging`)."""
     log_interval: int = num(1, ge=1)
     """Log metrics every N steps."""
     seed: int = num(1234, ge=0)

@@ -108,9 +108,10 @@ class Checkpointer:
     """Owns when the run saves (every ``interval`` steps and at its last step), what travels with it, and, with
     ``background``, the write that goes on while training continues (one in flight at a time)."""
 
-    def __init__(self, ckpt_dir: Path, interval: int, keep: int, meta: dict, background: bool = False):
+    def __init__(self, ckpt_dir: Path, interval: int, keep: int, meta: dict, background: bool = False,
+                 staging: str = "auto"):  # fmt: skip
         self.ckpt_dir, self.interval, self.keep, self.meta = ckpt_dir, int(interval), int(keep), meta
-        self.background = background
+        self.background, self.staging = background, str(staging)
         self.writer: BackgroundWriter | None = None
         self.pending: tuple[int, Path, dict] | None = None
         self.last_saved = -1
@@ -118,11 +119,12 @@ class Checkpointer:
         """Called while waiting for a write (the stop watchdog's heartbeat)."""
         self.write_s = 0.0
         """Seconds the background thread spent writing the checkpoint committed last."""
+        self._alloc_seen = 0.0
 
     def attach(self, engine) -> None:
         """Plug the background writer into the engine (after it is built, before any save)."""
         if self.background:
-            self.writer = BackgroundWriter()
+            self.writer = BackgroundWriter(self.staging)
             engine.checkpoint_engine = self.writer
 
     def due(self, step: int, last_step: int) -> bool:
@@ -144,6 +146,16 @@ class Checkpointer:
         if self.writer is not None:
             self.pending = (step, tag_dir, meta)
         return waited
+
+    def staging_record(self) -> dict:
+        """For the checkpoint event of the save just taken: the staging mode, its host bytes, and the seconds of the
+        stall that went to allocating (and pinning) buffers (the first save's; 0 once they are reused)."""
+        if self.writer is None:
+            return {}
+        st = self.writer.staging
+        alloc, self._alloc_seen = st.allocate_s - self._alloc_seen, st.allocate_s
+        return {"staging": st.mode, "staging_gb": round(st.nbytes / 1e9, 4), "staging_alloc_s": round(alloc, 4),
+                "snapshot_s": round(self.writer.snapshot_s, 4)}  # fmt: skip
 
     def written(self) -> int:
         """This rank's newest completely written background checkpoint (-1: none, or not writing in the

@@ -167,7 +167,7 @@ class Trainer:
         self.stop = stop or StopRequest(self.rank)
         self.checkpointer = checkpoint.Checkpointer(
             out / "checkpoints", cfg.train.checkpoint_interval, cfg.train.keep_checkpoints, checkpoint_meta(cfg, d),
-            background=cfg.train.checkpoint_async,
+            background=cfg.train.checkpoint_async, staging=cfg.train.checkpoint_staging,
         )  # fmt: skip
         self.checkpointer.beat = self.stop.beat
 
@@ -444,7 +444,8 @@ class Trainer:
         how = "snapshot taken, writing in the background" if self.checkpointer.background else "saved"
         log.info(f"checkpoint {checkpoint.tag_for(step)} {how} in {secs:.1f}s")
         self.metrics.event(step, "checkpoint", checkpoint_s=secs, wait_s=waited or None, console=False,
-                           background=self.checkpointer.background or None)  # fmt: skip
+                           background=self.checkpointer.background or None,
+                           **self.checkpointer.staging_record())  # fmt: skip
 
     def data_cursors(self, data_step: int) -> dict[str, int]:
         """Samples read from every source before ``data_step``: recorded in each checkpoint, and checked at a
