@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from data_prep.config import register_configs
-from ultrascale.cli import help_if_asked
 from ultrascale.config.compose import compose
+from ultrascale.config.describe import help_if_asked
 from ultrascale.errors import UltrascaleError
 
 

@@ -163,8 +163,8 @@ def submit_run(cfg: DictConfig, args: list[str], script: str = "train.py") -> st
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m launch.slurm [--submit] [--print] overrides...``: the sbatch script for a train config."""
-    from ultrascale.cli import help_if_asked
     from ultrascale.config.compose import compose
+    from ultrascale.config.describe import help_if_asked
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if (rc := help_if_asked("train", argv, __doc__)) is not None:

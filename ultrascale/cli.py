@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ultrascale.config.describe import help_if_asked
 from ultrascale.dist import apply_launcher_env, configure_env, strip_local_rank
 from ultrascale.errors import ConfigError, UltrascaleError
 
@@ -197,30 +198,6 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
 
             if "dir" in ACTIVE:
                 print(report(ACTIVE.pop("dir")), flush=True)
-    return 0
-
-
-HELP_FLAGS = ("--help", "-h")
-
-
-def help_if_asked(
-    config_name: str | None, argv: list[str], help_text: str, cfg: DictConfig | None = None
-) -> int | None:
-    """``--help``: the tool's docstring, its groups and every key with its composed value, range and docstring.
-
-    Returns the exit code when help was asked for (None otherwise), so every entry point, Hydra-composed or
-    not, answers ``--help`` the same way. ``cfg`` is for tools whose config is not a ``conf/`` root.
-    """
-    if not any(a in HELP_FLAGS for a in argv):
-        return None
-    from ultrascale.config.compose import compose
-    from ultrascale.config.describe import describe
-
-    try:
-        rest = [a for a in argv if a not in HELP_FLAGS]
-        print(describe(cfg if cfg is not None else compose(rest, config_name), help_text, config_name))
-    except UltrascaleError as e:
-        return _report(e)
     return 0
 
 

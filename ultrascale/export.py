@@ -402,7 +402,7 @@ def _architecture(hf) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ultrascale.cli import help_if_asked
+    from ultrascale.config.describe import help_if_asked
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)

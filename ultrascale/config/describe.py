@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import sys
 import textwrap
 from enum import Enum
 from functools import cache
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ultrascale.config.compose import CONF_DIR
 from ultrascale.config.fields import range_of
+from ultrascale.errors import UltrascaleError
 
 
 @cache
@@ -91,3 +93,27 @@ def describe(cfg: DictConfig, header: str, config_name: str | None = None) -> st
     lines += ["", "Keys (override with key=value; values below are the ones these overrides compose to):"]
     walk_keys(OmegaConf.get_type(cfg), cfg, "", lines)
     return "\n".join(lines)
+
+
+HELP_FLAGS = ("--help", "-h")
+
+
+def help_if_asked(
+    config_name: str | None, argv: list[str], help_text: str, cfg: DictConfig | None = None
+) -> int | None:
+    """``--help``: the tool's docstring, its groups and every key with its composed value, range and docstring.
+
+    Returns the exit code when help was asked for (None otherwise), so every entry point, Hydra-composed or
+    not, answers ``--help`` the same way. ``cfg`` is for tools whose config is not a ``conf/`` root.
+    """
+    if not any(a in HELP_FLAGS for a in argv):
+        return None
+    from ultrascale.config.compose import compose
+
+    try:
+        rest = [a for a in argv if a not in HELP_FLAGS]
+        print(describe(cfg if cfg is not None else compose(rest, config_name), help_text, config_name))
+    except UltrascaleError as e:  # one line, as every entry point reports a user error
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
