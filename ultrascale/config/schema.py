@@ -575,6 +575,10 @@ class RootConfig:
     """Run directory: config, metrics, checkpoints and logs. Re-running with the same one auto-resumes."""
     dry_run: bool = False
     """Print the resolved DeepSpeed JSON, topology, parameter counts and tokens per step; do not train."""
+    cluster: ClusterConfig | None = None
+    """The hardware a dry run speaks for (``cluster=h100_8x``; each GPU recipe names its own): its GPU decisions,
+    HBM per GPU and predicted step time, with ``launcher.nnodes`` x ``launcher.nproc_per_node`` of its nodes'
+    GPUs. null: this machine. A real run reads the machine it runs on, whatever this says."""
 
 
 @dataclass
@@ -584,6 +588,10 @@ class ClusterConfig:
 
     name: str = "h100_8x"
     """Preset name, shown in the plan's header."""
+    card: str | None = "H100 SXM5 80GB"
+    """The GPU, as a row of ``ultrascale.gpu.CARDS`` (or a torch device name): its compute capability and SMs
+    decide the GPU levers (attention and loss kernels, activation checkpointing) a dry run states for it
+    (``ultrascale.gpu.GpuInfo.from_cluster``). null: the ranks are CPUs (``cpu_local``)."""
     gpus_per_node: int = num(8, ge=1)
     """Accelerators per node: tensor parallelism stays inside one (it all-reduces twice per layer)."""
     nodes: int = num(1, ge=1)
