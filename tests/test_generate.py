@@ -1,6 +1,7 @@
 """The sampler (``ultrascale/generate.py``) against HF: the same greedy tokens as ``model.generate`` whatever the
-batching does (refills, compaction, padding), sampling processed in HF's order, per-row stopping, one prefill
-per prompt for its n samples, and every generating path going through it."""
+batching does (refills, compaction, padding), on the dynamic path and on the static cache (the path CUDA graphs
+replay, run eagerly here), sampling processed in HF's order and drawn on the device, per-row stopping, one
+prefill per prompt for its n samples, and every generating path going through it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from tests.test_eval import make_tokenizer
-from ultrascale.generate import Sampler, SamplingParams, _lookup, process_logits
+from ultrascale.generate import Sampler, SamplingParams, _lookup, process_logits, sample_tokens
+from ultrascale.static_decode import bucket, decide_static
 
 PROMPTS = [
     "def add(a, b):\n",
@@ -46,15 +48,30 @@ def _hf_greedy(model, tok, prompt: str, max_new: int) -> tuple[list[int], list[f
     return ids, gaps
 
 
+REFILLS_AND_COMPACTIONS = {1: (False, False), 3: (True, True), 32: (False, True)}
+"""At 1 row a row finishes before the next prompt comes in; at 3 rows for 7 prompts, prompts are prefilled beside
+rows in flight and finished rows are squeezed out; at 32 all 7 prompts start at once and only leave."""
+
+PATHS = [("dynamic", {}), ("static", {"static": "on"}), ("static, host reads every 4 steps", {"static": "on", "sync_every": 4})]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p for p, _ in PATHS])
 @pytest.mark.parametrize("batch_size", [1, 3, 32])
-def test_greedy_tokens_equal_hf_generate_through_refills_and_compaction(tiny, batch_size):
+def test_greedy_tokens_equal_hf_generate_through_refills_and_compaction(tiny, batch_size, path):
     """3 rows in flight for 7 prompts of mixed lengths: rows finish, are compacted out, new prompts are prefilled
-    and merged with left padding; every completion's tokens equal HF generate on that prompt alone."""
+    and merged with left padding (dynamic) or loaded into free slots (static); every completion's tokens equal HF
+    generate on that prompt alone, and the refills and compactions the test is named for did happen."""
     model, tok = tiny
     # rows stop at different steps (on "ar" or "VE"), some run to the length limit: rows leave the batch while
     # others go on, and the next prompts are merged in beside the ones still running
     params = SamplingParams(max_new_tokens=24, stop=("ar", "VE"))
-    got = Sampler(model, tok, batch_size=batch_size).generate(PROMPTS, params)
+    sampler = Sampler(model, tok, batch_size=batch_size, **path[1])
+    got = sampler.generate(PROMPTS, params)
+    st = sampler.stats
+    assert sampler.static == (path[0] != "dynamic") and bool(st.buckets) == sampler.static
+    assert (st.refills > 0, st.compactions > 0) == REFILLS_AND_COMPACTIONS[batch_size], (st.refills, st.compactions)
+    if "every 4" in path[0]:  # the new tokens came back in windows, not once per step
+        assert st.host_reads < st.decode_steps
     assert {c.finish for (c,) in got} == {"stop", "length"}
     for prompt, (c,) in zip(PROMPTS, got):
         ref, gaps = _hf_greedy(model, tok, prompt, 24)
@@ -69,6 +86,180 @@ def test_greedy_tokens_equal_hf_generate_through_refills_and_compaction(tiny, ba
                 assert c.text == full[: min(i for i in (full.find("ar"), full.find("VE")) if i >= 0)]
             else:
                 assert list(c.ids) == ref and c.finish == ("eos" if eos is not None else "length") and c.text == full
+
+
+STATIC_CASES = [
+    ("greedy", SamplingParams(max_new_tokens=40, stop=("VE",)), 3),
+    ("sampled", SamplingParams(n=2, temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=16, seed=5, stop=("ar", "VE")), 5),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", STATIC_CASES, ids=[c[0] for c in STATIC_CASES])
+def test_the_static_cache_gives_the_dynamic_paths_tokens(tiny, case):
+    """The static path (slots, buckets, windows of host reads) against today's path (left-padded merges,
+    drafting): the same tokens, texts and finishes, greedy and sampled (the noise is keyed by sample and step,
+    so where a row sat and what shared its step do not matter)."""
+    model, tok = tiny
+    _, params, batch_size = case
+    ref = Sampler(model, tok, batch_size=4).generate(PROMPTS, params)
+    for kw in ({"sync_every": 1}, {"sync_every": 3}):
+        sampler = Sampler(model, tok, batch_size=batch_size, static="on", **kw)
+        got = sampler.generate(PROMPTS, params)
+        assert [[(c.ids, c.text, c.finish) for c in cs] for cs in got] == [[(c.ids, c.text, c.finish) for c in cs] for cs in ref], kw  # fmt: skip
+        st = sampler.stats
+        assert st.refills > 0 and st.compactions > 0, (st.refills, st.compactions)
+        # rows ran in the bucket above the batch, and after a compaction in a smaller one
+        assert max(st.buckets) == bucket(batch_size) and min(st.buckets) < bucket(batch_size), st.buckets
+
+
+def test_decode_attention_switches_the_implementation_and_puts_it_back(tiny, monkeypatch):
+    """While generating, the decoding steps go through ``decode_attn_forward``; afterwards (also after an error,
+    and for training's blocked implementation) the model has the implementation it had before: the in-training
+    eval generates with the model being trained."""
+    import ultrascale.generate as gen
+    from ultrascale.model.attention import implementation_name
+
+    model, tok = tiny
+    seen = []
+    real = gen.decode_attn_forward
+
+    def spy(module, *args, **kw):
+        seen.append(module.config._attn_implementation)
+        return real(module, *args, **kw)
+
+    monkeypatch.setattr(gen, "decode_attn_forward", spy)
+    before = model.config._attn_implementation
+    assert before == "sdpa"
+    Sampler(model, tok, batch_size=2).generate(PROMPTS[:2], SamplingParams(max_new_tokens=4))
+    assert seen and set(seen) == {gen.DECODE_ATTENTION}
+    assert model.config._attn_implementation == before
+    assert all(m.config._attn_implementation == before for m in model.modules() if hasattr(m, "config"))
+    blocked = implementation_name(8)
+    model.set_attn_implementation(blocked)
+    try:
+        Sampler(model, tok, batch_size=2, static="on").generate(PROMPTS[:2], SamplingParams(max_new_tokens=4))
+        assert model.config._attn_implementation == blocked
+
+        def boom(*args, **kw):
+            assert model.config._attn_implementation == gen.DECODE_ATTENTION
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(gen.Sampler, "_generate", boom)
+        with pytest.raises(KeyboardInterrupt):
+            Sampler(model, tok).generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))
+        assert model.config._attn_implementation == blocked
+    finally:
+        model.set_attn_implementation(before)
+
+
+def test_the_gumbel_draw_follows_the_processed_distribution():
+    """Argmax of scores + noise is a sample of softmax(scores): 40,000 draws of one row (one step each) land on
+    each token at its probability, never on a token top-k/top-p removed; two rows' keys give other draws."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 40_000
+    steps = torch.arange(n)
+    keys = torch.full((n,), 12345)
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.95, n=2)
+    picks = sample_tokens(logits.expand(n, -1), params, keys, steps)
+    p = process_logits(logits, 0.7, 5, 0.95).softmax(-1)[0]
+    freq = torch.bincount(picks, minlength=6).float() / n
+    assert p[-2:].sum() == 0 and freq[-2:].sum() == 0  # filtered tokens are never drawn
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() <= 4 * sigma + 1e-9).all(), (freq, p)
+    other = sample_tokens(logits.expand(n, -1), params, keys + 1, steps)
+    assert (other != picks).float().mean() > 0.3  # another sample's key: another sequence of draws
+    again = sample_tokens(logits.expand(n, -1), params, keys, steps)
+    assert torch.equal(again, picks)  # a pure function of (key, step)
+
+
+HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default",
+              "aten.is_nonzero.default", "aten.equal.default", "aten.masked_select.default"}  # fmt: skip
+"""Ops that read a device value back to the host: each stalls a GPU's step, and none can be captured in a graph."""
+HOST_DATA = "host data"
+"""A tensor built from host data (``torch.tensor([...])``): a copy a captured graph would not repeat."""
+
+
+def _ops_in(fn) -> set[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            if str(func) == "aten.lift_fresh.default" and args[0].dim() > 0:  # a 0-d one is a Python scalar
+                self.ops.add(HOST_DATA)
+            return func(*args, **(kwargs or {}))
+
+    with Record() as rec:
+        fn()
+    return rec.ops
+
+
+def test_a_sampled_step_reads_nothing_back_to_the_host(tiny):
+    """Drawing the next tokens of a batch (temperature, top-k, top-p, the draw) reads nothing back per row (the
+    dynamic path hands the rows' keys and steps in; the static path keeps them on the device, next test)."""
+    model, tok = tiny
+    sampler = Sampler(model, tok)
+    from ultrascale.generate import _Row, row_key
+
+    rows = [_Row(0, s, row_key(1, 0, s), tokens=[1] * s) for s in range(4)]
+    logits = torch.randn(4, len(tok))
+    params = SamplingParams(n=4, temperature=0.8, top_k=20, top_p=0.9)
+    ops = _ops_in(lambda: sampler._pick(logits, rows, params))
+    assert "aten.argmax.default" in ops and not ops & HOST_READS, ops & HOST_READS
+
+
+def test_the_static_step_is_capturable_no_host_value_enters_or_leaves(tiny):
+    """What a CUDA graph would hold (the static step over the full width, then the draw) reads no device value
+    back and builds no tensor from host data: CPU stands in for the capture CI cannot run."""
+    import ultrascale.generate as gen
+
+    model, tok = tiny
+    sampler = Sampler(model, tok, batch_size=4, static="on")
+    sampler.generate(PROMPTS[:4], SamplingParams(max_new_tokens=6))
+    slots = sampler._slots
+    params = SamplingParams(n=4, temperature=0.8, top_k=20, top_p=0.9)
+
+    def step():
+        logits = slots.forward(sampler.head[0], sampler._head_logits, 4, slots.width)
+        sample_tokens(logits, params, slots.keys[:4], slots.steps[:4])
+
+    with torch.no_grad(), gen.decode_attention(model):
+        ops = _ops_in(step)
+    assert "aten.index_put_.default" in ops and not ops & {*HOST_READS, HOST_DATA}, ops & {*HOST_READS, HOST_DATA}
+
+
+def test_static_decisions_and_buckets():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decide_static(cuda, "auto", True, True)[:2] == (True, True)
+    assert decide_static(cpu, "auto", True, True)[:2] == (False, False)  # nothing to capture on a CPU
+    assert decide_static(cpu, "on", True, True)[:2] == (True, False)
+    assert decide_static(cuda, "eager", True, True)[:2] == (True, False)
+    assert decide_static(cuda, "off", True, True)[:2] == (False, False)
+    assert decide_static(cuda, "auto", False, True)[:2] == (False, False)  # no plain head: the model's own forward
+    assert decide_static(cuda, "auto", True, False)[:2] == (False, False)  # eager attention: a bool mask is no bias
+    with pytest.raises(ValueError, match="static='yes'"):
+        decide_static(cpu, "yes", True, True)
+    assert [bucket(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_the_eager_tokens(tiny):
+    """On a GPU: the captured steps (one graph per bucket) give the dynamic path's greedy tokens."""
+    model, tok = tiny
+    model = model.cuda()
+    try:
+        params = SamplingParams(max_new_tokens=24, stop=("ar", "VE"))
+        ref = Sampler(model, tok, batch_size=3, static="off").generate(PROMPTS, params)
+        sampler = Sampler(model, tok, batch_size=3)
+        got = sampler.generate(PROMPTS, params)
+        assert sampler.graphs and sampler.stats.graphs > 0, sampler.static_why
+        assert [c.ids for (c,) in got] == [c.ids for (c,) in ref]
+    finally:
+        model.cpu()
 
 
 def test_prompt_lookup_drafts_are_verified_so_greedy_output_does_not_change(tiny):

@@ -18,19 +18,25 @@ bench/README.md (``make bench-generate``):
   latest n-gram in its prompt or completion, one forward verifies them all, and the row keeps the drafted tokens
   greedy decoding would have chosen plus the model's next one. Code repeats its names and lines, so on the
   long-tailed rows that hold a batch open most drafts are kept;
-- **sampling as HF applies it**: temperature, then top-k, then top-p, from a generator per sample seeded by
-  (seed, prompt, sample), so a sample does not depend on what else shared its batch.
+- **sampling as HF applies it, on the device**: temperature, then top-k, then top-p, then a Gumbel-max draw whose
+  noise is a hash of (seed, prompt, sample, step, token) (:func:`sample_tokens`): a sample does not depend on
+  what else shared its batch, and no probability leaves the device;
+- **a static KV cache and CUDA graphs** (:mod:`ultrascale.static_decode`, decided by
+  :func:`~ultrascale.static_decode.decide_static`): on a GPU each row owns a slot of a cache allocated once, the
+  one-token decoding step is replayed as a captured graph per power-of-two bucket of rows, and the host reads the
+  new tokens back once every few steps. On CPU (no launches to save) the dynamic path above is the default.
 
 Greedy output is HF ``generate``'s: the same model, the same argmax. A token can differ only where two
 candidates' logits are closer than floating-point reordering (another batch composition, another padding, a
 verify-forward of several positions) can separate: ``bench/bench_generate.py`` counts those near-ties.
 
-On CUDA the same code runs on the model's device (untested here: no GPU on the project's CI). vLLM is the
-faster engine there; it is not a dependency and is not used.
+On CUDA the same code runs on the model's device; the graph capture is the one part CI cannot run (no GPU), its
+static step runs eagerly on CPU in the tests. vLLM is not a dependency and is not used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -104,6 +110,17 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     """Prompt-lookup draft tokens proposed and accepted (greedy)."""
+    refills: int = 0
+    """Prefills of new prompts into a batch that still had rows in flight."""
+    compactions: int = 0
+    """Finished rows (and rejected drafts' columns) squeezed out of the cache, or, on the static path, live rows
+    moved into the lowest slots so that a smaller bucket's step serves them."""
+    host_reads: int = 0
+    """Times the new tokens were read back to the host (once per step, or once per ``sync_every`` steps)."""
+    buckets: dict[int, int] = field(default_factory=dict)
+    """Static path: decoding steps per bucket (rows the step computes)."""
+    graphs: int = 0
+    """Static path: CUDA graphs captured (one per bucket used, reused across ``generate`` calls)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,7 +140,9 @@ class GenerationStats:
         return (f"generated {self.tokens:,} tokens for {self.completions} completions of {self.prompts} prompts in "
                 f"{self.seconds:.1f}s = {self.tokens_per_s:,.1f} tokens/s (prefill {self.prefill_s:.1f}s); batch slots "
                 f"filled {100 * self.batch_fill:.0f} %, padding {100 * self.pad_share:.1f} % of the positions processed"
-                + (f"; prompt-lookup drafts {self.accepted:,}/{self.drafted:,} accepted" if self.drafted else ""))  # fmt: skip
+                + (f"; prompt-lookup drafts {self.accepted:,}/{self.drafted:,} accepted" if self.drafted else "")
+                + (f"; static cache, steps per bucket {dict(sorted(self.buckets.items()))}, {self.graphs} CUDA "
+                   f"graph(s), {self.host_reads} host reads" if self.buckets else ""))  # fmt: skip
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -140,6 +159,44 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
         drop[..., -1:] = False
         scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     return scores
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash finalizer (xor-shift, multiply, twice) in int64 arithmetic: inputs below 2^32 times a
+    constant below 2^27 never overflow, so CPU and GPU give the same bits."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, prompt: int, sample: int) -> int:
+    """The 32-bit key of one sample's noise: a sample depends on (seed, prompt, sample) only."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{prompt}/{sample}".encode(), digest_size=4).digest(), "little")
+
+
+def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] standard Gumbel noise, a pure function of (row key, step, token id): counter-based like
+    Philox, so no generator state lives anywhere, a CUDA graph can hold it, and a row's draw does not depend on
+    which rows shared its step. 24-bit uniforms, as ``torch.rand`` draws float32."""
+    row = _mix32((keys + steps * 0x9E3779B1) & _M32)
+    tokens = _mix32(torch.arange(vocab, device=keys.device, dtype=torch.long))
+    h = _mix32(row[:, None] ^ tokens[None, :])
+    u = ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(u))
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """One token per row, on the logits' device: the argmax (greedy), or the Gumbel-max draw from the processed
+    distribution (argmax of scores + Gumbel noise is an exact sample of softmax(scores)). No host round trip."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    scores = process_logits(logits, params.temperature, params.top_k, params.top_p)
+    return (scores + gumbel_noise(keys, steps, scores.shape[-1])).argmax(dim=-1)
 
 
 class SlotLayer(DynamicLayer):
@@ -199,7 +256,8 @@ def new_cache(layers: int) -> Cache:
 class _Row:
     prompt: int
     sample: int
-    generator: torch.Generator | None
+    key: int
+    """The sample's noise key (:func:`row_key`); its step is ``len(tokens)``."""
     tokens: list[int] = field(default_factory=list)
     checked: int = 0
     """Characters of the decoded text already searched for stop sequences."""
@@ -221,7 +279,11 @@ class Sampler:
         draft: int = 8,
         draft_budget: int = 32,
         prefill_tokens: int = 2048,
+        static: str = "auto",
+        sync_every: int = 0,
     ):
+        from ultrascale.static_decode import SYNC_EVERY_CUDA, decide_static
+
         self.model, self.tokenizer, self.batch_size = model, tokenizer, int(batch_size)
         self.draft, self.draft_budget, self.prefill_tokens = int(draft), int(draft_budget), int(prefill_tokens)
         """Prompt-lookup drafting (greedy only): up to ``draft`` tokens per row, copied from where the row's last
@@ -243,6 +305,14 @@ class Sampler:
         self.head = _plain_head(model)
         """(base model, head weight) where the logits are a plain product with the head (no bias, scale or
         softcap) and can be computed here; None: the model's own forward computes them."""
+        self.static, self.graphs, self.static_why = decide_static(
+            self.device, static, self.head is not None, decode_attention(model).on
+        )
+        """The static KV cache and CUDA graphs for decoding steps (:mod:`ultrascale.static_decode`), and why."""
+        self.sync_every = int(sync_every) or (SYNC_EVERY_CUDA if self.device.type == "cuda" else 1)
+        """Static path: decoding steps between host reads of the new tokens (a CPU reads its own memory: 1)."""
+        self._slots = None
+        self._graphs = None
 
     # ---- the model ---------------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache, keep: int = 1):
@@ -255,14 +325,16 @@ class Sampler:
                                  use_cache=True, logits_to_keep=keep)  # fmt: skip
                 logits = out.logits[:, -keep:, :]
             else:
-                base, weight = self.head
-                h = base(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True).last_hidden_state[:, -keep:, :]  # fmt: skip
-                # W @ h^T rather than h @ W^T: with a few rows, MKL's tall-skinny GEMM reads the 49k x 576 head
-                # 1.5-1.8x faster than F.linear's (bench/README.md)
-                logits = torch.mm(weight, h.reshape(-1, h.shape[-1]).t()).t().view(*h.shape[:2], -1)
+                h = self.head[0](input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                 use_cache=True).last_hidden_state[:, -keep:, :]  # fmt: skip
+                logits = self._head_logits(h.reshape(-1, h.shape[-1])).view(*h.shape[:2], -1)
         logits = logits.float()
         return logits[:, -1, :] if keep == 1 else logits
+
+    def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> fp32 [rows, vocab]. W @ h^T rather than h @ W^T: with a few rows, MKL's tall-skinny
+        GEMM reads the 49k x 576 head 1.5-1.8x faster than F.linear's (bench/README.md)."""
+        return torch.mm(self.head[1], h.t()).t().float()
 
     # ---- one call --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -281,22 +353,34 @@ class Sampler:
             ]
             return self._generate(prompts, params, progress)
 
+    def encode(self, prompt: str) -> list[int]:
+        """A prompt's token ids as the sampler feeds them: no special tokens (a BOS the model was not trained to
+        see mid-file would change every completion; the bench tokenizes HF's side the same way)."""
+        return self.tokenizer(prompt, add_special_tokens=ADD_SPECIAL_TOKENS)["input_ids"] or [self.pad]
+
     def _generate(self, prompts: Sequence[str], params: SamplingParams, progress: bool) -> list[list[Completion]]:
         from tqdm import tqdm
 
         t0 = self._t0 = time.perf_counter()
         self.model.eval()
-        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] or [self.pad] for p in prompts]
+        ids = [self.encode(p) for p in prompts]
         pending = deque(sorted(range(len(prompts)), key=lambda i: len(ids[i])))  # similar lengths prefill together
         results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
         cap = max(self.batch_size, params.n)
         st = self.stats = GenerationStats(prompts=len(prompts), capacity=cap)
         bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress, mininterval=2.0)
         left = {i: params.n for i in range(len(prompts))}
+        if self.static:
+            self._generate_static(ids, pending, params, results, left, bar)
+            bar.close()
+            st.completions = sum(len(r) for r in results)
+            st.seconds = time.perf_counter() - t0
+            return results  # type: ignore[return-value]
         batch: _Batch | None = None
         while pending or (batch is not None and batch.alive()):
             alive = batch.alive() if batch is not None else 0
             if pending and alive <= self.refill_at * cap:  # free slots: prefill the next prompts into them
+                st.refills += int(alive > 0)
                 news = []
                 for group in self._groups(self._take(pending, cap - alive, params.n), ids):
                     news.append(self._prefill(group, ids, params))
@@ -311,6 +395,99 @@ class Sampler:
         st.completions = sum(len(r) for r in results)
         st.seconds = time.perf_counter() - t0
         return results  # type: ignore[return-value]
+
+    # ---- the static path (ultrascale/static_decode.py) ------------------------------------------------------------
+    def _static_slots(self, slots: int, width: int):
+        """The static cache for ``slots`` rows of ``width`` columns: the one already allocated where it is large
+        enough (its captured graphs stay valid), else a new one (and new graphs)."""
+        from ultrascale.static_decode import StaticSlots
+
+        if self._slots is None or not self._slots.fits(self.layers, slots, width, self.device):
+            self._slots = StaticSlots(self.layers, slots, width, self.device)
+            self._graphs = None
+        return self._slots
+
+    def _static_step(self, slots, rows: int, width: int) -> torch.Tensor:
+        """The logits of one decoding step of the first ``rows`` slots: a CUDA graph's replay, or the same step
+        run eagerly over the columns in use. A capture that fails falls back to eager steps, with a warning."""
+        if self.graphs:
+            from ultrascale.static_decode import DecodeGraphs
+
+            if self._graphs is None:
+                ctx = torch.autocast(*self.autocast, cache_enabled=False) if self.autocast else None
+                self._graphs = DecodeGraphs(
+                    lambda b: slots.forward(self.head[0], self._head_logits, b, slots.width), ctx
+                )
+            try:
+                captured = len(self._graphs.graphs)
+                out = self._graphs(rows)
+                self.stats.graphs += len(self._graphs.graphs) - captured
+                return out
+            except RuntimeError as e:  # a kernel or a host read inside HF's forward that a graph cannot hold
+                log.warning(f"static decode: CUDA graph capture failed ({str(e).splitlines()[0]}); eager steps")
+                self.graphs, self.static_why = False, f"static cache, eager steps (graph capture failed: {e})"
+        ctx = torch.autocast(*self.autocast) if self.autocast else nullcontext()
+        with ctx:
+            return slots.forward(self.head[0], self._head_logits, rows, width)
+
+    def _generate_static(self, ids: list[list[int]], pending: deque, params: SamplingParams, results, left,
+                         bar) -> None:  # fmt: skip
+        """Decoding over the static cache: rows own slots; a refill prefills the next prompts (eagerly, as
+        always) and loads their rows into free slots; once nothing is pending, live rows are compacted into the
+        lowest slots whenever that shrinks the bucket the step runs for. The new tokens come back to the host once
+        per window of ``sync_every`` steps (never past a row's length limit), where stops are checked."""
+        from ultrascale.static_decode import bucket, round_up
+
+        st = self.stats
+        cap = max(self.batch_size, params.n)
+        width = round_up(max(max(map(len, ids)) + params.max_new_tokens, self.sync_every) + 1, 64)
+        slots = self._static_slots(bucket(cap), width)
+        rows: list[_Row | None] = [None] * slots.slots
+        while pending or any(r is not None for r in rows):
+            live = [s for s, r in enumerate(rows) if r is not None]
+            if pending and len(live) <= min(self.refill_at * cap, cap - params.n):  # a prompt's n rows fit
+                st.refills += int(bool(live))
+                free = [s for s in range(cap) if rows[s] is None]
+                for group in self._groups(self._take(pending, len(free), params.n), ids):
+                    b = self._prefill(group, ids, params)
+                    self._advance(b, b.last, params, results, left, bar)
+                    keep = [r for r, row in enumerate(b.rows) if not row.done]
+                    if not keep:
+                        continue
+                    dst = [free.pop(0) for _ in keep]
+                    kept = [b.rows[r] for r in keep]
+                    slots.load(dst, b.cache, keep, [len(row.prompt_ids) for row in kept], b.last[keep],
+                               [row.key for row in kept], [len(row.tokens) for row in kept])  # fmt: skip
+                    for d, row in zip(dst, kept):
+                        rows[d] = row
+                continue
+            if not pending and bucket(len(live)) < bucket(live[-1] + 1):
+                slots.move(live, list(range(len(live))))
+                rows = [rows[s] for s in live] + [None] * (slots.slots - len(live))
+                live = list(range(len(live)))
+                st.compactions += 1
+            n = bucket(live[-1] + 1)
+            window = min(self.sync_every, min(params.max_new_tokens - len(rows[s].tokens) for s in live))
+            picks = []
+            for _ in range(window):
+                cols = slots.width if self.graphs else max(slots.host_lens[:n]) + 1
+                logits = self._static_step(slots, n, cols)
+                picks.append(sample_tokens(logits, params, slots.keys[:n], slots.steps[:n]))
+                st.decode_steps += 1
+                st.row_steps += len(live)
+                st.buckets[n] = st.buckets.get(n, 0) + 1
+                st.cache_cells += n * cols
+                st.cache_pad += sum(cols - 1 - slots.host_lens[s] for s in range(n))
+                slots.advance(n, picks[-1])
+            tokens = torch.stack(picks, dim=1).tolist()  # the window's one read back to the host
+            st.host_reads += 1
+            for s in live:
+                for tok in tokens[s]:
+                    if self._advance_row(rows[s], tok, params, results, left, bar):
+                        rows[s] = None
+                        break
+            if dead := [s for s in range(n) if rows[s] is None]:
+                slots.free(dead)
 
     def _step(self, b: _Batch, params: SamplingParams, results, left, bar) -> None:
         """One decode step for every row of the batch (finished rows are fed a pad token until compaction)."""
@@ -354,6 +531,7 @@ class Sampler:
         b.mask = torch.cat([b.mask, new.to(self.device)], dim=1)
         pos = b.pos[:, None] + torch.arange(q, device=self.device)
         targets = self._forward(ids.to(self.device), b.mask, pos, b.cache, keep=q).argmax(dim=-1).tolist()
+        st.host_reads += 1
         step_pos, last = b.pos.tolist(), b.last.tolist()
         for r, (row, d) in enumerate(zip(b.rows, drafts)):
             if row.done:
@@ -415,29 +593,19 @@ class Sampler:
             for layer in cache.layers:
                 layer.rebuild(layer.keys[rep], layer.values[rep])
             mask, pos, logits = mask[rep], pos[rep], logits[rep]
-        rows = [_Row(i, s, self._generator(params, i, s), prompt_ids=ids[i]) for i in group for s in range(params.n)]
+        rows = [_Row(i, s, row_key(params.seed, i, s), prompt_ids=ids[i]) for i in group for s in range(params.n)]
         b = _Batch(cache, mask, pos[:, -1] + 1, None, rows)
         b.last = self._pick(logits, rows, params)
         st.prefill_s += time.perf_counter() - t0
         return b
 
-    @staticmethod
-    def _generator(params: SamplingParams, prompt: int, sample: int) -> torch.Generator | None:
-        if params.greedy:
-            return None
-        g = torch.Generator()
-        g.manual_seed((params.seed * 1_000_003 + prompt) * 1_009 + sample)
-        return g
-
     def _pick(self, logits: torch.Tensor, rows: list[_Row], params: SamplingParams) -> torch.Tensor:
-        """The next token of every row: the argmax (greedy), or a draw from the processed distribution with the
-        row's own generator (finished rows get a pad token)."""
-        if params.greedy:
-            picks = logits.argmax(dim=-1)
-        else:
-            probs = process_logits(logits, params.temperature, params.top_k, params.top_p).softmax(dim=-1).cpu()
-            picks = torch.tensor([int(torch.multinomial(probs[r], 1, generator=row.generator)) if not row.done
-                                  else self.pad for r, row in enumerate(rows)], device=logits.device)  # fmt: skip
+        """The next token of every row, drawn on the device (:func:`sample_tokens`; finished rows get a pad)."""
+        keys = steps = None
+        if not params.greedy:
+            keys = torch.tensor([row.key for row in rows], device=logits.device)
+            steps = torch.tensor([len(row.tokens) for row in rows], device=logits.device)
+        picks = sample_tokens(logits, params, keys, steps)
         dead = [r for r, row in enumerate(rows) if row.done]
         if dead:
             picks[dead] = self.pad
@@ -445,6 +613,7 @@ class Sampler:
 
     def _advance(self, b: _Batch, picks: torch.Tensor, params, results, left, bar) -> None:
         """Append each unfinished row's new token; finish rows on EOS, a stop sequence or the length limit."""
+        self.stats.host_reads += 1
         for row, tok in zip(b.rows, picks.tolist()):
             if not row.done:
                 self._advance_row(row, tok, params, results, left, bar)
@@ -484,6 +653,7 @@ class Sampler:
         keep = [r for r, row in enumerate(b.rows) if not row.done]
         if not keep:
             return None
+        self.stats.compactions += 1
         idx = torch.tensor(keep, device=self.device)
         mask = b.mask[idx]
         if any(b.holes_by_row[r] for r in keep):
@@ -567,6 +737,9 @@ def _plain_head(model) -> tuple[torch.nn.Module, torch.Tensor] | None:
         return None  # a bias, or a ZeRO-3 partitioned weight that only the module's hooks gather
     return base, head.weight
 
+
+ADD_SPECIAL_TOKENS = False
+"""How prompts are tokenized, here and on HF's side of ``bench/bench_generate.py``."""
 
 DECODE_QUERIES = 16
 """Calls with at most this many new positions per row (decoding, draft verification) take the GQA path."""
