@@ -29,10 +29,18 @@ def bpe_data(tmp_path_factory):
     return out
 
 
+# Planted stalls give two parts a size no bookkeeping hides (rows are rank 0's): the data wait we clock at step 3,
+# and at step 4 rank 0's wait for rank 1 (asleep in its fetch) in the step's first blocking collective, the
+# gradient reduce DeepSpeed clocks inside backward (our loss all-reduce only starts before it).
+STALL_S = 0.2
+STALLS = f"slow_data@3:0x{STALL_S},slow_data@4:1x{STALL_S}"
+
+
 def test_eval_and_humaneval_during_training_runs_every_completion_in_the_sandbox(bpe_data, tmp_path):
     out = tmp_path / "run"
     check(launch([*FAST, f"data.path={bpe_data}", f"output_dir={out}", "train.steps=4", "train.eval_interval=2",
-                  "train.eval_humaneval=2", "train.eval_humaneval_max_new_tokens=16"]))  # fmt: skip
+                  "train.eval_humaneval=2", "train.eval_humaneval_max_new_tokens=16"],
+                 env={"ULTRASCALE_INJECT": STALLS}))  # fmt: skip
     rows = metrics(out)
     evals = [r for r in rows if r.get("event") == "eval"]
     assert [e["step"] for e in evals] == [2, 4]
@@ -49,12 +57,21 @@ def test_eval_and_humaneval_during_training_runs_every_completion_in_the_sandbox
     steps = [r for r in rows if "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
+        # A part we clock ourselves also feeds the outer clock that other_s is measured by, so counted twice it
+        # takes its double out of other_s and the parts still sum to step_s (the check below). The clocked parts
+        # are disjoint stretches of the step: without other_s they cannot add up to more than step_s, and a
+        # double-counted stall would.
+        clocked = sum(r[p] for p in PARTS if p != "other_s")
+        assert clocked <= 1.01 * r["step_s"] + 0.002, (clocked, r)
         # other_s is clocked on its own (the step's wall time outside every timed call), so the parts' sum
-        # checks DeepSpeed's inner timers against our outer clock: a part counted twice lands above step_s.
-        # Below it by what DeepSpeed does inside backward/step but times in no part (~2 % here).
+        # checks DeepSpeed's inner timers against our outer clock. Below it by what DeepSpeed does inside
+        # backward/step but times in no part (~2 % here).
         total = sum(r[p] for p in PARTS)
         assert abs(total - r["step_s"]) <= 0.05 * r["step_s"] + 0.002, (total, r)
         assert r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["opt_s"] > 0 and r["other_s"] > 0
+    by_step = {r["step"]: r for r in steps}
+    assert by_step[3]["data_wait_s"] >= STALL_S, by_step[3]  # the stalls landed in the parts they test
+    assert by_step[4]["comm_s"] >= STALL_S / 2, by_step[4]
 
 
 def test_humaneval_during_training_needs_a_tokenizer(tiny_data, tmp_path):
