@@ -71,6 +71,18 @@ FAST = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_dead_shm_buffers(request):
+    """After a test that spawns ranks: remove the /dev/shm all-reduce buffers its killed launches left (a launch
+    killed before its ranks unlinked them; 69 MB a rank, and fresh ports pile them up until the box is out of
+    memory). A buffer a live process holds (another test's, another user's launch) is kept."""
+    yield
+    if request.node.get_closest_marker("dist"):
+        from ultrascale import shm
+
+        shm.remove_stale(min_age_s=0)
+
+
 def launch(
     args: list[str],
     nproc: int = 2,
