@@ -154,6 +154,40 @@ def test_a_signal_saves_the_current_step_and_the_resume_equals_uninterrupted(how
     _assert_resumed_equals_reference(out, trace, reference)
 
 
+def test_ctrl_c_under_the_bare_deepspeed_launcher_with_wandb_on_keeps_its_step(tiny_data, reference, tmp_path):
+    """Ctrl-C in the terminal of ``deepspeed --num_gpus 2 train.py`` with the default loggers (offline wandb and
+    TensorBoard on): SIGINT reaches the whole process group, and DeepSpeed's launch.py answers it by SIGTERMing each
+    rank and all its children, which killed wandb's service under rank 0, so the stop's first log raised and
+    ``latest`` stayed at step 5. The stop must commit step 7, keep logging to wandb, exit with no ``error:`` line,
+    leave no shared-memory buffer behind, and resume into the uninterrupted run."""
+    from tests.wandb_files import read_run
+    from ultrascale import shm
+
+    out, trace = tmp_path / "run", tmp_path / "trace"
+    args = [*(a if a != "logger=none" else "logger=default" for a in BASE), f"data.path={tiny_data}",
+            f"output_dir={out}"]  # fmt: skip
+    port = free_port()
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "train.py", *args]
+    proc = _start(cmd, out, {"ULTRASCALE_TRACE_SAMPLES": str(trace), "ULTRASCALE_INJECT": STALL})
+    _wait_for(_logged(out, 6), proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the runner, launch.py and both ranks
+    proc.wait(timeout=300)
+    _wait_gone(out)
+    log = _log(out)
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000007", log[-3000:]
+    (stop,) = _events(out, "stop")
+    assert stop["step"] == 7 and stop["signal"] == "SIGINT" and stop["checkpoint"] == "step_00000007", stop
+    assert not [ln for ln in log.splitlines() if ln.startswith("error:")], log[-3000:]
+    assert log.index("checkpoint step_00000007") < log.index("step      7 |"), log[-3000:]  # views held for the save
+    steps = {row.get("_step") for row in read_run(out)["history"] if "train/loss" in row}
+    assert 7 in steps, sorted(steps)  # wandb kept its curve through the stop: its service outlived the teardown
+    assert not [p for p in shm.buffers() if shm.parse(p.name)["port"] == port]
+    check(launch(args, launcher="deepspeed", env={"ULTRASCALE_TRACE_SAMPLES": str(trace)}))
+    (resume,) = _events(out, "resume")
+    assert resume["from_step"] == 7 and resume["steps_lost"] == 0
+    _assert_resumed_equals_reference(out, trace, reference)
+
+
 # ---- a lost rank restarts by itself ----------------------------------------------------------------------------
 
 
@@ -182,6 +216,12 @@ def test_a_killed_rank_restarts_the_job_which_finishes_like_the_uninterrupted_ru
         assert reads[rank][-(STEPS - 5) * gas :] == ref_reads[rank][5 * gas :]
     report = (out / "report.md").read_text()
     assert "restart" in report and "2 steps lost" in report, report
+    if launcher == "deepspeed":  # its shm all-reduce buffers (69 MB a rank): neither the killed launch nor the
+        from ultrascale import shm  # finished one leaves them in /dev/shm
+
+        launches = [ln.split() for ln in (out / "launcher.log").read_text().splitlines() if ln.startswith("$ ")]
+        ports = {int(cmd[cmd.index("--master_port") + 1]) for cmd in launches}
+        assert len(ports) == 2 and not [p for p in shm.buffers() if shm.parse(p.name)["port"] in ports]
 
 
 # ---- a kill during the background write ------------------------------------------------------------------------

@@ -123,6 +123,10 @@ def init_distributed(timeout_min: int = 60) -> str:
 
         _init_after_torchrun_restart(backend, timedelta(minutes=timeout_min))
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_min))
+        if backend == "gloo":  # DeepSpeed's CPU all-reduce buffers in /dev/shm: no launch leaves them behind
+            from ultrascale import shm
+
+            shm.release_own(dist.barrier)
     import torch
 
     if backend == "nccl":

@@ -508,6 +508,9 @@ class Trainer:
             res.steps_run += 1
             if res.steps_run > 1:  # the first step includes one-off warm-up costs
                 res.tokens_per_s.append(res.last["tokens_per_s"])
+            stopping = bool(st.stop) and done < steps
+            if stopping:  # the views wait until the stop's checkpoint is `latest`: no dashboard may cost the step
+                self.metrics.hold()
             self._record(done, verdict, res.last)
             if verdict.action == "rollback":
                 step = self._rollback(step, verdict)
@@ -518,15 +521,17 @@ class Trainer:
             # The steady-state window ends with the last step's update: the run's closing eval and checkpoint
             # are its exit, not its speed (evals and checkpoints between steps stay inside the window).
             t_last = time.perf_counter()
-            self._after_step(done, steps, res)
+            if not stopping:  # a stop saves at once (the launcher's kill timer runs): an eval due now is skipped
+                self._after_step(done, steps, res)
             self._commit_written(done, st.written)
             if t_first is None:
                 t_first, res.first_step_unix = time.perf_counter(), time.time()
             step = done
-            if st.stop and done < steps:
+            if stopping:
                 res.stopped = self._stop_after(done, st.stop)
                 break
         self._flush_checkpoint(step)
+        self.metrics.release()
         res.end_step = step if res.steps_run else self.start_step  # a stop before the first step read nothing
         res.loop_s = t_last - t_first if t_first and t_last and res.steps_run > 1 else 0.0
         profiler.close(res.steps_run)
@@ -564,6 +569,7 @@ class Trainer:
         if not self.checkpointer.saved(done):
             self.save(done)
         self._flush_checkpoint(done)
+        self.metrics.release()  # `latest` is step `done` now; the views may fail or stall without losing it
         self._record_stop(done, code, self.checkpointer.latest())
         self.stop.settle()
         return self.stop.describe(code)
