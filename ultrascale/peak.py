@@ -1,4 +1,12 @@
-"""The FLOP rate MFU divides by: a GPU's datasheet figure, or a CPU rank's measured, calibrated GEMM rate.
+"""The FLOP rate MFU divides by: a GPU's datasheet figure for the run's matmul dtype, or a CPU rank's measured,
+calibrated GEMM rate.
+
+A GPU's figure is its card's dense (no 2:4 sparsity) tensor-core peak for the dtype the matmuls run in, from
+the datasheet table :data:`ultrascale.gpu.CARDS` (sources named there): bf16/fp16 for 16-bit weights or
+autocast, TF32 for fp32 weights where torch lets matmuls use it (``torch.backends.cuda.matmul.allow_tf32``,
+``torch.set_float32_matmul_precision("high")``), plain fp32 otherwise. An H100 PCIe (756 TFLOP/s bf16) is not
+divided by the SXM5's 989, nor an fp32 run by the bf16 figure. A card the table does not know gets no MFU, and
+the banner says so, rather than a borrowed number.
 
 A CPU has no datasheet peak a run can reach, so MFU there is ``achieved / calibrated``, where *calibrated* is
 what a large, long GEMM reaches per rank with the thread count the run uses while every rank of the node
@@ -21,16 +29,8 @@ from pathlib import Path
 import torch
 
 from ultrascale.argv import ArgParser
+from ultrascale.gpu import GpuInfo
 
-# Dense bf16 peak per device (FLOP/s), from vendor datasheets (no sparsity).
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "V100": 125e12,
-}
 GEMM_N = 2048
 """fp32 2048^3: ~17 GFLOP per product, 0.1-0.5 s on one core: far past cache effects, long enough to time."""
 
@@ -121,15 +121,40 @@ def cpu_peak(dtype: torch.dtype = torch.float32, remeasure: bool = False) -> tup
     return flops, f"{flops / 1e9:.1f} GFLOP/s per rank: {key} (calibrated now)"
 
 
-def device_peak_flops(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
-    """(peak FLOP/s per rank, where it came from); 0 where unknown (MFU is then not reported)."""
+def matmul_dtype(dtype: torch.dtype, tf32: bool) -> str:
+    """The datasheet column a GPU's matmuls in ``dtype`` run at: bf16, fp16, or fp32 weights as TF32 (when torch
+    allows it) or as plain fp32."""
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    return "tf32" if tf32 else "fp32"
+
+
+def gpu_peak(gpu: GpuInfo, column: str) -> tuple[float, str]:
+    """(peak FLOP/s of this GPU for matmuls in ``column`` (bf16/fp16/tf32/fp32), where it came from); 0 with the
+    reason where the card or its figure is unknown. A MIG slice gets its share of the card by SMs."""
+    ident = gpu.identified()
+    card = ident.card
+    if card is None:
+        return 0.0, f"{gpu.name}: no datasheet peak ({ident.why}): MFU not reported"
+    tflops = card.tflops.get(column)
+    if not tflops:
+        return 0.0, f"{card.name} has no {column} tensor-core figure on its datasheet: MFU not reported"
+    share = f" x {ident.share:.2f} of its SMs" if ident.share < 1 else ""
+    return tflops * 1e12 * ident.share, (f"{card.name} datasheet, {column} dense {tflops:g} TFLOP/s{share} "
+                                         f"({ident.why}; {card.source})")  # fmt: skip
+
+
+def device_peak_flops(dtype: torch.dtype = torch.float32, gpu: GpuInfo | None = None) -> tuple[float, str]:
+    """(peak FLOP/s per rank for matmuls in ``dtype``, where it came from); 0 where unknown (MFU is then not
+    reported). On CUDA, ``gpu`` (default: this rank's) is looked up in the datasheet table; fp32 counts as TF32
+    when torch lets matmuls use it."""
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, peak in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return peak, f"{name} (datasheet bf16 dense)"
-        return 0.0, f"{name} (unknown peak: MFU not reported)"
-    return cpu_peak(dtype)
+        from ultrascale.gpu import detect
+
+        return gpu_peak(gpu or detect(), matmul_dtype(dtype, torch.backends.cuda.matmul.allow_tf32))
+    return cpu_peak(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)  # a CPU's fp16 GEMM is not a path
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ultrascale.config.topology import Topology
 from ultrascale.cpu import CpuInfo
+from ultrascale.gpu import GpuInfo
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class Decisions:
     """``value``: ``torch`` (we build AdamW with decay groups and hand it over) or ``deepspeed`` (the JSON's)."""
     fused_loss: Choice
     """``value``: chunk tokens (None: chosen from the vocabulary at install)."""
+    loss_kernel: Choice
+    """``value``: the fused loss's implementation, ``chunked`` (ours, any device) or ``liger`` (liger-kernel's
+    Triton fused linear cross-entropy, CUDA); off when the fused loss is."""
+    activation_checkpointing: Choice
+    """``value``: ``none``, ``selective`` (per-op: matmul and attention outputs saved, the rest recomputed) or
+    ``full`` (each decoder layer recomputed from its input)."""
     attention: Choice
     """``value``: the query block size of the blocked causal SDPA when on."""
     compile: Choice
@@ -55,6 +62,8 @@ class Decisions:
     """ZeRO-3 gathers each sparse-MoE block whole (set_z3_leaf_modules): experts replicated under ZeRO-3."""
     hf_config: Any = field(compare=False, repr=False, default=None)
     """The HF config the model is built from, built once."""
+    gpu: GpuInfo | None = field(compare=False, default=None)
+    """The GPU the levers were decided for (this rank's, or a planned cluster's); None on CPU ranks."""
 
     @property
     def pipeline(self) -> bool:
@@ -64,6 +73,8 @@ class Decisions:
         """Every on/off feature by name, for the banner and the dry run."""
         return {
             "loss": self.fused_loss,
+            "loss kernel": self.loss_kernel,
+            "act-ckpt": self.activation_checkpointing,
             "attention": self.attention,
             "compile": self.compile,
             "packing": self.document_masking,
@@ -75,22 +86,34 @@ class Decisions:
         }
 
 
-def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None = None) -> Decisions:
+def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None = None,
+           gpu: GpuInfo | None = None) -> Decisions:  # fmt: skip
     """The run's decisions from a validated config, its topology, the HF config, ``gloo``/``nccl`` and, for CPU
     ranks, the CPU (:func:`ultrascale.cpu.detect`; the CPU levers are pure functions of it). ``cpu=None``: a GPU,
-    or a CPU whose features are unknown (the levers then keep their measured-elsewhere defaults and say so)."""
+    or a CPU whose features are unknown (the levers then keep their measured-elsewhere defaults and say so).
+    ``gpu``: the GPU of an ``nccl`` run (:func:`ultrascale.gpu.detect`, or a planned cluster's
+    :meth:`~ultrascale.gpu.GpuInfo.from_cluster`); the GPU levers are pure functions of it, and ``gpu=None``
+    keeps their GPU-less defaults. Which loss kernels are importable is the one thing read from the
+    environment (only for a GPU)."""
     from ultrascale.model.moe import num_experts
 
     stage = cfg.zero.stage
     experts = num_experts(hf_config)
     attn = str(cfg.model.attn_implementation)
     doc = _document_masking(cfg, topo, attn)
+    gpu = gpu if backend == "nccl" else None
+    fused = _fused_loss(cfg, topo, hf_config, backend, cpu, gpu)
+    kernel = _loss_kernel(cfg, fused, gpu, liger_importable() if gpu is not None else False)
+    if kernel.value == "liger":
+        fused = Choice(True, "fused linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)", None)
     return Decisions(
         topo=topo,
         zero_stage=stage,
         zero3_init=Choice(stage == 3, "ZeRO-3: every rank builds only its shard" if stage == 3 else f"ZeRO-{stage}"),
         optimizer_owner=_optimizer_owner(cfg),
-        fused_loss=_fused_loss(cfg, topo, hf_config, backend, cpu),
+        fused_loss=fused,
+        loss_kernel=kernel,
+        activation_checkpointing=_activation_checkpointing(cfg, topo, hf_config, backend, gpu, fused),
         attention=_attention(cfg, topo, hf_config, attn, backend, cpu),
         compile=_compile(cfg, topo, stage, experts),
         document_masking=doc,
@@ -101,6 +124,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
         moe=Choice(experts > 0, _moe_why(experts, topo), experts),
         moe_leaf_modules=experts > 0 and stage == 3 and topo.ep == 1,
         hf_config=hf_config,
+        gpu=gpu,
     )
 
 
@@ -116,7 +140,8 @@ def _optimizer_owner(cfg: Any) -> Choice:
     return Choice(True, f"torch AdamW{fused}, no decay on norms/biases", "torch")
 
 
-def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None) -> Choice:
+def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None,
+                gpu: GpuInfo | None = None) -> Choice:  # fmt: skip
     if not cfg.train.fused_loss:
         return Choice(False, "plain HF cross-entropy (train.fused_loss=false)")
     if topo.pp > 1:
@@ -136,6 +161,9 @@ def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: Cpu
                       int(cfg.train.loss_chunk_tokens))  # fmt: skip
     if backend == "gloo" and cpu is not None:
         chunk, why = cpu_loss_chunk(cpu, int(hf_config.vocab_size), _bf16_matmuls(cfg, cpu))
+        return Choice(True, f"{what}, {chunk} tokens a chunk ({why})", chunk)
+    if gpu is not None:
+        chunk, why = gpu_loss_chunk(gpu, int(hf_config.vocab_size))
         return Choice(True, f"{what}, {chunk} tokens a chunk ({why})", chunk)
     from ultrascale.model.loss import CHUNK_BUDGET_BYTES
 
@@ -298,3 +326,131 @@ def cpu_loss_chunk(cpu: CpuInfo, vocab: int, bf16: bool) -> tuple[int, str]:
     unit = f"bf16 GEMMs on {cpu.matrix_unit}" if native else "fp32 GEMMs"
     capped = f", capped by the {CHUNK_LOGITS_CAP_MIB} MiB logits budget at vocab {vocab:,}" if chunk < want else ""
     return chunk, f"{unit}{capped}"
+
+
+# --- The GPU levers: pure functions of the GPU (ultrascale.gpu.GpuInfo: name, memory, capability), so a planted
+# description decides them in a test exactly as the real card does on a GPU node. ---
+
+GPU_LOSS_FRACTION = 64
+"""One chunk's fp32 logits get 1/64 of the GPU's free memory: 1.2 GiB on an 80 GB card (2,048 tokens at vocab
+128,256), 0.34 GiB on a 24 GB one (512). The 32 MiB budget it replaces gave 65 tokens at that vocabulary: ~500
+GEMMs of 65 rows per micro-batch of 32k tokens, each too thin to fill a GPU's tensor cores."""
+GPU_MAX_CHUNK_TOKENS = 8192
+"""Past this a chunk's GEMM ([chunk, h] x [h, V]) is long past filling the GPU; more only holds more memory."""
+AC_HEADROOM = 0.10
+"""``auto`` activation checkpointing keeps 10 % of the GPU's free memory unplanned (NCCL buffers, the caching
+allocator's slack), on top of the planner's own fragmentation term."""
+AC_MODES = ("none", "selective", "full")
+"""Cheapest (most memory) first: ``auto`` takes the first whose predicted peak fits."""
+
+
+def liger_importable() -> bool:
+    """liger-kernel is installed (its Triton kernels need CUDA; it is not in requirements.txt)."""
+    from ultrascale.model.loss import _importable
+
+    return _importable("liger_kernel")
+
+
+def gpu_loss_chunk(gpu: GpuInfo, vocab: int) -> tuple[int, str]:
+    """(tokens per chunk of the fused loss, why): the largest power of two whose fp32 logits fit 1/64 of the GPU's
+    free memory, at most 8,192 tokens."""
+    budget = gpu.available_bytes // GPU_LOSS_FRACTION
+    fit = max(1, budget // (4 * vocab))
+    pow2 = 1 << (fit.bit_length() - 1)
+    chunk = min(GPU_MAX_CHUNK_TOKENS, pow2)
+    free = "free" if gpu.free_bytes is not None else "total"
+    capped = f", capped at {GPU_MAX_CHUNK_TOKENS:,}" if chunk < pow2 else ""
+    return chunk, (f"1/{GPU_LOSS_FRACTION} of {gpu.available_bytes / 2**30:.1f} GiB {free} on the GPU for one "
+                   f"chunk's fp32 logits at vocab {vocab:,}{capped}")  # fmt: skip
+
+
+def _loss_kernel(cfg: Any, fused: Choice, gpu: GpuInfo | None, liger: bool) -> Choice:
+    """``train.loss_kernel``: liger-kernel's fused linear cross-entropy where it is importable on a GPU (``auto``)
+    or asked for; our chunked one otherwise."""
+    want = str(cfg.train.loss_kernel)
+    if not fused.on:
+        return Choice(False, "off (no fused loss)", None)
+    if want == "chunked":
+        return Choice(True, "chunked (train.loss_kernel=chunked)", "chunked")
+    if gpu is None:
+        if want == "liger":  # a planned cluster without a GPU description: as configured (validate refuses on CPU)
+            return Choice(True, "liger-kernel's Triton fused linear cross-entropy (train.loss_kernel=liger)", "liger")
+        return Choice(True, "chunked (auto: liger-kernel runs on CUDA only)", "chunked")
+    if liger:
+        return Choice(True, f"liger-kernel's Triton fused linear cross-entropy (train.loss_kernel={want})", "liger")
+    if want == "liger":  # validate turns this into the error naming the package
+        return Choice(False, "train.loss_kernel=liger but liger-kernel is not importable: pip install liger-kernel",
+                      None)  # fmt: skip
+    return Choice(True, "chunked (auto: liger-kernel is not installed; pip install liger-kernel for its kernel)",
+                  "chunked")  # fmt: skip
+
+
+def checkpointing_mode(value: Any) -> str:
+    """``train.activation_checkpointing`` as one of auto/none/selective/full: YAML's and the command line's
+    booleans (``true``/``false``, which the config keeps as ``"True"``/``"False"``) mean full/none, as they did
+    before the modes. Raises ValueError for anything else."""
+    v = str(value).strip().lower()
+    v = {"true": "full", "false": "none"}.get(v, v)
+    if v not in ("auto", *AC_MODES):
+        raise ValueError(value)
+    return v
+
+
+def selective_unavailable(topo: Topology) -> str | None:
+    """Why per-op selective checkpointing cannot run with this layout (None: it can). The pipeline engine
+    checkpoints whole layers itself; under AutoTP, Ulysses and AutoEP the layers' collectives sit between the
+    saved matmuls, a combination not tested here."""
+    if topo.pp > 1:
+        return "the pipeline engine checkpoints whole layers (pp>1)"
+    if topo.tp > 1 or topo.sp > 1 or topo.ep > 1:
+        return "not with AutoTP/Ulysses/AutoEP (tp/sp/ep>1): their collectives inside a layer are untested under it"
+    return None
+
+
+def auto_checkpointing(peaks: dict[str, float], gpu: GpuInfo) -> tuple[str, str]:
+    """(mode, why) for ``auto``: the first of none, selective, full (those in ``peaks``: the planner's predicted
+    peak bytes per GPU for each) that fits the GPU's free memory less 10 %; full if none fits."""
+    usable = gpu.available_bytes * (1 - AC_HEADROOM)
+    said = []
+    for mode in (m for m in AC_MODES if m in peaks):
+        said.append(f"{mode} {peaks[mode] / 2**30:.1f} GiB")
+        if peaks[mode] <= usable:
+            break
+    else:
+        mode = "full"
+    card = gpu.identified().card
+    where = f"{usable / 2**30:.1f} GiB usable (90 % of {gpu.available_bytes / 2**30:.1f} GiB " \
+            f"{'free' if gpu.free_bytes is not None else 'total'} on {card.name if card else gpu.name})"  # fmt: skip
+    fits = "fits" if peaks.get(mode, float("inf")) <= usable else "does not fit even so"
+    return mode, f"auto: the planner predicts {', '.join(said)} per GPU; {where}: {mode} {fits}"
+
+
+def predicted_peaks(cfg: Any, topo: Topology, hf_config: Any, fused: Choice, modes: tuple[str, ...]) -> dict:
+    """The planner's (:mod:`ultrascale.plan.memory`) peak bytes per GPU of this run under each checkpointing mode."""
+    from dataclasses import replace
+
+    from ultrascale.model.arch import arch_from_hf
+    from ultrascale.plan.memory import memory
+    from ultrascale.plan.search import layout_from_cfg
+
+    arch = arch_from_hf(hf_config)
+    lay = replace(layout_from_cfg(cfg, topo.world), zero_stage=int(cfg.zero.stage), fused_loss=fused.on,
+                  loss_chunk_tokens=fused.value or 0)  # fmt: skip
+    return {m: memory(arch, replace(lay, activation_checkpointing=m)).total for m in modes}
+
+
+def _activation_checkpointing(cfg: Any, topo: Topology, hf_config: Any, backend: str, gpu: GpuInfo | None,
+                              fused: Choice) -> Choice:  # fmt: skip
+    mode = checkpointing_mode(cfg.train.activation_checkpointing)
+    what = {"none": "off", "selective": "selective per-op: matmul and attention outputs saved, norms and "
+            "activations recomputed", "full": "full: each decoder layer recomputed from its input in backward"}  # fmt: skip
+    if mode != "auto":
+        return Choice(mode != "none", f"{what[mode]} (train.activation_checkpointing={mode})", mode)
+    if backend == "gloo":
+        return Choice(False, "off (train.activation_checkpointing=auto decides from a GPU's memory; a CPU run "
+                             "keeps it off: set selective or full to trade compute for memory)", "none")  # fmt: skip
+    if gpu is None:
+        return Choice(False, "off (train.activation_checkpointing=auto: no GPU described to size it for)", "none")
+    modes = tuple(m for m in AC_MODES if m != "selective" or not selective_unavailable(topo))
+    mode, why = auto_checkpointing(predicted_peaks(cfg, topo, hf_config, fused, modes), gpu)
+    return Choice(mode != "none", f"{what[mode]} ({why})", mode)

@@ -38,6 +38,12 @@ class AttentionKernel(StrEnum):
     flex = "flex"
 
 
+class LossKernel(StrEnum):
+    auto = "auto"
+    chunked = "chunked"
+    liger = "liger"
+
+
 class Precision(StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -348,8 +354,15 @@ class TrainConfig:
     """Seeds weight init, data order and dropout. Same seed + same data = same run."""
     resume: str = "auto"
     """``auto`` (resume from the newest complete checkpoint in output_dir if any), ``never``, or a path."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward: activation memory drops to ~2·s·b·h per layer, ~30 % more compute."""
+    activation_checkpointing: str = "auto"
+    """Trade compute for activation memory (``ultrascale/model/recompute.py``). ``full``: each decoder layer is
+    recomputed from its input in backward (a layer keeps only its input, e·s·b·h; one more forward, ~30 % more
+    compute). ``selective``: per-op, as torchtitan does: the matmuls' and the attention kernel's outputs are kept
+    and norms, RoPE, activations and residual adds recomputed (about half a layer's activations on a Llama shape,
+    a few elementwise kernels of recompute; pp=tp=sp=ep=1). ``none``: off. ``auto`` (default): on a GPU, none if
+    the planner's predicted peak (``ultrascale/plan/memory.py``) fits 90 % of the GPU's free memory, else
+    selective if that fits, else full, with the figures in the banner; on CPU off, as before. ``true``/``false``
+    mean full/none."""
     universal_checkpoint: bool = False
     """Load checkpoints in DeepSpeed universal format (resume on a different world size / parallel layout)."""
     allow_schedule_change: bool = False
@@ -374,8 +387,9 @@ class TrainConfig:
     small model. Same loss and gradients as the plain path. Dense HF decoders with pp=1 and sp=1; MoE models
     keep the plain path (their forward adds the router loss) and the banner says so."""
     loss_chunk_tokens: int = num(0, ge=0)
-    """Tokens per chunk of the fused loss; 0: decided from the machine (CPU: 128 with fp32 GEMMs, 1,024 where
-    autocast puts them on a bf16 matrix unit, within a 256 MiB logits budget; GPU: the vocabulary's 32 MiB budget;
+    """Tokens per chunk of the chunked fused loss; 0: decided from the machine (CPU: 128 with fp32 GEMMs, 1,024
+    where autocast puts them on a bf16 matrix unit, within a 256 MiB logits budget; GPU: the power of two whose
+    fp32 logits fit 1/64 of the GPU's free memory, at most 8,192: 2,048 at vocab 128k on an 80 GB card;
     ``ultrascale/config/decide.py``)."""
     attention_kernel: AttentionKernel = AttentionKernel.auto
     """The attention kernel of training with ``model.attn_implementation=sdpa``. Packed rows holding several
@@ -388,6 +402,11 @@ class TrainConfig:
     capability 8.0+ when documents are masked; on CPU the blocks for multi-document rows and SDPA's causal
     kernel for one-document rows (torch 2.13 has no CPU FlexAttention backward: forcing ``flex`` on a CPU trains
     through its slow reference implementation, for checking). Causal text decoders with pp=1 and sp=1."""
+    loss_kernel: LossKernel = LossKernel.auto
+    """The fused loss's kernel (``train.fused_loss``). ``chunked``: ours (``ultrascale/model/loss.py``), any
+    device, ``train.loss_chunk_tokens`` a chunk. ``liger``: liger-kernel's Triton fused linear cross-entropy (CUDA,
+    ``pip install liger-kernel``; not in requirements.txt). ``auto``: liger on a GPU where it is importable,
+    chunked otherwise."""
     attn_block_size: int | None = num(None, ge=0)
     """With ``model.attn_implementation=sdpa``: run causal attention in query blocks of this many tokens, each
     block attending only to keys up to its own end, so the tiles the causal mask forbids are never computed
@@ -636,8 +655,9 @@ class SearchConfig:
     """ZeRO stages to try."""
     offload: bool = True
     """Also try optimizer (stage>=1) and parameter (stage 3) offload to the host."""
-    recompute: list[bool] = field(default_factory=lambda: [False, True])
-    """Activation checkpointing settings to try."""
+    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    """Activation checkpointing modes to try (``train.activation_checkpointing``: none, selective, full;
+    true/false mean full/none). Selective is tried only where it can run (pp=tp=sp=ep=1)."""
     micro_batches: list[int] = num(default_factory=lambda: [1, 2, 4, 8], ge=1)
     """Micro-batch sizes to try; each must divide global_batch / dp."""
     tp: list[int] = num(default_factory=lambda: [1, 2, 4, 8], ge=1)

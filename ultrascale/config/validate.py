@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from ultrascale.config.decide import Decisions, decide
 from ultrascale.config.topology import Topology
 from ultrascale.errors import ConfigError
+from ultrascale.gpu import GpuInfo
 
 
 @cache
@@ -120,13 +121,14 @@ def _parallel_combinations(cfg: DictConfig, topo: Topology, dims: dict[str, int]
             )
 
 
-def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> Decisions:
+def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: GpuInfo | None = None) -> Decisions:
     """Check the composed config against itself and the world size; return what the run does.
 
     Single keys (types, ranges, unknown keys) were checked when the config was composed
     (:mod:`ultrascale.config.fields`); these are the rules between keys, read against the run's
-    :class:`Decisions` (built here, once). ``backend`` (``gloo``/``nccl``) defaults to this machine's; the
-    planner passes its cluster's.
+    :class:`Decisions` (built here, once). ``backend`` (``gloo``/``nccl``) defaults to this machine's, and then
+    ``gpu`` to this machine's GPU (:func:`ultrascale.gpu.detect`); the planner passes its cluster's backend and,
+    where it has one, the cluster's GPU (:meth:`ultrascale.gpu.GpuInfo.from_cluster`).
     """
     _train_tools(cfg.train)
     _mixture_rules(cfg.data, cfg.train.steps)
@@ -144,6 +146,10 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> De
         from ultrascale.dist import detect_backend
 
         backend = detect_backend()
+        if backend == "nccl" and gpu is None:
+            from ultrascale.gpu import detect as detect_gpu
+
+            gpu = detect_gpu()
     zq = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if cfg.zero[k]]
     if zq and backend == "gloo":
         raise ConfigError(
@@ -162,7 +168,9 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None) -> De
         from ultrascale.cpu import detect
 
         cpu = detect()
-    d = decide(cfg, topo, hf, backend, cpu)
+    _checkpointing_rules(cfg, topo)
+    d = decide(cfg, topo, hf, backend, cpu, gpu)
+    _loss_kernel_rules(cfg, d, backend)
     dims = model_dims(hf)
     _zero_rules(cfg, d)
     _parallel_combinations(cfg, topo, dims)
@@ -210,6 +218,40 @@ def _attention_rules(cfg: DictConfig, topo: Topology, hf: Any) -> None:
         raise ConfigError(
             f"{key} has no attention dropout (model.config.attention_dropout={dropout}): set it to 0, or {fix}"
         )
+
+
+def _checkpointing_rules(cfg: DictConfig, topo: Topology) -> None:
+    """``train.activation_checkpointing``: one of the modes (booleans mean full/none), and selective only where
+    its per-op policy runs."""
+    from ultrascale.config.decide import checkpointing_mode, selective_unavailable
+
+    value = cfg.train.activation_checkpointing
+    try:
+        mode = checkpointing_mode(value)
+    except ValueError:
+        raise ConfigError(
+            f"train.activation_checkpointing={value!r} is not one of auto, none, selective, full "
+            "(true/false mean full/none)"
+        ) from None
+    why = selective_unavailable(topo) if mode == "selective" else None
+    if why:
+        raise ConfigError(f"train.activation_checkpointing=selective is not available: {why}; use full (or auto)")
+
+
+def _loss_kernel_rules(cfg: DictConfig, d: Decisions, backend: str) -> None:
+    """A named ``train.loss_kernel=liger`` runs or says why not (``auto`` falls back by itself)."""
+    if str(cfg.train.loss_kernel) != "liger":
+        return
+    if backend == "gloo":
+        raise ConfigError(
+            "train.loss_kernel=liger needs CUDA (liger-kernel's kernels are Triton): use train.loss_kernel=auto "
+            "or chunked on CPU"
+        )
+    if not d.fused_loss.on:
+        raise ConfigError(f"train.loss_kernel=liger is the fused loss's kernel, but the fused loss is off: "
+                          f"{d.fused_loss.why}; use train.loss_kernel=auto")  # fmt: skip
+    if d.loss_kernel.value != "liger":
+        raise ConfigError(f"{d.loss_kernel.why}, or use train.loss_kernel=auto")
 
 
 def _mixture_rules(data: DictConfig, train_steps: int) -> None:

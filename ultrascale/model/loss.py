@@ -344,8 +344,11 @@ def install_fused_loss(model, chunk_tokens: int | None = None, impl: str = "auto
     if is_moe(model):
         return False
     _check_fusable(model)
-    if impl not in _IMPLS:  # the device is only known at the first step; the name can be checked now
+    if impl not in _IMPLS:  # the device is only known at the first step; the name and the package can be checked now
         raise ValueError(f"install_fused_loss: impl={impl!r} is not one of {', '.join(_IMPLS)}")
+    if impl in _GPU_PACKAGES and not _importable(_GPU_PACKAGES[impl][0]):
+        raise ValueError(f"install_fused_loss: impl={impl!r} needs `pip install {_GPU_PACKAGES[impl][1]}` (CUDA + "
+                         "Triton), which this environment lacks")  # fmt: skip
     if chunk_tokens is not None and int(chunk_tokens) < 1:
         raise ValueError(f"install_fused_loss: chunk_tokens={chunk_tokens} must be >= 1 (or None for the default)")
     current = model.__dict__.get("forward")

@@ -31,7 +31,11 @@ e = bytes of the compute dtype; h = hidden; h_q = heads·head_dim; kv = kv_heads
   k·(2e·h + 4e·I).
 - head: final norm + fp32 log-softmax of the logits 4V + ids and labels (16); with the fused loss no logits
   are kept, only the fp32 gradient of the hidden state it computes in its forward (4h).
-- activation checkpointing keeps only each layer's input e·h (plus one layer recomputed at a time).
+- activation checkpointing, ``full``, keeps only each layer's input e·h (plus one layer recomputed at a time);
+  ``selective`` (per-op, ``ultrascale/model/recompute.py``) keeps the input and what the matmuls and the attention
+  kernel output: q, k, v, the attention output and its fp32 log-sum-exp, o_proj: e·(h + 2h_q + 2kv + h) + 4·heads;
+  SwiGLU gate, up, down: e·(2I + h), GELU in and out: e·(I + h); MoE: router logits e·E and per routed copy
+  gate_up and down k·(2e·I + e·h). Eager attention's scores are batched matmuls, which the policy recomputes.
 TP divides everything but the norms (AutoTP replicates them); Ulysses SP divides everything by sp;
 pipeline stage 0 keeps min(pp, micro_batches) micro-batches in flight (1F1B).
 """
@@ -60,7 +64,8 @@ class Layout:
     zero_stage: int = 1
     offload_optimizer: bool = False
     offload_param: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"
+    """``none``, ``selective`` or ``full`` (booleans mean full/none, as ``train.activation_checkpointing``)."""
     micro_batch: int = 1
     global_batch: int = 1
     seq_len: int = 2048
@@ -76,9 +81,22 @@ class Layout:
     loss_chunk_tokens: int = 0
     """Tokens per fused-loss chunk (0: chosen from the vocabulary, as the loss does)."""
 
+    def __post_init__(self) -> None:
+        from ultrascale.config.decide import checkpointing_mode
+
+        mode = checkpointing_mode(self.activation_checkpointing)
+        if mode == "auto":
+            raise ValueError("Layout.activation_checkpointing=auto: decide it first (ultrascale.config.decide)")
+        object.__setattr__(self, "activation_checkpointing", mode)
+
     @property
     def dp(self) -> int:
         return self.world // (self.tp * self.pp * self.sp)
+
+    @property
+    def recomputes(self) -> bool:
+        """Activation checkpointing of either kind (a recompute pass in backward, one layer at a time)."""
+        return self.activation_checkpointing != "none"
 
     @property
     def grad_accum(self) -> int:
@@ -202,14 +220,20 @@ def _persistent_params(arch: Arch, lay: Layout) -> float:
     return small / (lay.pp * lay.tp)
 
 
-def activation_bytes_per_token_layer(arch: Arch, lay: Layout, checkpointed: bool) -> float:
-    """Bytes one token leaves saved for backward in one decoder layer, before TP/SP division."""
+def activation_bytes_per_token_layer(arch: Arch, lay: Layout, mode: str | bool) -> float:
+    """Bytes one token leaves saved for backward in one decoder layer under checkpointing ``mode``
+    (none/selective/full; True/False mean full/none), before TP/SP division."""
+    from ultrascale.config.decide import checkpointing_mode
+
+    mode = checkpointing_mode(mode)
     e = DTYPE_BYTES[lay.dtype]
     h = arch.hidden
-    if checkpointed:
+    if mode == "full":
         return e * h
     h_q = arch.heads * arch.head_dim
     kv = arch.kv_heads * arch.head_dim
+    if mode == "selective":
+        return e * h + _selective_matmul_bytes(arch, lay, e, h, h_q, kv)
     norm = (4 * h + 2 * e * h) if arch.rms_norm else 2 * e * h
     if lay.attn == "eager":
         soft = 4 + (e if e < 4 else 0)
@@ -223,6 +247,20 @@ def activation_bytes_per_token_layer(arch: Arch, lay: Layout, checkpointed: bool
     mlp = moe_share * (routed + shared) + (1 - moe_share) * dense_mlp
     norm_share = norm * 2
     return (attn + mlp) / lay.tp + norm_share
+
+
+def _selective_matmul_bytes(arch: Arch, lay: Layout, e: int, h: int, h_q: int, kv: int) -> float:
+    """What per-op selective checkpointing keeps of a layer besides its input: the matmuls' and the attention
+    kernel's outputs (``ultrascale.model.recompute.SAVE_OPS``), per token."""
+    attn = e * (h_q + 2 * kv) + e * h  # q, k, v projections and o_proj
+    if lay.attn != "eager":  # the fused kernel's output and fp32 log-sum-exp; eager's bmm are recomputed
+        attn += e * h_q + 4 * arch.heads
+    moe_share = arch.moe_layers / arch.layers
+    dense_mlp = e * ((2 if arch.gated_mlp else 1) * arch.intermediate + h)
+    routed = e * arch.experts + arch.top_k * (2 * e * arch.moe_intermediate + e * h)
+    shared = e * (2 * arch.shared_intermediate + h) if arch.shared_intermediate else 0.0
+    mlp = moe_share * (routed + shared) + (1 - moe_share) * dense_mlp
+    return (attn + mlp) / lay.tp
 
 
 def head_bytes_per_token(arch: Arch, lay: Layout) -> float:
@@ -259,8 +297,10 @@ def activation_bytes(arch: Arch, lay: Layout) -> tuple[float, float]:
         saved = max(body, tokens * layers * per_layer + head)
     else:
         saved = body + head
-    full_layer = tokens * activation_bytes_per_token_layer(arch, lay, False)
-    extra = max(full_layer if lay.activation_checkpointing else 0.0, loss_transient_bytes(arch, lay, tokens))
+    full_layer = tokens * activation_bytes_per_token_layer(arch, lay, "none")
+    # the layer being recomputed holds what it had dropped (full: counted as the whole layer, its input included)
+    recomputed = full_layer if lay.activation_checkpointing == "full" else full_layer - tokens * per_layer
+    extra = max(recomputed if lay.recomputes else 0.0, loss_transient_bytes(arch, lay, tokens))
     return saved, extra
 
 

@@ -15,6 +15,8 @@ from ultrascale.plan.budget import BudgetPlan, Point
 from ultrascale.plan.search import GIB, Candidate
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers", "fragmentation", "reserved")
+CKPT_TAG = {"none": "", "selective": " sel-ckpt", "full": " ckpt"}
+"""How a layout's activation checkpointing reads in its name."""
 
 
 def _layout_name(c: Candidate) -> str:
@@ -23,7 +25,7 @@ def _layout_name(c: Candidate) -> str:
     off += "+par_off" if lay.offload_param else ""
     return (
         f"dp{lay.dp} tp{lay.tp} pp{lay.pp} sp{lay.sp} ep{lay.ep} z{lay.zero_stage}{off} "
-        f"mb{lay.micro_batch}{' ckpt' if lay.activation_checkpointing else ''}"
+        f"mb{lay.micro_batch}{CKPT_TAG[lay.activation_checkpointing]}"
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ultrascale.config.decide import Decisions
+from ultrascale.config.decide import Decisions, checkpointing_mode
 from ultrascale.config.validate import validate
 from ultrascale.errors import ConfigError
 from ultrascale.model.arch import Arch, arch_from_cfg
@@ -65,7 +65,7 @@ def layout_from_cfg(cfg: DictConfig, world: int) -> Layout:
         zero_stage=int(z.stage),
         offload_optimizer=z.offload_optimizer != "none",
         offload_param=z.offload_param != "none",
-        activation_checkpointing=bool(cfg.train.activation_checkpointing),
+        activation_checkpointing=_mode(cfg.train.activation_checkpointing),
         micro_batch=cfg.data.micro_batch,
         global_batch=cfg.data.global_batch,
         seq_len=cfg.data.seq_len,
@@ -79,10 +79,17 @@ def layout_from_cfg(cfg: DictConfig, world: int) -> Layout:
     )
 
 
+def _mode(value: Any) -> str:
+    """A config's checkpointing as a layout holds it: ``auto`` counts as none until :func:`decided` settles it."""
+    mode = checkpointing_mode(value)
+    return "none" if mode == "auto" else mode
+
+
 def decided(lay: Layout, d: Decisions) -> Layout:
-    """``lay`` as the run's decision record settles it: the ZeRO stage and the fused loss come from
-    :class:`~ultrascale.config.decide.Decisions`, the one place their rules live."""
-    return replace(lay, zero_stage=d.zero_stage, fused_loss=d.fused_loss.on, loss_chunk_tokens=d.fused_loss.value or 0)
+    """``lay`` as the run's decision record settles it: the ZeRO stage, the fused loss and activation checkpointing
+    come from :class:`~ultrascale.config.decide.Decisions`, the one place their rules live."""
+    return replace(lay, zero_stage=d.zero_stage, fused_loss=d.fused_loss.on, loss_chunk_tokens=d.fused_loss.value or 0,
+                   activation_checkpointing=d.activation_checkpointing.value)  # fmt: skip
 
 
 def layout_overrides(lay: Layout) -> list[str]:
@@ -102,7 +109,7 @@ def layout_overrides(lay: Layout) -> list[str]:
         f"data.micro_batch={lay.micro_batch}",
         f"data.global_batch={lay.global_batch}",
         f"data.seq_len={lay.seq_len}",
-        f"train.activation_checkpointing={str(lay.activation_checkpointing).lower()}",
+        f"train.activation_checkpointing={lay.activation_checkpointing}",
     ]
     return out
 

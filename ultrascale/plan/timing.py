@@ -18,6 +18,11 @@ from ultrascale.plan.memory import DTYPE_BYTES, Layout, rank_params, zero_group
 
 CPU_ADAM_PARAMS_PER_S = 1.0e9
 """DeepSpeedCPUAdam throughput per rank (AVX-512, ~1 B params/s); bounds the offloaded optimizer step."""
+SELECTIVE_RECOMPUTE = 0.1
+"""Selective (per-op) checkpointing recomputes a layer's norms, RoPE, activation and residual adds, not its
+matmuls or attention: counted as 10 % of a forward. An estimate (those kernels are memory-bound, and their share
+of a forward falls as the model widens and torch.compile fuses them), to be replaced by the GPU probe's
+measurement of the activation-checkpointing lever."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,8 @@ def step_time(
     model_flops = flops_per_token(arch, lay.seq_len) * tokens
     rate = (achieved_tflops or cluster.peak_tflops * cluster.matmul_efficiency) * 1e12
     compute = model_flops / (world * rate)
-    recompute = compute / 3 * recompute_overhead if lay.activation_checkpointing else 0.0  # one more forward
+    forwards = {"none": 0.0, "selective": SELECTIVE_RECOMPUTE, "full": 1.0}[lay.activation_checkpointing]
+    recompute = compute / 3 * recompute_overhead * forwards  # a forward is a third of forward + backward
     fwd_bwd = compute + recompute
 
     # --- data parallel / ZeRO: the per-rank model slice, over the dp x sp group (strided by tp) ---
@@ -107,7 +113,7 @@ def step_time(
     tp_comm = 0.0
     if lay.tp > 1:
         bw, lat = _bw(cluster, _span_nodes(lay.tp, 1, gpn))
-        n_ar = layers * (4 + (2 if lay.activation_checkpointing else 0)) * ga
+        n_ar = layers * (4 + (2 if lay.activation_checkpointing == "full" else 0)) * ga
         tp_comm = n_ar * (2 * act * (lay.tp - 1) / lay.tp / bw + lat)
 
     # --- Ulysses SP: all-to-all of q, k, v and the output, forward and backward ---

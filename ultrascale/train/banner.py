@@ -54,7 +54,7 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
     lines = [
         "ultrascale run",
         f"  model      {cfg.model.type} '{cfg.model.name}': {info.n_params / 1e6:,.2f}M params, "
-        f"attn={cfg.model.attn_implementation}, act-ckpt={'on' if cfg.train.activation_checkpointing else 'off'}",
+        f"attn={cfg.model.attn_implementation}, act-ckpt={d.activation_checkpointing.value}",
         f"  layout     {d.topo.describe()}  |  {zero_line(cfg, d)}  |  precision {cfg.precision.dtype}",
         f"  batch      {batch_line(cfg, d.topo)}",
         f"  optimizer  {d.optimizer_owner.why}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
@@ -62,10 +62,12 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}{threads}; MFU peak from {peak_src}",
         f"  runtime    {runtime()}, deepspeed {deepspeed_version()}",
         *([f"  cpu        {detect().describe()}"] if backend == "gloo" else []),
+        *([f"  gpu        {d.gpu.describe()}"] if d.gpu is not None else []),
         f"  packing    document masking {d.document_masking.why}",
         f"  stability  {_stability_line(cfg)}",
         f"  timing     step breakdown {d.step_breakdown.why}; {d.overlap_loss_reduce.why}",
-        f"  loss       {d.fused_loss.why}",
+        f"  loss       {d.fused_loss.why}" + (f"; kernel: {d.loss_kernel.why}" if d.loss_kernel.on else ""),
+        f"  act-ckpt   {d.activation_checkpointing.why}",
         f"  attention  {d.attention.why}",
         f"  compile    {d.compile.why}",
         f"  autocast   {d.autocast.why}",

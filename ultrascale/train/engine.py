@@ -42,8 +42,10 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
     with HostPeak() as built, hostmem.construction():
         model, n_params = _construct(cfg, d, ds_config)
     model, mpu, extras = _wrap_for_parallel(model, cfg, d)
-    if cfg.train.activation_checkpointing and not d.pipeline:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not d.pipeline:  # the pipeline's stages checkpoint their layers themselves (_construct)
+        from ultrascale.model.recompute import enable_checkpointing
+
+        enable_checkpointing(model, d.activation_checkpointing.value)
     _apply_loss(model, d)
     _apply_attention(model, d)
     _apply_autocast(model, d)
@@ -74,7 +76,7 @@ def _construct(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, int]:
         from ultrascale.model.pipeline import build_pipeline
 
         pc = cfg.parallel.pipeline
-        interval = pc.activation_checkpoint_interval or (1 if cfg.train.activation_checkpointing else 0)
+        interval = pc.activation_checkpoint_interval or (1 if d.activation_checkpointing.value == "full" else 0)
         model = build_pipeline(d.hf_config, cfg.model, cfg.train.seed, d.topo.pp, str(pc.partition_method), interval)
         return model, count_params(cfg.model)["total"]
     zero3 = ds_config if d.zero3_init.on else None
@@ -88,8 +90,10 @@ def _apply_loss(model, d: Decisions) -> None:
     from ultrascale.model.loss import install_fused_loss
 
     try:
-        installed = install_fused_loss(model, chunk_tokens=d.fused_loss.value)
+        installed = install_fused_loss(model, chunk_tokens=d.fused_loss.value, impl=d.loss_kernel.value or "chunked")
     except ValueError as e:  # the decision checked the config; only the built head can still refuse
+        if d.loss_kernel.value == "liger":
+            raise ConfigError(f"train.loss_kernel=liger cannot install ({e}): use train.loss_kernel=chunked") from None
         raise ConfigError(
             f"train.fused_loss=true cannot install on this model ({e}): set train.fused_loss=false"
         ) from None

@@ -49,10 +49,64 @@ class HostPeak:
 
 
 def memory_gb() -> float:
-    """Peak device memory on GPU; resident set size of this process on CPU."""
+    """This process's memory now: allocated device memory on GPU, resident set size on CPU."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+        return torch.cuda.memory_allocated() / 2**30
     return psutil.Process(os.getpid()).memory_info().rss / 2**30
+
+
+def _reset_host_peak() -> bool:
+    """Reset this process's resident-set high-water mark (VmHWM) to its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class MemoryMeter:
+    """The metrics' ``mem_gb``: this rank's peak memory over one logged interval (the steps since the previous
+    logged row), and the run's peak over every interval for ``summary.json``.
+
+    GPU: ``torch.cuda.max_memory_allocated``, reset with ``torch.cuda.reset_peak_memory_stats`` after each logged
+    row (tensors allocated by torch: the CUDA context, NCCL's buffers and the caching allocator's unused reserve
+    are not in it). CPU: the process's peak resident set (``VmHWM``), reset through ``/proc/self/clear_refs``;
+    where that cannot be reset, the resident set when the row is written. A running peak that is never reset
+    (what ``mem_gb`` was) shows the first step's worst moment on every later row, so a leak, or a later phase that
+    needs less, never showed."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        self.host_peak = not self.cuda and _reset_host_peak()
+        self.run_peak_gb = 0.0
+
+    @property
+    def kind(self) -> str:
+        """What ``mem_gb`` is on this rank, in words (the summary and the banner say it)."""
+        if self.cuda:
+            return "peak GPU memory allocated by torch per logged interval (torch.cuda.max_memory_allocated)"
+        if self.host_peak:
+            return "peak resident set of the rank's process per logged interval (VmHWM)"
+        return "resident set of the rank's process at each logged row (this OS keeps no resettable peak)"
+
+    def peak_gb(self) -> float:
+        """The peak since the last :meth:`reset` (read without resetting it)."""
+        if self.cuda:
+            gb = torch.cuda.max_memory_allocated() / 2**30
+        elif self.host_peak:
+            gb = _status_kb("VmHWM") / 2**20
+        else:
+            gb = memory_gb()
+        self.run_peak_gb = max(self.run_peak_gb, gb)
+        return gb
+
+    def reset(self) -> None:
+        """Start the next interval (after a logged row)."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif self.host_peak:
+            _reset_host_peak()
 
 
 class StepTimer:

@@ -54,7 +54,7 @@ from ultrascale.train.consistency import replicas_agree
 from ultrascale.train.engine import build_engine
 from ultrascale.train.evaluate import Evaluator
 from ultrascale.train.loggers import MetricLogger, read_metrics
-from ultrascale.train.metrics import memory_gb, throughput
+from ultrascale.train.metrics import MemoryMeter, throughput
 from ultrascale.train.optim import apply_lr
 from ultrascale.train.plot import plot_curves
 from ultrascale.train.preflight import Preflight, humaneval_tokenizer, preflight
@@ -235,8 +235,11 @@ class Trainer:
             self.batches.trace_to(os.environ[TRACE_ENV], self.rank)
         self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         self.flops_per_token = train_flops_per_token(d.hf_config, cfg.data.seq_len, causal=True)
-        bf16_matmuls = cfg.precision.dtype == "bf16" or d.autocast.on  # autocast's matmuls reach the bf16 peak
-        self.peak, self.peak_src = device_peak_flops(torch.bfloat16 if bf16_matmuls else torch.float32)
+        # the matmuls' dtype picks the peak's column: autocast's reach the bf16 peak, fp16 weights the fp16 one
+        mm = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.precision.dtype), torch.float32)
+        mm = torch.bfloat16 if d.autocast.on else mm
+        self.peak, self.peak_src = device_peak_flops(mm, d.gpu)
+        self.memory = MemoryMeter()
         self.stability = StabilityMonitor(cfg.stability)
         self.injector = FaultInjector(self.rank)
         self.breakdown = StepBreakdown(self.engine, d.step_breakdown.on, d.pipeline)
@@ -305,7 +308,7 @@ class Trainer:
             st.verdict = self.stability.nonfinite_grad()
         gn = self.engine.get_global_grad_norm()
         row = {"loss": st.loss, "lr": st.lr, "grad_norm": float(gn) if gn is not None else None,
-               **self.breakdown.finish(), "mem_gb": memory_gb(),
+               **self.breakdown.finish(), "mem_gb": self.memory.peak_gb(),
                "epoch": self.batches.epoch(step + self.data_offset + 1), **(self.moe.flush() if self.moe else {}),
                **self._data_row(step + self.data_offset + 1)}  # fmt: skip
         row.update(throughput(self.tokens_per_step, row["step_s"], self.flops_per_token, self.topo.world, self.peak))
@@ -542,6 +545,7 @@ class Trainer:
     def _record(self, done: int, verdict: Verdict, row: dict) -> None:
         if done % self.cfg.train.log_interval == 0 or done == self.cfg.train.steps or verdict.action != "ok":
             self.metrics.log(done, row)
+            self.memory.reset()  # the next row's mem_gb is the next interval's peak
         self._report_verdict(done, verdict, row)
         self.stability.record(verdict, row["loss"], done)
 
@@ -635,7 +639,7 @@ class Trainer:
         if self.moe is not None:  # expert shards differ by design; the rest must agree
             out.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
         out.update(self.stability.counters(), data_offset=self.data_offset, mfu_peak=self.peak_src,
-                   complete=res.stopped is None)  # fmt: skip
+                   mem_gb_is=self.memory.kind, complete=res.stopped is None)  # fmt: skip
         data_step = res.end_step + self.data_offset
         if data_sources.is_mixture(self.cfg.data):  # realized shares over every sample read, from step 0
             out.update(data_mix=self.mixture.mix(data_step), data_cursors=self.data_cursors(data_step),
@@ -652,7 +656,7 @@ class Trainer:
                        eval_perplexity=res.last_eval["eval_perplexity"],
                        tokens_per_s=sum(tps) / len(tps) if tps else res.last["tokens_per_s"],
                        wall_tokens_per_s=self.tokens_per_step * (res.steps_run - 1) / res.loop_s if res.loop_s else None,
-                       mfu=res.last["mfu"], mem_gb=res.last["mem_gb"])  # fmt: skip
+                       mfu=res.last["mfu"], mem_gb=self.memory.run_peak_gb)  # fmt: skip
         return out
 
     def close(self) -> None:

@@ -1,0 +1,74 @@
+"""Activation checkpointing of an HF decoder: full (each layer recomputed from its input) or selective per-op.
+
+Selective is torchtitan's op-level selective activation checkpointing (``torchtitan/distributed/
+activation_checkpoint.py``, ``selective_ac_option="op"``), on ``torch.utils.checkpoint``'s
+``create_selective_checkpoint_contexts``: inside each checkpointed decoder layer, the outputs of the matmuls and
+of the attention kernel are kept from the forward (they cost FLOPs to recompute) and everything else (norms,
+RoPE, the MLP's activation and product, residual adds, dtype casts) is recomputed in the backward (cheap,
+memory-bound kernels). Per token and layer that keeps the layer input, q/k/v, the attention output and its
+log-sum-exp, and the o/gate/up/down projections' outputs: about half of what an unchecked layer saves on a
+Llama-shaped model, for a recompute of a few elementwise kernels instead of a whole forward.
+
+torchtitan's classic policy also recomputes every second matmul to save more memory; here every matmul output is
+kept, because ``auto`` already falls back to full checkpointing when selective does not fit
+(``ultrascale/config/decide.py``), and ``ultrascale/plan/memory.py`` counts exactly what this policy keeps.
+
+HF's ``gradient_checkpointing_enable`` passes ``context_fn`` through to ``torch.utils.checkpoint.checkpoint``,
+which takes it only with ``use_reentrant=False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+SAVE_OPS = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten._grouped_mm.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "flash_attn._flash_attn_forward.default",
+        "flash_attn._flash_attn_varlen_forward.default",
+    }
+)
+"""Ops (by name, so flash-attn's count wherever it is installed) whose outputs selective checkpointing keeps:
+the matmuls, including ``nn.Linear`` with a bias and the MoE experts' grouped GEMMs, and the fused attention
+kernels, whose outputs include the log-sum-exp their backward needs."""
+
+
+def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """Keep what costs FLOPs to recompute; recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if str(func) in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context(policy: Callable = selective_policy) -> Any:
+    """A fresh pair of checkpoint contexts for one checkpointed call (``context_fn``)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_kwargs(mode: str) -> dict:
+    """``gradient_checkpointing_kwargs`` for HF's ``gradient_checkpointing_enable`` in ``mode`` (full/selective)."""
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode {mode!r}: use full or selective")
+    kwargs: dict = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = partial(selective_context, selective_policy)
+    return kwargs
+
+
+def enable_checkpointing(model: torch.nn.Module, mode: str) -> None:
+    """Checkpoint every decoder layer of an HF model in ``mode`` (``none``: leave it alone)."""
+    if mode == "none":
+        return
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(mode))
