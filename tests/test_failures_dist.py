@@ -354,6 +354,23 @@ def test_a_slow_rank_0_still_says_the_error_once(zero3_run):
     assert len(errors) == 1 and errors[0].startswith("error: zero.stage=1 but checkpoint"), proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("rank0", ["slow", "killed"])
+def test_rank_1_failing_first_still_gives_the_one_error_line(rank0, zero3_run):
+    """Rank 1 holds the refusal first. ``slow``: rank 0 gets to the same one 8 s later (past any fixed grace): its
+    line, without a rank, is the one printed. ``killed``: rank 0 is SIGKILLed before it can say it (as an
+    out-of-memory kill would; 3 s late, so rank 1 has failed by then) and torchrun SIGTERMs rank 1: rank 1 must say
+    ``error: rank 1: ...``, not die silently."""
+    from ultrascale.cli import DELAY_RANK0_ERROR_ENV, KILL_RANK0_ERROR_ENV
+
+    _, args = zero3_run
+    env = {DELAY_RANK0_ERROR_ENV: "8"} if rank0 == "slow" else {DELAY_RANK0_ERROR_ENV: "3", KILL_RANK0_ERROR_ENV: "1"}
+    proc = launch([*args, "zero=stage1"], env=env)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    want = "error: zero.stage=1 but checkpoint" if rank0 == "slow" else "error: rank 1: zero.stage=1 but checkpoint"
+    assert len(errors) == 1 and errors[0].startswith(want), proc.stderr[-3000:]
+
+
 def test_an_attempt_that_fails_after_its_checks_keeps_the_run_record_and_its_own_config(zero3_run, tmp_path):
     """A checkpoint whose bytes are garbage at the recorded size passes the checks and fails inside DeepSpeed:
     the run's config.yaml still describes the run that made the checkpoint; the attempt's config sits in

@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ultrascale import error_line
 from ultrascale.config.describe import help_if_asked
 from ultrascale.dist import apply_launcher_env, configure_env, strip_local_rank
 from ultrascale.errors import ConfigError, UltrascaleError
@@ -36,28 +37,31 @@ SWEEP_CALLBACK = "+hydra.callbacks.ultrascale_sweep._target_=launch.sweep.SweepR
 _PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
 
 
-PEER_ERROR_GRACE_S = 5.0
-"""How long a rank other than 0 holding a config/data error waits for rank 0 to say it (and the launcher to end
-this rank) before saying it itself: the launcher's monitor notices rank 0's exit within 0.1 s (torchrun)."""
 DELAY_RANK0_ERROR_ENV = "ULTRASCALE_FAULT_DELAY_RANK0_ERROR_S"
 """Test hook: rank 0 sleeps this long before its error line, as a slow or loaded rank 0 would."""
+KILL_RANK0_ERROR_ENV = "ULTRASCALE_FAULT_KILL_RANK0_ON_ERROR"
+"""Test hook: rank 0 is SIGKILLed instead of saying its error, as an out-of-memory kill would end it."""
 
 
 def _report(e: UltrascaleError) -> int:
-    """Every rank usually hits the same config/data error: rank 0 says it, once. Another rank exiting first
-    would let the launcher kill rank 0 before it printed (no error line at all), so the others wait for the
-    launcher to end them, and speak only if rank 0 never did (an error of their own)."""
+    """One ``error:`` line per failed launch, rank 0's where rank 0 has it (see :mod:`ultrascale.error_line`): the
+    other ranks wait for it rather than exit first (the launcher would SIGTERM rank 0 before it printed), and
+    say their own ``error: rank N: ...`` when rank 0 never says it."""
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        if delay := os.environ.get(DELAY_RANK0_ERROR_ENV):
+    if error_line.is_speaker():
+        if delay := os.environ.get(DELAY_RANK0_ERROR_ENV) if rank == 0 else None:
             time.sleep(float(delay))
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's teardown ends this rank, no stop request
-        time.sleep(PEER_ERROR_GRACE_S)
-    print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        if os.environ.get(KILL_RANK0_ERROR_ENV) and rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+    elif error_line.wait_for_speaker(_dist_initialized()):
+        return 2  # the speaker said it
+    error_line.say(str(e), rank)
     return 2
+
+
+def _dist_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def _report_crash(e: Exception) -> int:
@@ -76,6 +80,8 @@ def _report_crash(e: Exception) -> int:
         traceback.print_exception(e, file=sys.stderr)
         tail = ""
     if any(s in str(e).lower() for s in _PEER_LOSS):
+        if error_line.read(error_line.SAID) is not None:  # a peer said why it left: that is the one line
+            return 1
         msg = f"error: rank {r} stopped: lost contact with another rank ({type(e).__name__}: {first}){tail}"
     else:
         msg = f"error: rank {r} failed: {type(e).__name__}: {first}{tail}"

@@ -121,6 +121,10 @@ def init_distributed(timeout_min: int = 60) -> str:
     if not dist.is_initialized():
         import deepspeed
 
+        from ultrascale import error_line
+
+        error_line.passed_checks()  # a peer that failed a check this rank passed has an error of its own to say
+
         _init_after_torchrun_restart(backend, timedelta(minutes=timeout_min))
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_min))
         if backend == "gloo":  # DeepSpeed's CPU all-reduce buffers in /dev/shm: no launch leaves them behind
