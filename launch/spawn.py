@@ -33,6 +33,7 @@ from ultrascale.dist import RESTART_ENV, free_port
 from ultrascale.errors import ConfigError
 from ultrascale.jsonio import write_json
 from ultrascale.rundir import STOP_REQUEST, STOPPED
+from ultrascale.train.stop import write_request
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 CONFIG_ERROR = 2
@@ -74,7 +75,7 @@ class _StopForwarder:
         name = signal.Signals(signum).name
         if self.signal is None:
             self.signal = name
-            self.request.write_text(f"{name}\n")
+            write_request(self.request, name)  # names this driver: its request stands while it lives
             msg = f"{name}: asking the run to finish its step, save a checkpoint and stop (again: no effect)\n"
         else:
             msg = f"{name}: already stopping; waiting for the checkpoint (SIGKILL the ranks to abort)\n"

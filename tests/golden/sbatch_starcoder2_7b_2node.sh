@@ -37,8 +37,9 @@ OUT=/scratch/runs/sc2_7b
 
 # 300s before the time limit Slurm sends USR1 to this script (--signal=B:USR1): ask the
 # run to save a checkpoint at its next step and stop. The ranks may run on other nodes, so the request
-# is a file in the shared run directory, which rank 0 reads every step.
-trap 'echo "USR1: asking the run to checkpoint and stop"; echo USR1 > "$OUT/STOP"' USR1
+# is a file in the shared run directory, which rank 0 reads every step; it names this script as its
+# writer, so it stands while the script lives even when it came before the ranks started.
+trap 'echo "USR1: asking the run to checkpoint and stop"; printf "USR1\nwriter: %s %s\n" "$(hostname)" "$$" > "$OUT/STOP"' USR1
 # A failed step (a rank killed, a lost node) is started again up to 0 time(s) (launcher.max_restarts); each start
 # resumes from the newest complete checkpoint in output_dir.
 restart=0

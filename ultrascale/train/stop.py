@@ -12,8 +12,11 @@ A second signal during the save is reported and ignored: the save finishes and `
 (a SIGKILL at that point leaves the previous checkpoint as ``latest``, so nothing is corrupted either way).
 
 Who cannot send a signal to every rank (a Slurm batch script whose job steps run on other nodes, a driver
-process, a user) writes the request file ``<output_dir>/STOP`` (its text, e.g. ``USR1``, names the cause);
-rank 0 looks for it once per step and removes it once the run has stopped.
+process, a user) writes the request file ``<output_dir>/STOP`` (its first line, e.g. ``USR1``, names the cause;
+a ``writer: HOST PID`` line names who asked); rank 0 looks for it once per step and removes it once the run has
+stopped. A request nobody answered (its writer died before the ranks started, or before it could remove it) must
+not stop the next attempt right after its resume: rank 0 removes, at start, a request written before this launch
+began whose writer is gone (:meth:`StopRequest.drop_stale_request`).
 
 A rank can only act on a signal at a step boundary; one stuck in a collective whose peer died (a killed rank:
 gloo, DeepSpeed's shared-memory all-reduce and NCCL all wait for it) never gets there. So the first signal also
@@ -32,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -42,6 +47,31 @@ FILE_CODE = 1000
 LAUNCHER_GONE = 1001
 """The agreement code for a stop because a launcher process above a rank exited."""
 LAUNCHERS = ("deepspeed", "torchrun", "torch.distributed.run", "torch/distributed/run")
+WRITER = "writer:"
+"""The request file's line naming who asked: ``writer: HOST PID``."""
+
+
+def write_request(path: Path, cause: str) -> None:
+    """Ask the run in ``path``'s directory to stop at its next step: the cause, then this process as the writer
+    (while the writer lives, the request stands even if it predates the ranks; see ``drop_stale_request``)."""
+    path.write_text(f"{cause}\n{WRITER} {socket.gethostname()} {os.getpid()}\n")
+
+
+def _writer_alive(text: str) -> bool | None:
+    """True/False when the request names a writer on this host that is alive/gone; None when it cannot be told
+    (no writer line, or another host's)."""
+    for line in text.splitlines():
+        host, _, pid = line.removeprefix(WRITER).strip().partition(" ")
+        if not line.startswith(WRITER) or not pid.strip().isdigit() or host != socket.gethostname():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # alive, another user's
+            pass
+        return True
+    return None
 
 
 def signal_name(code: int) -> str:
@@ -71,7 +101,10 @@ class StopRequest:
         self._paused = 0
 
     def install(self) -> StopRequest:
-        """Take over SIGTERM, SIGINT and SIGUSR1 (main thread only: Python delivers signals there)."""
+        """Take over SIGTERM, SIGINT and SIGUSR1 (main thread only: Python delivers signals there); rank 0 also
+        removes a stale request file (before any rank can read it: only rank 0 reads it)."""
+        if self.rank == 0:
+            self.drop_stale_request()
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._on_signal)
@@ -157,11 +190,33 @@ class StopRequest:
                     continue
         if not self.code and check_file and self.request_file is not None and self.request_file.exists():
             try:
-                self.file_text = self.request_file.read_text().strip()[:40]
+                self.file_text = (self.request_file.read_text().strip().splitlines() or [""])[0][:40]
             except OSError:
                 self.file_text = ""
             self.code = FILE_CODE
         return self.code
+
+    def drop_stale_request(self) -> str | None:
+        """Rank 0, before any step: remove a request file written before this launch began (the outermost launcher
+        above this rank, or this process) whose writer is gone or unnamed; it asked an earlier attempt to stop and
+        nothing answered it. A request whose writer lives (a driver whose Ctrl-C came before the ranks started, a
+        Slurm batch script's USR1) still stands. Returns what was removed, said on stderr."""
+        f = self.request_file
+        if f is None:
+            return None
+        try:
+            written, text = f.stat().st_mtime, f.read_text()
+        except OSError:
+            return None
+        alive = _writer_alive(text)  # None with a writer line: another host's writer, which cannot be judged here
+        if written >= launch_started() - 1.0 or alive or (alive is None and WRITER in text):
+            return None
+        cause = (text.strip().splitlines() or ["(empty)"])[0][:40]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written))
+        why = f"{f}: a stop request ({cause}, written {when}) from before this launch that nothing answered: removed"
+        f.unlink(missing_ok=True)
+        print(f"rank {self.rank}: {why}", file=sys.stderr, flush=True)
+        return why
 
     def consume_file(self) -> None:
         """Rank 0, after the stop is done: the request is answered (a requeued job must not stop again)."""
@@ -174,6 +229,17 @@ class StopRequest:
         if code == LAUNCHER_GONE and self.gone:
             return f"launcher exit: {self.gone}"
         return signal_name(code)
+
+
+def launch_started() -> float:
+    """When this launch began: the start of the outermost launcher above this rank, else of this process."""
+    try:
+        import psutil
+
+        pid = (launcher_ancestors() or [(os.getpid(), "")])[-1][0]
+        return psutil.Process(pid).create_time()
+    except Exception:  # no /proc, or the launcher exited meanwhile: only a named, living writer keeps a request
+        return time.time()
 
 
 def launcher_ancestors(depth: int = 3) -> list[tuple[int, str]]:
