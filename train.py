@@ -3,7 +3,7 @@
 python train.py recipe=cpu_smoke                        # 1 rank
 torchrun --nproc_per_node 2 train.py recipe=cpu_smoke   # 2 ranks
 deepspeed --num_gpus 2 train.py recipe=cpu_smoke zero=stage3 train.steps=50
-python train.py recipe=starcoder2_3b_zero2 dry_run=true # DeepSpeed JSON + topology, no training
+python train.py recipe=starcoder2_3b_zero2 dry_run=true # its cluster's decisions, HBM, step time; no training
 python train.py --help                                  # groups, keys and their defaults
 """
 
@@ -13,14 +13,14 @@ from ultrascale.cli import run_app
 
 
 def main(cfg: DictConfig) -> dict | None:
+    if cfg.dry_run:  # the planner's view of this layout on the recipe's cluster (or this machine); nothing written
+        from ultrascale.plan.dryrun import dry_run
+
+        return dry_run(cfg)
     from ultrascale.config.validate import validate
     from ultrascale.dist import planned_world_size
 
     decisions = validate(cfg, planned_world_size(cfg))  # every rule, then what the run does, before anything is built
-    if cfg.dry_run:  # the planner's view of this layout; nothing is built or written
-        from ultrascale.plan.dryrun import dry_run
-
-        return dry_run(cfg, decisions)
     from ultrascale.train.trainer import run
 
     return run(cfg, decisions)
