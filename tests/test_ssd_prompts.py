@@ -306,3 +306,36 @@ def test_prompt_jsonl_needs_only_prompt_and_names_a_bad_line(tmp_path):
     bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"task_id": "x"}) + "\n")
     with pytest.raises(DataError, match=r"bad\.jsonl line 2: 'prompt' is missing"):
         load_prompt_jsonl(bad)
+
+
+def test_a_prompt_jsonl_is_decontaminated_like_the_corpus_in_the_rounds_problems_stage(tmp_path):
+    """method=ssd with problems.source=jsonl went straight from the file to sampling: a HumanEval prompt in it was
+    trained on. The round's problems stage now runs it through the corpus's matcher (HumanEval, and with
+    train_repos_from the validation repositories' problems), and the manifest counts each drop."""
+    from ultrascale.config.compose import compose
+    from ultrascale.eval.humaneval import load_problems
+    from ultrascale.jsonio import read_jsonl
+    from ultrascale.ssd.config import register_ssd_configs
+    from ultrascale.ssd.rounds import Round, SSDRun
+
+    he = load_problems(1)[0]
+    clean = 'def shout(s):\n    """Upper-case s and add an exclamation mark."""\n'
+    copy = TRAIN.strip("\n").splitlines(keepends=True)[:8]  # merge_alternating: a held-out body, renamed
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": he["prompt"]}, {"prompt": clean, "task_id": "mine/shout"},
+            {"prompt": "".join(copy[:2]), "reference": "".join(copy[2:])}]  # fmt: skip
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = write_corpus(tmp_path / "corpus", {"trainrepo/mod.py": TRAIN, "valrepo/mod.py": HELD_OUT})
+    prep = tmp_path / "prepared"
+    prep.mkdir()
+    (prep / "repos.json").write_text(json.dumps({"trainrepo": "train", "valrepo": "validation"}))
+    register_ssd_configs()
+    for split, kept, dropped in ((None, ["jsonl/3", "mine/shout"], (1, 0)), (prep, ["mine/shout"], (1, 1))):
+        cfg = compose([f"output_dir={tmp_path / 'run'}", "problems.source=jsonl", f"problems.jsonl={prompts}",
+                       f"problems.input={corpus}", f"problems.train_repos_from={split or 'null'}"], "ssd")  # fmt: skip
+        run = SSDRun(cfg)
+        rnd = Round(run, 0, tmp_path / "model")
+        report = run._problems(rnd)["report"]
+        assert sorted(p["task_id"] for p in read_jsonl(rnd.path("problems.jsonl"))) == kept
+        assert (report["humaneval_contaminated"], report["validation_contaminated"]) == dropped
+        assert report["seen"] == 3 and report["kept"] == len(kept)

@@ -61,15 +61,17 @@ def encode_sample(tokenizer, prompt: str, completion: str, heal_newline: bool = 
     """(prompt ids, completion ids) of one sample, split where :func:`generate` splits it: the one definition of the
     prompt boundary that sampling, scoring and finetuning share.
 
-    :func:`generate` conditions on the healed prompt (:func:`heal`; the sampler encodes prompts without special
-    tokens), and the model writes the prompt's trailing newlines itself, merged with the body's indent. A
-    finetuning sample encoded as the full prompt and then the completion trains a bare newline token followed
-    by an indent token, a sequence generation never produces, and leaves untrained the newline+indent token that
-    starts every body the model is scored on. Here the newlines :func:`heal` took go back at the head of the
+    :func:`generate` conditions on the healed prompt (:func:`heal`), encoded as the sampler encodes it
+    (:meth:`ultrascale.generate.Sampler.encode`), and the model writes the prompt's trailing newlines itself,
+    merged with the body's indent. A finetuning sample encoded as the full prompt and then the completion trains
+    a bare newline token followed by an indent token, a sequence generation never produces, and leaves untrained
+    the newline+indent token that starts every body the model is scored on. Here the newlines :func:`heal` took go back at the head of the
     completion, so prompt + completion decodes to the same text and the boundary is the generator's.
     """
+    from ultrascale.generate import ADD_SPECIAL_TOKENS
+
     text, k = heal(prompt) if heal_newline else (prompt, 0)
-    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    encode = lambda s: tokenizer(s, add_special_tokens=ADD_SPECIAL_TOKENS)["input_ids"]  # noqa: E731
     return encode(text), encode("\n" * k + completion)
 
 

@@ -191,13 +191,10 @@ class SSDRun:
             rnd.path("problems.jsonl.tmp").replace(rnd.path("problems.jsonl"))
             return {"count": len(read_jsonl(first)), "from": str(first)}
         if self.cfg.method == Method.ssd:  # prompts only: no tests, no reference checked in the sandbox
-            from ultrascale.ssd.prompts import build_prompts, load_prompt_jsonl
+            from ultrascale.ssd.prompts import build_prompts, jsonl_prompts
 
             if self.cfg.problems.source == ProblemSource.jsonl:
-                if not self.cfg.problems.jsonl:
-                    raise ConfigError('problems.source=jsonl needs problems.jsonl=FILE (one {"prompt": ...} per line)')
-                problems = load_prompt_jsonl(resolve_path(self.cfg.problems.jsonl))
-                report = {"jsonl": str(self.cfg.problems.jsonl), "kept": len(problems)}
+                problems, report = jsonl_prompts(self.cfg.problems)  # decontaminated like the corpus's
             else:
                 problems, report = build_prompts(self.cfg.problems)
         else:
@@ -238,7 +235,7 @@ class SSDRun:
                 "(sample.n, sample.temperature), add solutions (extra_candidates in a problems.jsonl), or start "
                 "from a stronger model (start_model=<a CPT export>)"
             )
-        return build(kept, rnd.input_model, rnd.path("sft_data"), self.cfg.sft)
+        return build(kept, rnd.input_model, rnd.path("sft_data"), self.cfg.sft, self.cfg.sample.heal_newline)
 
     def _finetune(self, rnd: Round) -> dict:
         from ultrascale.ssd.finetune import finished, require_finished, run_train, steps_for, train_overrides
