@@ -518,13 +518,25 @@ def test_a_prompts_only_jsonl_runs_a_round_of_the_papers_method(tiny_start_model
 
 @needs_sandbox
 def test_the_comparison_runs_on_real_models_and_reports_an_identical_pair_as_no_gain(tiny_start_model, tmp_path):
-    """python -m ultrascale.ssd.evaluate end to end: real generation, the sandbox, the split, the grid, the CI."""
+    """python -m ultrascale.ssd.evaluate end to end: real generation, the sandbox, the split, the grid, the CI. The
+    identical pair is a copy at its own path, and a third model has other weights: the score cache is keyed by
+    content, so the copy is served the base's scores (the same bytes) and the other model is generated, never
+    handed the scores of a model scored before it."""
+    from ultrascale.model.build import build_model
+    from ultrascale.ssd.compare import model_fingerprint
+
+    copy, other = tmp_path / "copy", tmp_path / "other"
+    shutil.copytree(tiny_start_model, copy)
+    build_model(compose([], "train").model, seed=1).save_pretrained(other)
+    for f in tiny_start_model.iterdir():  # the same tokenizer beside other weights
+        if not (other / f.name).exists():
+            shutil.copy(f, other / f.name)
     out = tmp_path / "compare.json"
     env = {**os.environ, **TEST_ENV}
     proc = subprocess.run(
         [sys.executable, "-m", "ultrascale.ssd.evaluate", "--model", f"base={tiny_start_model}", "--model",
-         f"same={tiny_start_model}", "--limit", "6", "--temperatures", "0.8", "--n-dev", "1", "--n-test", "2",
-         "--max-new-tokens", "8", "--out", str(out)],
+         f"same={copy}", "--model", f"other={other}", "--limit", "6", "--temperatures", "0.8", "--n-dev", "1",
+         "--n-test", "2", "--max-new-tokens", "8", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -535,3 +547,11 @@ def test_the_comparison_runs_on_real_models_and_reports_an_identical_pair_as_no_
     vs = r["models"]["same"]["vs_base"]
     assert vs["diff"] == 0 and vs["verdict"] == "no measurable gain"
     assert "no measurable gain" in proc.stdout
+    fp = {m: model_fingerprint(d) for m, d in (("base", tiny_start_model), ("same", copy), ("other", other))}
+    assert fp["same"] == fp["base"] != fp["other"]
+    keys = [
+        json.loads(json.loads(line)["key"]) for line in (tmp_path / "compare.scores.jsonl").read_text().splitlines()
+    ]
+    assert sorted(k[0] for k in keys) == sorted([fp["base"]] * 4 + [fp["other"]] * 4)  # 3 dev settings + test each
+    log = proc.stdout + proc.stderr
+    assert f"compare: {copy} greedy n=1: from" in log and f"compare: {other} " not in log  # other: never a hit

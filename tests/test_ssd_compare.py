@@ -74,13 +74,29 @@ def test_a_setting_best_on_test_but_not_on_dev_is_not_chosen():
     assert r["models"]["m"]["chosen_setting"]["name"] == "greedy" and r["models"]["m"]["test_pass@1"] == 0.0
 
 
+def test_a_tie_on_dev_goes_to_greedy_then_the_grid_and_listing_order():
+    """Every dev score 0 (a weak model on a hard set) used to pick whichever setting's name sorted first (T=0.6):
+    n samples per problem for nothing. Greedy wins ties; among sampled settings the grid's order, then the
+    candidates as listed."""
+    settings = grid([0.6, 1.1], top_k=20, top_p=0.8)
+    r = evaluate_set(PROBLEMS, {"m": ["m/step_2", "m/final"]}, settings, planted({}, []), 2, 10, n_boot=200)
+    assert r["models"]["m"]["chosen_setting"]["name"] == "greedy"
+    assert r["models"]["m"]["chosen_checkpoint"] == "m/step_2"
+    settings = grid([1.1, 0.6], top_k=0, top_p=1.0)  # the grid as given: T=1.1 before T=0.6
+    dev = set(sorted(r["split"]["dev"])[:10])  # both temperatures solve the same dev problems, greedy fewer
+    solved = {("m/final", "T=0.6,top_k=0,top_p=1"): dev, ("m/final", "T=1.1,top_k=0,top_p=1"): dev,
+              ("m/final", "greedy"): set(sorted(dev)[:5])}  # fmt: skip
+    r = evaluate_set(PROBLEMS, {"m": ["m/step_2", "m/final"]}, settings, planted(solved, []), 2, 10, n_boot=200)
+    assert r["models"]["m"]["chosen_setting"]["name"] == "T=1.1,top_k=0,top_p=1"  # a better score beats greedy
+
+
 def test_the_score_cache_resumes_a_killed_evaluation_and_misses_a_retrained_model(tmp_path):
     """A second evaluation with the cache re-scores nothing and gives the same result; a model whose weights were
     rewritten is scored again; a line torn by a kill is skipped, not fatal."""
     models = {m: tmp_path / m for m in ("base", "ssd")}
-    for d in models.values():
+    for m, d in models.items():
         d.mkdir()
-        (d / "model.safetensors").write_bytes(b"weights")
+        (d / "model.safetensors").write_bytes(f"weights of {m}".encode())  # two models: other bytes
     settings = grid([0.6], top_k=0, top_p=1.0)
     solved = {(str(models["base"]), "greedy"): ids(0, 30), (str(models["ssd"]), "greedy"): ids(0, 50)}
     path = tmp_path / "compare.scores.jsonl"
@@ -103,3 +119,104 @@ def test_the_score_cache_resumes_a_killed_evaluation_and_misses_a_retrained_mode
     evaluate_set(PROBLEMS, {k: [str(v)] for k, v in models.items()}, settings,
                  cached(planted(solved, third), path), 2, 10, n_boot=500)  # fmt: skip
     assert third and {c[0] for c in third} == {str(models["ssd"])}
+
+
+def test_the_score_cache_is_keyed_by_the_models_content_not_its_path_or_file_times(tmp_path):
+    """Weights rewritten in place with the same size and modification time (cp -p, rsync -a) are another model:
+    scored again, not served the old scores. A copy of a scored model at another path is the same model: served
+    from the cache. A model saved as pytorch_model.bin (no .safetensors) is keyed by its bytes too."""
+    import os
+    import shutil
+
+    settings = grid([], top_k=0, top_p=1.0)  # greedy only
+    path = tmp_path / "compare.scores.jsonl"
+    model = tmp_path / "round_00" / "model"
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"weights A")
+    (model / "config.json").write_text("{}")
+    solved = {(str(model), "greedy"): ids(0, 30)}
+    calls: list = []
+    evaluate_set(PROBLEMS, {"m": [str(model)]}, settings, cached(planted(solved, calls), path), 1, 1, n_boot=100)
+    assert len(calls) == 2  # dev and test, greedy
+    stat = (model / "model.safetensors").stat()
+    (model / "model.safetensors").write_bytes(b"weights B")  # retrained in place: same size...
+    os.utime(model / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ...same time (cp -p)
+    again: list = []
+    evaluate_set(PROBLEMS, {"m": [str(model)]}, settings, cached(planted(solved, again), path), 1, 1, n_boot=100)
+    assert [c[0] for c in again] == [str(model)] * 2  # scored afresh: other weights
+    copy = tmp_path / "elsewhere" / "model"
+    shutil.copytree(model, copy)
+    served: list = []
+    evaluate_set(PROBLEMS, {"m": [str(copy)]}, settings, cached(planted(solved, served), path), 1, 1, n_boot=100)
+    assert served == []  # the same bytes at another path: the same model
+    for d, data in ((tmp_path / "bin_a", b"one"), (tmp_path / "bin_b", b"two")):
+        d.mkdir()
+        (d / "pytorch_model.bin").write_bytes(data)
+    bins: list = []
+    for d in ("bin_a", "bin_b"):
+        evaluate_set(PROBLEMS, {"m": [str(tmp_path / d)]}, settings, cached(planted({}, bins), path), 1, 1, n_boot=100)
+    assert [c[0] for c in bins] == [str(tmp_path / "bin_a")] * 2 + [str(tmp_path / "bin_b")] * 2
+
+
+def _ssd_run(root, train_repos_from) -> str:
+    """An SSD output_dir as the entry point leaves it: ssd_manifest.json with the run's config, round_00/model."""
+    import json
+
+    (root / "round_00" / "model").mkdir(parents=True)
+    config = {"method": "ssd", "problems": {"input": "stdlib", "train_repos_from": train_repos_from}}
+    (root / "ssd_manifest.json").write_text(json.dumps({"config": config, "rounds": {}}))
+    return str(root / "round_00" / "model")
+
+
+def test_a_heldout_set_that_the_run_did_not_hold_out_is_refused(tmp_path):
+    """--heldout DATA scores the problems of DATA's validation repositories as code no prompt came from; that holds
+    only for a run whose prompts came from DATA's train split. A run with train_repos_from unset (every repository)
+    or another dataset is refused by name, whether given by --run or found above a --model checkpoint; the same
+    split under another path (an identical repos.json) is accepted."""
+    import json
+
+    from ultrascale.errors import ConfigError
+    from ultrascale.ssd.compare import check_heldout, ssd_runs
+
+    data, other, copy = (tmp_path / n for n in ("data", "other", "copy"))
+    for d, split in ((data, {"a": "train", "b": "validation"}), (other, {"a": "validation", "b": "train"})):
+        d.mkdir()
+        (d / "repos.json").write_text(json.dumps(split))
+    copy.mkdir()
+    (copy / "repos.json").write_text((data / "repos.json").read_text())
+    good = _ssd_run(tmp_path / "good", str(data))
+    same = _ssd_run(tmp_path / "same", str(copy))
+    unset = _ssd_run(tmp_path / "unset", None)
+    moved = _ssd_run(tmp_path / "moved", str(other))
+    step = tmp_path / "good" / "round_00" / "model_steps" / "step_00000002"
+    step.mkdir(parents=True)
+    runs = ssd_runs({"base": ["models/x"], "ssd": [str(step), good]}, [f"rft={tmp_path / 'same'}"])
+    assert list(runs.values()) == [tmp_path / "same", tmp_path / "good"]  # both candidates: one run, found once
+    check_heldout(str(data), runs)
+    with pytest.raises(ConfigError, match=r"^--heldout .*data: --model ssd \(.*\) ran with problems\.train_repos_from="
+                       r"null, so its prompts came from every repository, .* rerun it with problems\.train_repos_from="
+                       r".*data, or leave out --heldout$"):  # fmt: skip
+        check_heldout(str(data), ssd_runs({"ssd": [unset]}, []))
+    with pytest.raises(ConfigError, match=r"is not the split --run m trained on \(problems\.train_repos_from=.*other\):"
+                       r" pass --heldout .*other$"):  # fmt: skip
+        check_heldout(str(data), ssd_runs({"base": [same]}, [f"m={tmp_path / 'moved'}"]))
+    with pytest.raises(ConfigError, match="is not the split"):
+        check_heldout(str(data), ssd_runs({"ssd": [moved]}, []))
+
+
+def test_the_evaluation_cli_refuses_a_mismatched_heldout_in_one_line_before_generating(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, TEST_ENV
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "repos.json").write_text('{"a": "train", "b": "validation"}')
+    model = _ssd_run(tmp_path / "run", None)
+    proc = subprocess.run([sys.executable, "-m", "ultrascale.ssd.evaluate", "--model", f"ssd={model}", "--heldout",
+                           str(tmp_path / "data"), "--sets", "heldout", "--temperatures"], cwd=ROOT,
+                          env={**os.environ, **TEST_ENV}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --heldout ") and "problems.train_repos_from=null" in lines[0]

@@ -95,11 +95,38 @@ def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 
     return score
 
 
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """sha256 over a model directory's files (weights, config, tokenizer): what decides its completions.
+
+    The score cache is keyed by it, not by the path or the files' names, sizes and times: a copy of a model
+    elsewhere is the same model, and a directory retrained in place is another one even when its files keep
+    their sizes and modification times (``cp -p``, ``rsync -a``, a restored backup). Hashed once per process per
+    file state (the change time moves on every write, ``utime`` included).
+    """
+    d = Path(model_dir)
+    files = sorted(f for f in d.iterdir() if f.is_file()) if d.is_dir() else []
+    state = tuple((f.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for f in files for st in [f.stat()])
+    memo = (str(d.resolve()), state)
+    if memo not in _FINGERPRINTS:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    h.update(chunk)
+            h.update(b"\0")
+        _FINGERPRINTS[memo] = h.hexdigest()
+    return _FINGERPRINTS[memo]
+
+
 def cached(scorer: Scorer, path: Path, tag: str = "") -> Scorer:
-    """``scorer`` with its results kept in a JSON-lines file, one line per (model files, problems, setting, n):
+    """``scorer`` with its results kept in a JSON-lines file, one line per (model content, problems, setting, n):
     an evaluation killed after hours resumes where it stopped, and a later run with one more model re-scores only
-    that model. A retrained model directory has other file sizes and times, so it never hits a stale line; a line
-    torn by a kill is ignored."""
+    that model. The model is keyed by :func:`model_fingerprint`, so a retrained directory never hits a stale line
+    and a copy of a scored model is not scored twice; a line torn by a kill is ignored."""
     store: dict[str, dict[str, float]] = {}
     if path.exists():
         for line in path.read_text().splitlines():
@@ -110,15 +137,14 @@ def cached(scorer: Scorer, path: Path, tag: str = "") -> Scorer:
                 continue
 
     def key(model_dir: str, problems: list[dict], setting: Setting, n: int) -> str:
-        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(model_dir).glob("*.safetensors"))
         ids = hashlib.sha256("\n".join(p["task_id"] for p in problems).encode()).hexdigest()[:16]
         n = 1 if setting.temperature <= 0 else n
-        return json.dumps([str(Path(model_dir).resolve()), files, ids, setting.name, n, tag])
+        return json.dumps([model_fingerprint(model_dir), ids, setting.name, n, tag])
 
     def score(model_dir: str, problems: list[dict], setting: Setting, n: int) -> dict[str, float]:
         k = key(model_dir, problems, setting, n)
         if k in store:
-            log.info(f"compare: {Path(model_dir).name} {setting.name} n={n}: from {path}")
+            log.info(f"compare: {model_dir} {setting.name} n={n}: from {path}")
             return store[k]
         store[k] = scorer(model_dir, problems, setting, n)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +181,7 @@ def evaluate_set(
             for s in settings:
                 per_setting[f"{cand}|{s.name}"] = scorer(cand, dev, s, n_dev)
                 log.info(f"compare: {name} {cand} {s.name}: dev pass@1 {_mean(per_setting[f'{cand}|{s.name}']):.4f}")
-        chosen, dev_score = choose_on_dev(per_setting, split["dev"])
+        chosen, dev_score = choose_on_dev(per_setting, split["dev"], prefer=_preference(candidates, settings))
         cand, setting_name = chosen.split("|", 1)
         setting = next(s for s in settings if s.name == setting_name)
         test_scores[name] = scorer(cand, test, setting, n_test)
@@ -175,6 +201,21 @@ def evaluate_set(
         )
         out["models"][name]["vs_" + names[0]] = {**ci, "verdict": verdict_of(ci)}
     return out
+
+
+def _preference(candidates: Sequence[str], settings: Sequence[Setting]) -> Callable[[str], tuple[int, int, int]]:
+    """The order ties on dev are broken in: greedy first (one sample per problem, and the same answer on every run:
+    a sampled setting that only ties it is not worth n times the generation), then the grid's order, then the
+    candidates' order as listed. With every dev score 0 (a weak model on a hard set) this picks greedy, not
+    whichever setting's name sorts first."""
+    rank = {s.name: i for i, s in enumerate(settings)}
+    order = {c: i for i, c in enumerate(candidates)}
+
+    def key(name: str) -> tuple[int, int, int]:
+        cand, setting = name.split("|", 1)
+        return (0 if setting == Setting().name else 1, rank[setting], order[cand])
+
+    return key
 
 
 def _mean(scores: dict[str, float]) -> float:
@@ -239,7 +280,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from ultrascale.eval.humaneval import load_problems
     from ultrascale.eval.sandbox import check_available
 
-    check_available()
     models = {}
     for spec in a.model:
         name, _, dirs = spec.partition("=")
@@ -247,8 +287,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     a.sets = a.sets or (["humaneval", "heldout"] if a.heldout else ["humaneval"])
     if "heldout" in a.sets and not a.heldout:
         raise SystemExit("error: --sets heldout needs --heldout DATA_DIR (the prepared corpus it is mined from)")
+    if "heldout" in a.sets:
+        check_heldout(a.heldout, ssd_runs(models, a.run))  # before any work: a mismatch is one line
+    check_available()
     sets = {"humaneval": load_problems(a.limit)} if "humaneval" in a.sets else {}
-    if a.heldout and "heldout" in a.sets:
+    if "heldout" in a.sets:
         sets["heldout"] = heldout_problems(a.heldout)
     settings = grid(a.temperatures, a.top_k, a.top_p)
     scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens)
@@ -267,6 +310,53 @@ def main(argv: Sequence[str] | None = None) -> dict:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def ssd_runs(models: dict[str, list[str]], run_specs: Sequence[str]) -> dict[str, Path]:
+    """Every SSD output directory in the comparison: each ``--run``, and the run each candidate was exported by
+    (``<output_dir>/round_XX/model`` or ``.../model_steps/step_N``, found by its ``ssd_manifest.json``)."""
+    out: dict[str, Path] = {}
+    for spec in run_specs:
+        name, _, d = spec.partition("=")
+        out[f"--run {name}"] = Path(d)
+    for name, candidates in models.items():
+        for cand in candidates:
+            run = next((p for p in Path(cand).resolve().parents[:3] if (p / "ssd_manifest.json").exists()), None)
+            if run is not None and run not in out.values():
+                out[f"--model {name} ({cand})"] = run
+    return out
+
+
+def check_heldout(data_dir: str, runs: dict[str, Path]) -> None:
+    """Refuse a held-out score that is not held out: each run must have taken its prompts from the *train* split of
+    the same prepared dataset (``problems.train_repos_from``) that ``--heldout`` mines the validation split of.
+    A run with it unset took prompts from every repository, the held-out ones included; a run on another dataset
+    held out other repositories. Two paths with the same ``repos.json`` are the same split."""
+    from ultrascale.config.compose import resolve_path
+    from ultrascale.errors import ConfigError
+
+    want = resolve_path(data_dir)
+    for label, run in runs.items():
+        manifest = run / "ssd_manifest.json"
+        if not manifest.exists():
+            raise ConfigError(f"{label}: {manifest} not found: point it at an SSD output_dir")
+        got = (json.loads(manifest.read_text()).get("config") or {}).get("problems", {}).get("train_repos_from")
+        if not got:
+            raise ConfigError(
+                f"--heldout {data_dir}: {label} ran with problems.train_repos_from=null, so its prompts came from "
+                f"every repository, the held-out ones included: rerun it with problems.train_repos_from={data_dir}, "
+                "or leave out --heldout"
+            )
+        have = resolve_path(got)
+        split_files = (have / "repos.json", want / "repos.json")
+        same = have.resolve() == want.resolve() or (
+            all(f.exists() for f in split_files) and split_files[0].read_bytes() == split_files[1].read_bytes()
+        )
+        if not same:
+            raise ConfigError(
+                f"--heldout {data_dir} is not the split {label} trained on (problems.train_repos_from={got}): "
+                f"pass --heldout {got}"
+            )
 
 
 def heldout_problems(data_dir: str) -> list[dict]:

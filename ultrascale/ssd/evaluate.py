@@ -43,6 +43,13 @@ def humaneval(model_dir: Path, out_dir: Path, cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from ultrascale.errors import UltrascaleError
     from ultrascale.ssd.compare import main
 
-    main()
+    try:
+        main()
+    except UltrascaleError as e:  # a mismatched --heldout, a missing run or dataset: one line, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
