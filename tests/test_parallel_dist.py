@@ -8,12 +8,13 @@ mid-run checkpoint into a fresh run directory and must continue identically.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, check, launch, losses, metrics
+from tests.conftest import FAST, ROOT, check, launch, losses, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -124,10 +125,21 @@ def test_expert_parallel_shards_experts_logs_balance_and_resumes(tiny_data, tmp_
     _assert_close({s: resumed[s] for s in (4, 5, 6)}, {s: curve[s] for s in (4, 5, 6)}, 1e-6, "ep resume")
 
 
+def _weight_reads(trace: Path, rank: int, files: dict[str, str]) -> list[str]:
+    """The tensors ``rank`` read from the checkpoint's safetensors files, each checked to come from the file the
+    index names (``tests/weights_trace``: every read, whoever made it, ours or a ``from_pretrained``)."""
+    reads = [ln.split("\t") for ln in Path(f"{trace}.rank{rank}").read_text().splitlines()]
+    assert reads, f"stage {rank} read no tensor"
+    assert all(key != "*" for _, key in reads), f"stage {rank} read a whole safetensors file"
+    assert all(files.get(key) == path for path, key in reads), f"stage {rank} read from another file: {reads}"
+    return [key for _, key in reads]
+
+
 def test_pipeline_stages_load_only_their_tensors_from_a_pretrained_model(tiny_data, tmp_path):
     """model.pretrained_path under pp=2: each stage reads its own tensors from the safetensors (by the index),
-    shown by the keys each rank read (``ULTRASCALE_WEIGHTS_READ_LOG``), and the pipelined model is the pretrained
-    one: its first loss equals the unpipelined model's."""
+    shown by every tensor each rank took from the files (traced at safetensors itself, so a stray
+    ``from_pretrained`` shows too), and the pipelined model is the pretrained one: its first loss equals the
+    unpipelined model's."""
     from ultrascale.config.compose import compose
     from ultrascale.model.build import build_model
 
@@ -135,14 +147,16 @@ def test_pipeline_stages_load_only_their_tensors_from_a_pretrained_model(tiny_da
     pretrained = tmp_path / "pretrained"
     build_model(cfg.model, seed=4321).save_pretrained(pretrained, max_shard_size="200KB")  # several files + index
     assert (pretrained / "model.safetensors.index.json").exists()
+    index = json.loads((pretrained / "model.safetensors.index.json").read_text())["weight_map"]
+    files = {k: str((pretrained / f).resolve()) for k, f in index.items()}
     model = [f"model.pretrained_path={pretrained}", "train.steps=2"]
-    read_log = tmp_path / "reads"
-    out = tmp_path / "pp"
+    trace, out = tmp_path / "reads", tmp_path / "pp"
+    tracer = os.pathsep.join(filter(None, [str(ROOT / "tests" / "weights_trace"), os.environ.get("PYTHONPATH")]))
     check(launch([*BASE, f"data.path={tiny_data}", f"output_dir={out}", *model, "parallel=pp2"],
-                 env={"ULTRASCALE_WEIGHTS_READ_LOG": str(read_log)}))  # fmt: skip
+                 env={"WEIGHTS_TRACE": str(trace), "PYTHONPATH": tracer}))  # fmt: skip
     pp = losses(out)
-    every = set(json.loads((pretrained / "model.safetensors.index.json").read_text())["weight_map"])
-    reads = [Path(f"{read_log}.rank{r}").read_text().split() for r in range(2)]
+    every = set(index)
+    reads = [_weight_reads(trace, r, files) for r in range(2)]
     layers = [{k for k in keys if k.startswith("model.layers.")} for keys in reads]
     n_layers = cfg.model.config.num_hidden_layers
     for rank, keys in enumerate(reads):

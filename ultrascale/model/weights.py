@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -38,16 +37,6 @@ class SafetensorsWeights:
             raise ConfigError(f"model.pretrained_path={model_dir} has no model.safetensors(.index.json): "
                               "the pipeline reads safetensors checkpoints (export or re-save the model)")  # fmt: skip
 
-    @staticmethod
-    def _read(f, key: str) -> torch.Tensor:
-        """Every tensor read goes through here, so that what a rank read can be shown, not assumed: with
-        ``ULTRASCALE_WEIGHTS_READ_LOG=PREFIX`` each process appends the keys it reads to ``PREFIX.rankN``
-        (the pipeline test proves with it that a stage reads only its own layers)."""
-        if log := os.environ.get("ULTRASCALE_WEIGHTS_READ_LOG"):
-            with open(f"{log}.rank{os.environ.get('RANK', '0')}", "a") as out:
-                out.write(key + "\n")
-        return f.get_tensor(key)
-
     def load_into(self, module: nn.Module, prefix: str) -> None:
         """Copy ``prefix.<name>`` into each of ``module``'s persistent tensors (no other tensor is read)."""
         from safetensors import safe_open
@@ -65,7 +54,7 @@ class SafetensorsWeights:
             for path, keys in by_file.items():
                 with safe_open(path, "pt") as f:
                     for key in keys:
-                        wanted[key].copy_(self._read(f, key))
+                        wanted[key].copy_(f.get_tensor(key))
 
     def load_own(self, module: nn.Module, name: str) -> None:
         """Copy ``name.<tensor>`` into ``module``'s own parameters and persistent buffers (not its children's)."""
@@ -82,7 +71,7 @@ class SafetensorsWeights:
         with torch.no_grad():
             for key, tensor in own.items():
                 with safe_open(self.files[key], "pt") as f:
-                    tensor.copy_(self._read(f, key))
+                    tensor.copy_(f.get_tensor(key))
 
 
 @torch.no_grad()
