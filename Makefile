@@ -8,8 +8,11 @@ export ULTRASCALE_CACHE_DIR := $(CURDIR)/.cache/ultrascale
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
+PY_VERSION ?= 3.12
+WITH_WANDB ?= 0
+PROBE_PY ?= python3
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd soak-exit clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd soak-exit wheelhouse wheelhouse-check gpu-probe clean
 
 setup: $(STAMP)
 
@@ -91,6 +94,19 @@ bench-parallel: setup
 
 soak-exit: setup
 	N=$${N:-20} bash tests/soak/exit_loop.sh
+
+# the offline install of a GPU node (every wheel but torch, for PY_VERSION and manylinux x86-64; launch/wheelhouse.py),
+# checked by installing it into an empty dir and importing from there alone
+wheelhouse: setup
+	$(BIN)/python -m launch.wheelhouse --py $(PY_VERSION) --check $(if $(filter 1,$(WITH_WANDB)),--with-wandb)
+
+wheelhouse-check: setup
+	$(BIN)/python -m launch.wheelhouse --py $(PY_VERSION) --check-only
+
+# on the GPU node: no venv, no network; the node's python3 (its torch) installs wheelhouse/py$(PY_VERSION) into a
+# scratch dir and runs every section within 8 minutes (bench/README.md: the GPU probe). PROBE_ARGS="--sections ..."
+gpu-probe:
+	$(PROBE_PY) bench/gpu_probe.py --wheelhouse wheelhouse/py$(PY_VERSION) $(PROBE_ARGS)
 
 clean:
 	rm -rf runs outputs multirun .pytest_cache

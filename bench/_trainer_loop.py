@@ -12,11 +12,14 @@ Timed like the other two sides: wall clock from the end of optimizer step 1 (a `
 
 On a CPU-only host accelerate picks no backend and sees world size 1 while DeepSpeed sees 2; the fix a
 user finds (shared/probes/README.md) is ``ACCELERATE_USE_DEEPSPEED=true``, a ``PartialState`` built with
-gloo first, and ``accelerator_config={"use_configured_state": True}``.
+gloo first, and ``accelerator_config={"use_configured_state": True}``. On CUDA the same state is built with
+NCCL: DeepSpeed's collectives there take CUDA tensors, which gloo does not.
 
-``MODE`` may end in ``+bf16``: ``bf16=True`` and the JSON's ``bf16.enabled`` on ``"auto"`` (HF's documented
-DeepSpeed setup), so DeepSpeed trains bf16 weights with fp32 master weights in its optimizer: Trainer's bf16
-under DeepSpeed (accelerate hands mixed precision to the engine instead of autocasting).
+``MODE`` may carry ``+flags``. ``+gc``: ``gradient_checkpointing=True`` (the job's own activation
+checkpointing, as the GPU probe's llama_1b job has it; without it Trainer keeps every layer's activations).
+``+bf16``: ``bf16=True`` and the JSON's ``bf16.enabled`` on ``"auto"`` (HF's documented DeepSpeed setup), so
+DeepSpeed trains bf16 weights with fp32 master weights in its optimizer: Trainer's bf16 under DeepSpeed
+(accelerate hands mixed precision to the engine instead of autocasting).
 
 Two flavours (``MODE``): ``default`` leaves every other setting at Trainer's default; ``tuned`` is Trainer as
 a strong user tunes it: ``torch_compile=True``, ``optim="adamw_torch_fused"`` and train.py's logging cadence
@@ -108,14 +111,20 @@ def _diff(before: dict, after: dict) -> dict:
     return {k: [_plain(a.get(k)), _plain(b.get(k))] for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
+def trainer_backend() -> str:
+    """The process group Trainer's run is built on: NCCL where CUDA is, gloo on a CPU host."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def main() -> None:
     run_dir, data_dir, steps, out_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     mode = sys.argv[5] if len(sys.argv) > 5 else "default"
-    mode, _, bf16 = mode.partition("+")  # "tuned+bf16": Trainer's bf16=True, as a user who trains in bf16 sets it
+    mode, *flags = mode.split("+")  # "tuned+bf16": Trainer's bf16=True, as a user who trains in bf16 sets it
+    bf16, gc = "bf16" in flags, "gc" in flags
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     from accelerate import PartialState
 
-    PartialState(backend="gloo")  # before TrainingArguments: see the module docstring
+    PartialState(backend=trainer_backend())  # before TrainingArguments: see the module docstring
     import torch.distributed as dist
     from omegaconf import OmegaConf
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
@@ -157,6 +166,7 @@ def main() -> None:
         save_strategy="no",
         eval_strategy="no",
         dataloader_num_workers=0,
+        gradient_checkpointing=gc,
         accelerator_config={"use_configured_state": True},
         **_tuned(cfg) if mode == "tuned" else {},
     )
@@ -208,6 +218,8 @@ def main() -> None:
                     "settings": {
                         "mode": mode,
                         "bf16": targs.bf16,
+                        "gradient_checkpointing": bool(targs.gradient_checkpointing),
+                        "backend": dist.get_backend(),
                         "logging_steps": targs.logging_steps,
                         "optim": str(getattr(targs.optim, "value", targs.optim)),
                         "optimizer": _describe(engine.basic_optimizer),
