@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,9 +24,17 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
+from tests.conftest import FAST, check, launch, losses
+from ultrascale.config.compose import compose
+from ultrascale.config.decide import decide
+from ultrascale.config.topology import Topology
+from ultrascale.config.validate import validate
+from ultrascale.data.bytecorpus import write_byte_dataset
 from ultrascale.data.loader import make_batch
+from ultrascale.errors import ConfigError
+from ultrascale.gpu import GpuInfo
 from ultrascale.model import flex as flex_mod
-from ultrascale.model.build import build_model
+from ultrascale.model.build import build_hf_config, build_model
 from ultrascale.model.flex import block_mask, install_flex_attention
 
 EOS = 3
@@ -199,3 +208,123 @@ def test_install_refuses_what_it_cannot_keep_exact():
     )  # fmt: skip
     installed, why = install_flex_attention(gpt2)
     assert not installed and "'gpt2' is not in the causal-mask list" in why
+
+
+# --- The decision (pure: a planted GPU description decides it as the card would) and the validation rules. ---
+
+GPUS = {
+    "H100 SXM": GpuInfo("NVIDIA H100 80GB HBM3", 80 * 2**30, (9, 0)),
+    "H200": GpuInfo("NVIDIA H200", 141 * 2**30, (9, 0)),
+    "A100 80GB": GpuInfo("NVIDIA A100-SXM4-80GB", 80 * 2**30, (8, 0)),
+    "L4 24GB": GpuInfo("NVIDIA L4", 24 * 2**30, (8, 9)),
+    "T4": GpuInfo("Tesla T4", 16 * 2**30, (7, 5)),
+}
+
+
+def _decide(overrides: list[str], backend: str = "nccl", gpu=None, world: int = 1, **topo):
+    cfg = compose(overrides)
+    return decide(cfg, Topology(world=world, **topo), build_hf_config(cfg.model), backend, None, gpu)
+
+
+@pytest.mark.parametrize("card", list(GPUS))
+def test_auto_picks_flex_on_gpus_from_ampere_and_keeps_the_cpu_rule(card):
+    gpu = GPUS[card]
+    d = _decide([], "nccl", gpu)
+    if gpu.capability >= (8, 0):
+        assert d.attention.on and d.attention.value == "flex"
+        assert f"sm_{gpu.capability[0]}{gpu.capability[1]}" in d.attention.why
+        assert "FlexAttention block mask" in d.document_masking.why
+    else:
+        assert not d.attention.on and "FlexAttention's kernels want sm_80" in d.attention.why
+        assert "sdpa block-diagonal mask" in d.document_masking.why
+    cpu = _decide([], "gloo", gpu)  # a CPU rank: today's rule, whatever GPU description came with it
+    assert cpu.attention.on and isinstance(cpu.attention.value, int) and "query blocks" in cpu.attention.why
+
+
+def test_auto_on_a_gpu_says_why_it_keeps_sdpa():
+    h100 = GPUS["H100 SXM"]
+    cases = {
+        "data.document_masking=false": _decide(["data.document_masking=false"], gpu=h100),
+        "the pipeline stages build their own masks": _decide(["zero=stage1"], gpu=h100, world=2, pp=2),
+        "Ulysses wraps the attention core": _decide([], gpu=h100, world=2, sp=2),
+        "model.attn_implementation=eager": _decide(["model.attn_implementation=eager"], gpu=h100),
+        "no GPU description": _decide([], gpu=None),
+    }
+    for why, d in cases.items():
+        assert not d.attention.on and why in d.attention.why, (why, d.attention.why)
+    blocks = _decide(["train.attn_block_size=64"], gpu=h100)  # a block size asks for the blocks
+    assert blocks.attention.value == 64
+
+
+def test_named_kernels_are_what_runs():
+    h100 = GPUS["H100 SXM"]
+    assert not _decide(["train.attention_kernel=sdpa"], gpu=h100).attention.on
+    assert _decide(["train.attention_kernel=blocks"], gpu=h100).attention.value == 64  # seq 256 in 4 blocks
+    cpu_flex = _decide(["train.attention_kernel=flex"], "gloo")
+    assert cpu_flex.attention.value == "flex" and "reference implementation" in cpu_flex.attention.why
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "error"),
+    [
+        (["parallel.pp=2", "zero=stage1"], 2, r"train.attention_kernel=flex needs parallel.pp=1 \(got 2\)"),
+        (["parallel.sp=2"], 2, r"train.attention_kernel=flex needs parallel.sp=1 \(got 2\)"),
+        (["model.attn_implementation=eager"], 1,
+         r"train.attention_kernel=flex replaces model.attn_implementation=sdpa \(got eager\)"),
+        (["+model.config.attention_dropout=0.1"], 1, r"has no attention dropout"),
+        (["model.type=gemma"], 1, r"needs a causal text decoder .* got model.type=gemma"),
+    ],
+)  # fmt: skip
+def test_a_named_flex_the_run_cannot_take_is_one_error(overrides, world, error):
+    with pytest.raises(ConfigError, match=error):
+        validate(compose(["train.attention_kernel=flex", *overrides]), world, backend="gloo")
+
+
+def test_named_blocks_of_zero_is_an_error():
+    with pytest.raises(ConfigError, match=r"train.attention_kernel=blocks with train.attn_block_size=0"):
+        validate(compose(["train.attention_kernel=blocks", "train.attn_block_size=0"]), 1, backend="gloo")
+
+
+def test_the_engine_installs_the_decided_kernel_or_says_why_not():
+    from ultrascale.train.engine import _apply_attention
+
+    flex, blocks = _decide(["train.attention_kernel=flex"], "gloo"), _decide(["train.attention_kernel=blocks"], "gloo")
+    for d, name in ((flex, "ultrascale_flex"), (blocks, "ultrascale_sdpa_blocks64")):
+        model = _model()
+        _apply_attention(model, d)
+        assert model.config._attn_implementation == name
+    with pytest.raises(ConfigError, match=r"cannot install on this model \(off \(model.attn_implementation=eager"):
+        _apply_attention(_model(attn="eager"), flex)
+
+
+@pytest.fixture(scope="module")
+def packed_data(tmp_path_factory):
+    """Byte-level stdlib code cut to 90 bytes a file, seq 128: every row holds two or more documents."""
+    return write_byte_dataset(tmp_path_factory.mktemp("packed"), seq_len=128, max_files=200, max_bytes=90)
+
+
+@pytest.mark.dist
+def test_flex_trains_like_masked_sdpa_on_two_ranks(packed_data, tmp_path):
+    """2 ranks, ZeRO-2, rows of several documents each: FlexAttention logs the masked-sdpa run's losses."""
+    runs, logs = {}, {}
+    for kernel in ("sdpa", "flex"):
+        out = tmp_path / kernel
+        args = [*FAST, "data.seq_len=128", "zero=stage2", f"data.path={packed_data}", f"output_dir={out}",
+                "train.steps=5", f"train.attention_kernel={kernel}"]  # fmt: skip
+        proc = check(launch(args))
+        runs[kernel], logs[kernel] = losses(out), proc.stdout + proc.stderr
+    assert "FlexAttention where a row holds several documents" in logs["flex"]
+    assert "FlexAttention block mask" in logs["flex"] and "sdpa block-diagonal mask" in logs["sdpa"]
+    ref = runs["sdpa"]
+    assert ref[5] < ref[1]
+    for step, loss in ref.items():
+        assert runs["flex"][step] == pytest.approx(loss, abs=1e-4), step
+
+
+def test_packed_data_rows_hold_several_documents(packed_data):
+    """The dist test's premise: no row of its data is one document (else FlexAttention would never run)."""
+    from ultrascale.data.shards import open_split
+
+    split = open_split(packed_data, "train", verify=False)
+    rows = torch.from_numpy(split.get(np.arange(len(split))))
+    assert len(rows) >= 40 and bool(((rows[:, :-1] == 256).sum(dim=1) >= 1).all())

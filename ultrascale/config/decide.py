@@ -45,7 +45,7 @@ class Decisions:
     """``value``: ``none``, ``selective`` (per-op: matmul and attention outputs saved, the rest recomputed) or
     ``full`` (each decoder layer recomputed from its input)."""
     attention: Choice
-    """``value``: the query block size of the blocked causal SDPA when on."""
+    """``value`` when on: the query block (int) of the blocked causal SDPA, or ``"flex"`` (FlexAttention)."""
     compile: Choice
     document_masking: Choice
     flat_batches: bool
@@ -100,8 +100,9 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
     stage = cfg.zero.stage
     experts = num_experts(hf_config)
     attn = str(cfg.model.attn_implementation)
-    doc = _document_masking(cfg, topo, attn)
     gpu = gpu if backend == "nccl" else None
+    attention = _attention(cfg, topo, hf_config, attn, backend, cpu, gpu)
+    doc = _document_masking(cfg, topo, attn, flex=attention.value == "flex")
     fused = _fused_loss(cfg, topo, hf_config, backend, cpu, gpu)
     kernel = _loss_kernel(cfg, fused, gpu, liger_importable() if gpu is not None else False)
     if kernel.value == "liger":
@@ -114,7 +115,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
         fused_loss=fused,
         loss_kernel=kernel,
         activation_checkpointing=_activation_checkpointing(cfg, topo, hf_config, backend, gpu, fused),
-        attention=_attention(cfg, topo, hf_config, attn, backend, cpu),
+        attention=attention,
         compile=_compile(cfg, topo, stage, experts),
         document_masking=doc,
         flat_batches=doc.on and attn.startswith("flash"),
@@ -170,14 +171,76 @@ def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: Cpu
     return Choice(True, f"{what}, chunk from the vocabulary's {CHUNK_BUDGET_BYTES >> 20} MiB logit budget", None)
 
 
-def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None) -> Choice:
+FLEX_MIN_CAPABILITY = (8, 0)
+"""``train.attention_kernel=auto`` picks FlexAttention on CUDA GPUs from Ampere (sm_80) on: its Triton kernels are
+built and tuned for them (bf16, their shared memory); older cards keep HF's sdpa."""
+
+
+def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None,
+               gpu: GpuInfo | None = None) -> Choice:  # fmt: skip
+    """``train.attention_kernel``; ``value``: the blocked SDPA's query block (int) or ``"flex"``. Reads the GPU
+    only through ``gpu.capability``. Forced kernels were checked by validation; ``auto`` falls back with a reason."""
+    kernel = str(cfg.train.attention_kernel)
+    configured = f"HF {attn} as configured"
+    if kernel == "sdpa":
+        return Choice(False, f"{configured} (train.attention_kernel=sdpa)")
+    if kernel == "flex":
+        return _flex(cfg, backend, "train.attention_kernel=flex")
+    if kernel == "auto" and backend != "gloo" and not cfg.train.attn_block_size:
+        why = _flex_unfit(cfg, topo, hf_config, attn, gpu)
+        if why:
+            return Choice(False, f"{configured} ({why})")
+        major, minor = tuple(gpu.capability)
+        return _flex(cfg, backend, f"train.attention_kernel=auto: CUDA, sm_{major}{minor}, documents masked")
+    return _blocks(cfg, topo, hf_config, attn, backend, cpu, forced=kernel == "blocks")
+
+
+def _flex(cfg: Any, backend: str, reason: str) -> Choice:
+    why = (f"FlexAttention where a row holds several documents (block mask from the position ids, built once per "
+           f"forward; no dense s x s mask; {reason}); one-document rows and decoding take SDPA")  # fmt: skip
+    if not cfg.data.document_masking:
+        why += " (data.document_masking=false: no row has document boundaries, so every row does)"
+    if backend == "gloo":
+        why += ("; on CPU it trains through FlexAttention's reference implementation (torch has no CPU backward "
+                "kernel): for checking, slower than the blocks")  # fmt: skip
+    return Choice(True, why, "flex")
+
+
+def _flex_unfit(cfg: Any, topo: Topology, hf_config: Any, attn: str, gpu: GpuInfo | None) -> str | None:
+    """Why ``auto`` keeps HF's sdpa on a GPU (None: FlexAttention fits)."""
+    if topo.pp > 1:
+        return "the pipeline stages build their own masks"
+    if topo.sp > 1:
+        return "Ulysses wraps the attention core"
+    from ultrascale.model.attention import blockable_reason
+
+    why = blockable_reason(hf_config, attn)
+    if why:
+        return why
+    if not cfg.data.document_masking:
+        return "data.document_masking=false: no document boundaries to mask, SDPA's causal kernel is FlashAttention"
+    if gpu is None:
+        return "no GPU description: FlexAttention is chosen by the GPU's compute capability"
+    major, minor = tuple(gpu.capability)
+    if (major, minor) < FLEX_MIN_CAPABILITY:
+        return f"{gpu.name} is sm_{major}{minor}: FlexAttention's kernels want sm_80 or later"
+    return None
+
+
+def _blocks(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None,
+            forced: bool) -> Choice:  # fmt: skip
+    """The causal SDPA by query blocks (``train.attention_kernel=blocks``, and ``auto`` on a CPU)."""
     block = cfg.train.attn_block_size
     configured = f"HF {attn} as configured"
     reason = "train.attn_block_size"
     if block is None:
-        if backend != "gloo":
+        if backend != "gloo" and not forced:
             return Choice(False, f"{configured} (train.attn_block_size unset: the blocks are measured on CPU only)")
-        block, reason = cpu_attn_block(cpu or CpuInfo(), int(cfg.data.seq_len), _bf16_matmuls(cfg, cpu))
+        if backend == "gloo":
+            block, reason = cpu_attn_block(cpu or CpuInfo(), int(cfg.data.seq_len), _bf16_matmuls(cfg, cpu))
+        else:
+            n = BLOCKS_PER_ROW["fp32"]
+            block, reason = max(MIN_BLOCK, -(-int(cfg.data.seq_len) // n)), f"train.attention_kernel=blocks, {n} a row"
     if not block:
         return Choice(False, f"{configured} (train.attn_block_size=0)")
     if topo.pp > 1:
@@ -209,13 +272,15 @@ def _compile(cfg: Any, topo: Topology, stage: int, experts: int) -> Choice:
     return Choice(True, f"torch.compile (inductor) of {what} at the first step (train.compile_scope={scope})", scope)
 
 
-def _document_masking(cfg: Any, topo: Topology, attn: str) -> Choice:
+def _document_masking(cfg: Any, topo: Topology, attn: str, flex: bool = False) -> Choice:
     """Ulysses discards 4-D masks, so with sp>1 only flash attention keeps documents apart."""
     if not cfg.data.document_masking:
         return Choice(False, "off: packed rows are one text (data.document_masking=false)")
     if topo.sp > 1 and not attn.startswith("flash"):
         return Choice(False, f"off: Ulysses sp={topo.sp} drops {attn} masks (use flash_attention_2 for it)")
     how = "varlen kernel, micro-batch as one row" if attn.startswith("flash") else f"{attn} block-diagonal mask"
+    if flex:
+        how = "FlexAttention block mask, no dense s x s mask"
     return Choice(True, f"on: positions restart at EOS, no cross-document attention ({how})")
 
 
