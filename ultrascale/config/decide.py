@@ -73,7 +73,7 @@ class Decisions:
         """Every on/off feature by name, for the banner and the dry run."""
         return {
             "loss": self.fused_loss,
-            "loss kernel": self.loss_kernel,
+            "ce kernel": self.loss_kernel,
             "act-ckpt": self.activation_checkpointing,
             "attention": self.attention,
             "compile": self.compile,
