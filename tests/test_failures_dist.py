@@ -245,11 +245,15 @@ def test_a_kill_during_the_background_write_keeps_the_previous_latest_and_resume
     check(launch(args, env={"ULTRASCALE_TRACE_SAMPLES": str(tmp_path / "trace2")}))
     (resume,) = _events(out, "resume")
     assert resume["from_step"] == 5 and resume["steps_lost"] == 7
-    ref_dir, _ = reference
+    ref_dir, ref_trace = reference
     ref, got = losses(ref_dir), losses(out)
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-6), step
     assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS:08d}"
+    killed_reads, resumed, ref_reads = _reads(trace), _reads(tmp_path / "trace2"), _reads(ref_trace)
+    gas = len(ref_reads[0]) // STEPS
+    for rank in ref_reads:  # steps 1-5 as read before the kill, then the resume reads steps 6-14 and nothing else
+        assert killed_reads[rank][: 5 * gas] + resumed[rank] == ref_reads[rank], rank
 
 
 # ---- Slurm: USR1 before the time limit -> checkpoint -> requeue -----------------------------------------------
