@@ -71,12 +71,37 @@ LEVER_ROW_S = 110.0
 """A lever row's own limit inside ``levers``: one train.py launch of the 1B job (build, compile, 6 steps)."""
 ALWAYS = ("install", "data")
 DEFAULT_BUDGET_S = 470.0
-LLAMA = ["recipe=llama_1b_zero0", "launcher.nproc_per_node=1", "data.global_batch=8", "logger=none",
-         "train.keep_checkpoints=1"]  # fmt: skip
-"""The first GPU run's job: micro 8 x 4,096 tokens on one GPU (no accumulation)."""
 LLAMA_STEPS, LEVER_STEPS = 8, 6
 ZERO_STEPS, ZERO_RESUME_STEPS = 6, 8
-TRAINER_MODE = "tuned+bf16+gc"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the sections train. ``gpu`` is the probe; ``tiny`` runs the same sections, commands and parsers on the
+    tiny model on a CPU host (``DS_ACCELERATOR=cpu``), to check the probe itself where no GPU is."""
+
+    train: tuple[str, ...]
+    """The main job's overrides (every lever at its decided default)."""
+    seq: int
+    zero_model: str
+    sampler_model: str
+    sampler_args: tuple[str, ...]
+    trainer_mode: str
+    micro_gb: float = 4.0
+    """The staging micro-benchmark's state size (bench/checkpoint_stall.py --micro)."""
+    cpu: bool = False
+
+
+JOBS = {
+    "gpu": Job(("recipe=llama_1b_zero0", "launcher.nproc_per_node=1", "data.global_batch=8", "logger=none",
+                "train.keep_checkpoints=1", "train.log_interval=1"), 4096, "smollm2_135m", "smollm2_135m",
+               ("--limit", "32", "--max-new-tokens", "128"), "tuned+bf16+gc"),
+    "tiny": Job(("recipe=cpu_smoke", "launcher.nproc_per_node=1", "data.global_batch=8", "logger=none",
+                 "train.keep_checkpoints=1", "train.log_interval=1"), 256, "tiny", "tiny",
+                ("--limit", "2", "--max-new-tokens", "8"), "default+gc", micro_gb=0.2, cpu=True),
+}  # fmt: skip
+"""``gpu``: the first GPU run's job (llama_1b_zero0, micro 8 x 4,096 tokens on one GPU, no accumulation), SmolLM2-135M
+for ZeRO and the sampler."""
 
 
 @dataclass
@@ -96,10 +121,11 @@ class Plan:
     """Every step with its paths fixed up front, so ``--dry-run`` prints exactly what a run would run."""
 
     def __init__(self, work: Path, wheelhouse: Path, sections: list[str], levers: dict[str, tuple[str, ...]],
-                 py: str = sys.executable):  # fmt: skip
-        self.work, self.wheelhouse, self.py = work, wheelhouse, py
+                 py: str = sys.executable, job: str = "gpu"):  # fmt: skip
+        self.work, self.wheelhouse, self.py, self.job = work, wheelhouse, py, JOBS[job]
         self.site, self.logs = work / "site", work / "logs"
-        self.data4096, self.data256, self.smollm2 = work / "data4096", work / "data256", work / "smollm2_random"
+        self.data_main, self.data256 = work / f"data{self.job.seq}", work / "data256"
+        self.sampler_model = work / f"{self.job.sampler_model}_random"
         self.steps: list[Step] = []
         for s in [*ALWAYS, *(s for s in SECTIONS if s in sections and s not in ALWAYS)]:
             getattr(self, f"_{s}")(levers)
@@ -118,32 +144,39 @@ class Plan:
         self.add("install", "imports", [[self.py, __file__, "--worker", "versions"]], "versions", budget=60)
 
     def _data(self, _levers) -> None:
-        self.add("data", "byte corpus + random-init SmolLM2-135M",
-                 [[self.py, __file__, "--worker", "data", str(self.work)]], "ok")  # fmt: skip
+        self.add("data", f"byte corpus + random-init {self.job.sampler_model}",
+                 [[self.py, __file__, "--worker", "data", str(self.work), str(self.job.seq), self.job.sampler_model]],
+                 "ok")  # fmt: skip
 
     def _llama_1b(self, _levers) -> None:
         run = self.work / "llama_base"
-        self.add("llama_1b", "llama_1b_zero0, decided levers",
-                 [self.torchrun("train.py", *LLAMA, f"data.path={self.data4096}", f"train.steps={LLAMA_STEPS}",
+        self.add("llama_1b", f"{self.job.train[0].split('=')[1]}, decided levers",
+                 [self.torchrun("train.py", *self.job.train, f"data.path={self.data_main}", f"train.steps={LLAMA_STEPS}",
                                 f"train.checkpoint_interval={LLAMA_STEPS // 2}", f"train.eval_interval={LLAMA_STEPS}",
-                                f"output_dir={run}")], "train_run", run=str(run), checkpoints=True)  # fmt: skip
+                                f"output_dir={run}")], "train_run", run=str(run), checkpoints=True,
+                 cleanup=True)  # fmt: skip
         self.add("llama_1b", "planner prediction", [[self.py, __file__, "--worker", "predict", str(run)]], "predict",
                  budget=40, run=str(run))  # fmt: skip
+        out = self.work / "staging.json"
+        self.add("llama_1b", f"staging copy alone, {self.job.micro_gb:g} GB, pinned vs pageable",
+                 [[self.py, "bench/checkpoint_stall.py", "--micro", f"{self.job.micro_gb:g}", "--json", str(out)]],
+                 "micro", budget=60, out=str(out))  # fmt: skip
 
     def _trainer(self, _levers) -> None:
         run = self.work / "llama_base"
-        self.add("trainer", f"HF Trainer + DeepSpeed ({TRAINER_MODE})",
-                 [self.torchrun("bench/_trainer_loop.py", str(run), str(self.data4096), str(LLAMA_STEPS),
-                                str(self.work / "trainer_out"), TRAINER_MODE)], "trainer", run=str(run))  # fmt: skip
+        mode = self.job.trainer_mode
+        self.add("trainer", f"HF Trainer + DeepSpeed ({mode})",
+                 [self.torchrun("bench/_trainer_loop.py", str(run), str(self.data_main), str(LLAMA_STEPS),
+                                str(self.work / "trainer_out"), mode)], "trainer", run=str(run))  # fmt: skip
 
     def _sampler(self, _levers) -> None:
         self.add("sampler", "bench_generate.py vs HF generate",
-                 [[self.py, "bench/bench_generate.py", "--model", str(self.smollm2), "--limit", "32",
-                   "--max-new-tokens", "128", "--json", str(self.work / "generate.json")]], "generate",
+                 [[self.py, "bench/bench_generate.py", "--model", str(self.sampler_model), *self.job.sampler_args,
+                   "--json", str(self.work / "generate.json")]], "generate",
                  out=str(self.work / "generate.json"))  # fmt: skip
 
     def _zero(self, _levers) -> None:
-        common = ["model=smollm2_135m", "precision=bf16", f"data.path={self.data256}", "data.micro_batch=4",
+        common = [f"model={self.job.zero_model}", "precision=bf16", f"data.path={self.data256}", "data.micro_batch=4",
                   "data.global_batch=8", "logger=none", "train.compile=false", "launcher.nproc_per_node=1"]  # fmt: skip
         first, resume = [], []
         for s in range(4):
@@ -186,7 +219,8 @@ class Plan:
                 run = self.work / f"lever_{key.split('.')[-1]}_{value}"
                 ckpt = key == "train.checkpoint_staging"
                 self.add("levers", f"{key}={value}",
-                         [self.torchrun("train.py", *LLAMA, f"data.path={self.data4096}", f"train.steps={LEVER_STEPS}",
+                         [self.torchrun("train.py", *self.job.train, f"data.path={self.data_main}",
+                                        f"train.steps={LEVER_STEPS}",
                                         f"train.checkpoint_interval={LEVER_STEPS // 2 if ckpt else 0}",
                                         f"{key}={value}", f"output_dir={run}")],
                          "train_run", budget=LEVER_ROW_S, run=str(run), checkpoints=ckpt, key=key, value=value,
@@ -198,7 +232,8 @@ class Plan:
         return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",
                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TORCH_EXTENSIONS_DIR": str(self.work / "torch_extensions"),
-                "ULTRASCALE_CACHE_DIR": str(self.work / "cache"), "PYTHONNOUSERSITE": "1"}  # fmt: skip
+                "ULTRASCALE_CACHE_DIR": str(self.work / "cache"), "PYTHONNOUSERSITE": "1",
+                **({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"} if self.job.cpu else {})}  # fmt: skip
 
 
 # ---- running ------------------------------------------------------------------------------------------------------
@@ -410,6 +445,16 @@ def p_generate(step: Step, res: dict, ctx: dict) -> list[dict]:
                                   f"greedy identical: {got.get('identical_greedy')}"])}]  # fmt: skip
 
 
+def p_micro(step: Step, res: dict, ctx: dict) -> list[dict]:
+    path = Path(step.args["out"])
+    if not path.exists():
+        return [{"result": "no JSON written"}]
+    rows = json.loads(path.read_text())["rows"]
+    return [{"name": f"staging {r['mode']} ({r['device']})", **r,
+             "result": f"ran {r['ran_as']}: first save {r['first_s']:.2f} s (alloc {r['alloc_s']:.2f} s), later "
+                       f"{r['later_s']:.3f} s = {r['later_gbps']:.1f} GB/s"} for r in rows]  # fmt: skip
+
+
 def p_zero_first(step: Step, res: dict, ctx: dict) -> list[dict]:
     rows = []
     for s, run in enumerate(step.args["runs"]):
@@ -524,10 +569,12 @@ def execute(plan: Plan, budget: float, out_json: Path | None) -> dict:
                 r["result"] = f"FAILED ({res.get('error')})" + (f"; {p['result']}" if p.get("result") not in
                                                                  ("ok", "no steps logged", None) else "")  # fmt: skip
                 r["log"] = res["logs"][0] if res["logs"] else None
+                r["log_tail"] = res["tails"][res["rcs"].index(res["rc"])][-1500:] if res.get("rcs") and \
+                    res["rc"] in res["rcs"] else (res["tails"][0][-1500:] if res["tails"] else None)  # fmt: skip
             rows.append(r)
         if res["rc"] and step.section in ALWAYS:
             failed_prereq = True
-        if step.args.get("cleanup"):  # a lever row's checkpoints are GBs: the disk is 64 GiB
+        if step.args.get("cleanup"):  # the 1B job's checkpoints are 17 GB each; the device's disk is 64 GiB
             import shutil
 
             shutil.rmtree(Path(step.args["run"]) / "checkpoints", ignore_errors=True)
@@ -595,9 +642,9 @@ def w_versions() -> None:
     print(json.dumps(got))
 
 
-def w_data(work: str) -> None:
-    """The byte corpus at the two lengths, and a random-init SmolLM2-135M with a BPE tokenizer of its vocabulary
-    trained on the stdlib, saved as a HF directory (bench_generate's ``--model``)."""
+def w_data(work: str, seq: str, model: str) -> None:
+    """The byte corpus at the job's length and at 256, and a random-init ``model`` with a BPE tokenizer of its
+    vocabulary trained on the stdlib, saved as a HF directory (bench_generate's ``--model``)."""
     import sysconfig
 
     from data_prep.tokenizer import save_hf, train_bpe
@@ -606,13 +653,13 @@ def w_data(work: str) -> None:
     from ultrascale.model.build import build_model
 
     w = Path(work)
-    write_byte_dataset(w / "data4096", seq_len=4096)
-    write_byte_dataset(w / "data256", seq_len=256)
-    model = build_model(compose(["model=smollm2_135m"]).model, seed=0)
+    for n in sorted({int(seq), 256}):
+        write_byte_dataset(w / f"data{n}", seq_len=n)
+    model = build_model(compose([f"model={model}"]).model, seed=0)
     texts = [p.read_text(errors="ignore") for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:120]]
     tok = train_bpe(texts, vocab_size=int(model.config.vocab_size))
-    save_hf(tok, w / "smollm2_random", model_max_length=2048)
-    model.save_pretrained(str(w / "smollm2_random"))
+    save_hf(tok, w / f"{model}_random", model_max_length=2048)
+    model.save_pretrained(str(w / f"{model}_random"))
     print(json.dumps({"vocab": tok.get_vocab_size(), "params": sum(p.numel() for p in model.parameters())}))
 
 
@@ -699,6 +746,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheelhouse", type=Path, default=ROOT / "wheelhouse" / "py3.12")
     ap.add_argument("--work", type=Path, help="scratch dir (default: a fresh temp dir)")
     ap.add_argument("--json", type=Path, help="default $OUT/gpu_probe.json where $OUT is set")
+    ap.add_argument(
+        "--job",
+        choices=tuple(JOBS),
+        default="gpu",
+        help="gpu (default); tiny: the same sections on the tiny model on a CPU host, to check the probe",
+    )
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -716,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown lever(s) {', '.join(bad)}: choose from {', '.join(LEVERS)}")
         levers = {k: LEVERS[k] for k in keys}
     work = a.work or Path(tempfile.gettempdir()) / f"gpu_probe-{os.getpid()}"
-    plan = Plan(work.resolve(), a.wheelhouse.resolve(), sections, levers)
+    plan = Plan(work.resolve(), a.wheelhouse.resolve(), sections, levers, job=a.job)
     if a.dry_run:
         print_plan(plan, a.budget)
         return 0
