@@ -113,21 +113,25 @@ def _stopping():
     class NewTextStops(StoppingCriteria):
         """Per row: done once the text generated after the prompt contains a stop sequence (the prompt itself is
         never searched), as bigcode-evaluation-harness's ``EndOfFunctionCriteria`` decides for a whole batch.
-        A finished row is not decoded again."""
+        A finished row is not decoded again; ``length[r]`` is how many tokens row r had generated when it stopped
+        (HF pads a finished row from then on, and the pad may be the EOS token)."""
 
         def __init__(self, start: int, stops, tokenizer) -> None:
             self.start, self.stops, self.tokenizer = start, tuple(stops), tokenizer
             self.done = None
+            self.length: list[int | None] = []
 
         def __call__(self, input_ids, scores, **kwargs):
             import torch
 
             if self.done is None:
                 self.done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+                self.length = [None] * input_ids.shape[0]
             for r in range(input_ids.shape[0]):
                 if not self.done[r]:
                     text = self.tokenizer.decode(input_ids[r, self.start :], skip_special_tokens=True)
-                    self.done[r] = any(s in text for s in self.stops)
+                    if any(s in text for s in self.stops):
+                        self.done[r], self.length[r] = True, input_ids.shape[1] - self.start
             return self.done.to(input_ids.device)
 
     return NewTextStops
@@ -145,8 +149,8 @@ def hf_order(tok, prompts, batch_size: int, sort: bool) -> list[list[int]]:
 
 
 def run_hf(model, tok, prompts, params, batch_size: int, sort: bool = False, scores: bool = False) -> dict:
-    """Plain HF generate with the new-text stopping rule; tokens counted up to each row's stop/EOS (what it had
-    to produce). ``scores`` keeps each step's top-2 logits and token ids (for the near-tie check; it costs time,
+    """Plain HF generate with the new-text stopping rule; tokens counted up to each row's stop or EOS (what it
+    had to produce, as ours counts: the token that completed the stop or the EOS included, HF's padding not). ``scores`` keeps each step's top-2 logits and token ids (for the near-tie check; it costs time,
     so the timed run goes without, and :func:`hf_top2` re-runs only the batches that need it: greedy is
     deterministic)."""
     import torch
@@ -162,24 +166,27 @@ def run_hf(model, tok, prompts, params, batch_size: int, sort: bool = False, sco
     kw = {"do_sample": False} if params.greedy else {"do_sample": True, "temperature": params.temperature,
                                                      "top_p": params.top_p, "top_k": params.top_k or None}  # fmt: skip
     stops_cls = _stopping()
+    eos = model.generation_config.eos_token_id
+    eos = {*(eos if isinstance(eos, list | tuple) else [eos]), tok.eos_token_id} - {None}
     torch.manual_seed(params.seed)
     t0 = time.perf_counter()
     for batch_ids in hf_order(tok, prompts, batch_size, sort):
         batch = tok([prompts[i] for i in batch_ids], return_tensors="pt", padding=True,
                     add_special_tokens=ADD_SPECIAL_TOKENS)  # fmt: skip
         plen = batch["input_ids"].shape[1]
-        stop = StoppingCriteriaList([stops_cls(plen, params.stop, tok)]) if params.stop else None
+        stops = stops_cls(plen, params.stop, tok)
         with torch.no_grad():
             gen = model.generate(**batch, max_new_tokens=params.max_new_tokens, num_return_sequences=n,
-                                 pad_token_id=tok.pad_token_id, stopping_criteria=stop,
+                                 pad_token_id=tok.pad_token_id,
+                                 stopping_criteria=StoppingCriteriaList([stops]) if params.stop else None,
                                  return_dict_in_generate=True, output_scores=scores, **kw)  # fmt: skip
         new = gen.sequences[:, plen:]
         for j, p in enumerate(batch_ids):
             texts[p], ids[p], tops[p] = [], [], []
             for r in range(j * n, (j + 1) * n):
                 row = new[r].tolist()
-                eos = [k for k, t in enumerate(row) if t in (tok.eos_token_id, tok.pad_token_id)]
-                row = row[: eos[0] + 1] if eos else row
+                end = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+                row = row[: min(end, (stops.length[r] if stops.length else None) or end)]
                 n_tok += len(row)
                 ids[p].append(row)
                 texts[p].append(truncate(tok.decode(row, skip_special_tokens=True), params.stop))
