@@ -99,10 +99,11 @@ def implementation_name(block: int) -> str:
 
 
 def blockable_reason(config, attn_implementation: str) -> str | None:
-    """Why a model cannot run the blocked attention (None: it can); asked by the run's decision and by
-    :func:`install_blocked_attention`, so the rule is stated once."""
+    """Why a model cannot run the blocked attention or FlexAttention (None: it can); asked by the run's decision
+    and by both installers, so the rule is stated once. Both keep HF's masks exactly only for causal decoders
+    whose masks come from HF's causal (or sliding-window) mask builder."""
     if attn_implementation != "sdpa":
-        return f"model.attn_implementation={attn_implementation}; the blocks replace sdpa only"
+        return f"model.attn_implementation={attn_implementation}; the blocks and FlexAttention replace sdpa only"
     if config.model_type not in CAUSAL_MODEL_TYPES:
         return f"model_type {config.model_type!r} is not in the causal-mask list of ultrascale/model/attention.py"
     return None
