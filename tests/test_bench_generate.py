@@ -39,11 +39,15 @@ def test_hf_stops_on_the_new_text_only_as_ours_does(tiny, bench):  # noqa: F811
     ours = bench.run_ours(model, tok, [prompt], params, 4)
     hf = bench.run_hf(model, tok, [prompt], params, 8)
     assert hf["texts"] == ours["texts"] == [[free]] and hf["ids"] == ours["ids"]
-    # a stop inside the new text stops both at the same token, and HF's padding after it is not counted
-    inner = SamplingParams(max_new_tokens=16, stop=(free[3:5],))
-    ours, hf = bench.run_ours(model, tok, [prompt], inner, 4), bench.run_hf(model, tok, [prompt], inner, 8)
-    assert ours["finish"] == [["stop"]] and hf["texts"] == ours["texts"] == [[free[: free.index(free[3:5])]]]
-    assert hf["ids"] == ours["ids"] and hf["tokens"] == ours["tokens"] < 16
+    # a stop inside one row's new text stops that row on both sides at the same token, and the padding HF goes on
+    # adding to it while the other row generates (here the EOS token) is not counted
+    other = Sampler(model, tok).generate([PROMPTS[1]], SamplingParams(max_new_tokens=16))[0][0].text
+    inner = next(free[i : i + 2] for i in range(3, len(free) - 1) if free[i : i + 2] not in other)
+    two = SamplingParams(max_new_tokens=16, stop=(inner,))
+    pair = [prompt, PROMPTS[1]]
+    ours, hf = bench.run_ours(model, tok, pair, two, 4), bench.run_hf(model, tok, pair, two, 8)
+    assert ours["finish"] == [["stop"], ["length"]] and hf["texts"] == ours["texts"]
+    assert hf["ids"] == ours["ids"] and hf["tokens"] == ours["tokens"] and len(ours["ids"][0][0]) < 16
     # what the bench used to run: HF's stop_strings match the prompt's last newline plus the first new tokens
     enc = tok([prompt], return_tensors="pt", add_special_tokens=False)
     old = model.generate(**enc, max_new_tokens=16, do_sample=False, stop_strings=[stop], tokenizer=tok,
