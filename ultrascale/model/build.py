@@ -55,6 +55,23 @@ def _hf_config(model_type: str, overrides_json: str, pretrained_path: str | None
     return hf
 
 
+def require_attn_kernel(attn: str) -> None:
+    """A flash attention implementation is a package HF imports at build time; without it HF raises an
+    ImportError deep in the build. Checked before anything is built, so it is one ``error:`` line naming the key."""
+    if not attn.startswith("flash"):
+        return
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    if (is_flash_attn_3_available if attn == "flash_attention_3" else is_flash_attn_2_available)():
+        return
+    package = "flash-attn-3 (flash_attn_interface)" if attn == "flash_attention_3" else "flash-attn"
+    raise ConfigError(
+        f"model.attn_implementation={attn} needs the {package} package and a CUDA GPU on every rank: install it "
+        "(pip install flash-attn --no-build-isolation) or set model.attn_implementation=sdpa (under Ulysses, sdpa "
+        "lets packed documents attend to each other: data.document_masking turns off)"
+    )
+
+
 def build_model(
     model_cfg, seed: int, hf_config: Any = None, dtype: torch.dtype = torch.float32, zero3: dict | None = None
 ):
