@@ -655,12 +655,12 @@ def w_data(work: str, seq: str, model: str) -> None:
     w = Path(work)
     for n in sorted({int(seq), 256}):
         write_byte_dataset(w / f"data{n}", seq_len=n)
-    model = build_model(compose([f"model={model}"]).model, seed=0)
+    net = build_model(compose([f"model={model}"]).model, seed=0)
     texts = [p.read_text(errors="ignore") for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:120]]
-    tok = train_bpe(texts, vocab_size=int(model.config.vocab_size))
+    tok = train_bpe(texts, vocab_size=int(net.config.vocab_size))
     save_hf(tok, w / f"{model}_random", model_max_length=2048)
-    model.save_pretrained(str(w / f"{model}_random"))
-    print(json.dumps({"vocab": tok.get_vocab_size(), "params": sum(p.numel() for p in model.parameters())}))
+    net.save_pretrained(str(w / f"{model}_random"))
+    print(json.dumps({"vocab": tok.get_vocab_size(), "params": sum(p.numel() for p in net.parameters())}))
 
 
 def w_predict(run_dir: str) -> None:
@@ -685,7 +685,9 @@ def w_predict(run_dir: str) -> None:
         c.pop("defaults", None)
     cluster = OmegaConf.to_object(OmegaConf.merge(base, *chain, {"nodes": 1, "gpus_per_node": 1}))
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
-    d = validate(cfg, 1, backend="nccl")
+    from ultrascale.gpu import detect
+
+    d = validate(cfg, 1, backend="nccl" if torch.cuda.is_available() else "gloo", gpu=detect())  # as the run decided
     lay = decided(layout_from_cfg(cfg, 1), d)
     s = SearchConfig()
     t = step_time(arch_from_hf(d.hf_config), lay, cluster, overlap=s.overlap, recompute_overhead=s.recompute_overhead)

@@ -110,3 +110,20 @@ def test_train_py_stages_once_and_reuses_the_buffers_across_saves(tmp_path, tiny
     s = gpu_probe().train_summary(metrics(out))
     assert s["steps"] == 6 and len(s["stall_s"]) == 3 and s["staging"] == "pageable"
     assert s["staging_alloc_s"][1:] == [0.0, 0.0]
+
+
+def test_two_views_of_one_parameter_are_staged_and_written_once(tmp_path):
+    """A tied embedding and head come out of ``state_dict()`` as two detached tensors of one parameter: one buffer,
+    and the file keeps them one storage. A slice of it is a copy of its own; empty placeholders stay apart."""
+    emb = torch.nn.Parameter(torch.randn(50, 8))
+    state = {"embed": emb.detach(), "head": emb.detach(), "row": emb.detach()[3], "a": torch.empty(0),
+             "b": torch.empty(0, 2)}  # fmt: skip
+    writer = BackgroundWriter()
+    writer.begin(1)
+    writer.save(state, str(tmp_path / "model.pt"))
+    writer.mark(1)
+    writer.wait()
+    assert writer.staging.allocations == 4 and writer.staging.nbytes == (50 * 8 + 8) * 4
+    got = torch.load(tmp_path / "model.pt")
+    assert got["embed"].data_ptr() == got["head"].data_ptr() and torch.equal(got["head"], emb.detach())
+    assert torch.equal(got["row"], emb.detach()[3]) and got["b"].shape == (0, 2)

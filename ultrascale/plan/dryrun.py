@@ -25,7 +25,15 @@ from ultrascale.config.decide import Decisions
 from ultrascale.errors import ConfigError
 from ultrascale.gpu import GpuInfo
 from ultrascale.model.arch import arch_from_hf
-from ultrascale.plan.memory import GIB, Layout, Memory, construction_bytes, host_step_bytes, memory
+from ultrascale.plan.memory import (
+    GIB,
+    Layout,
+    Memory,
+    checkpoint_staging_bytes,
+    construction_bytes,
+    host_step_bytes,
+    memory,
+)
 from ultrascale.plan.search import decided, layout_from_cfg
 from ultrascale.plan.timing import Timing
 from ultrascale.train.banner import batch_line, zero_line
@@ -144,12 +152,26 @@ def hbm_line(cfg: DictConfig, d: Decisions, t: Target) -> str:
              f"optimizer {m.optimizer / GIB:.1f}) + {work} + buffers {m.buffers / GIB:.1f} + fragmentation "
              f"{m.fragmentation / GIB:.1f}{reserve} = {m.total / GIB:.1f} GiB per GPU of {cap / GIB:.1f} GiB: "
              f"{verdict}"]  # fmt: skip
-    if m.host and t.cluster is not None:
-        node = m.host * t.cluster.gpus_per_node
-        room = "fits" if node <= t.cluster.host_memory_gib * GIB else "DOES NOT FIT"
-        lines.append(f"offloaded to the host: {m.host / GIB:.1f} GiB per GPU, {node / GIB:.0f} GiB per node of "
-                     f"{t.cluster.host_memory_gib:g} GiB: {room}")  # fmt: skip
+    if t.cluster is not None:
+        lines += host_lines(cfg, d, m, t.cluster.gpus_per_node, t.cluster.host_memory_gib)
     return "\n".join(lines)
+
+
+def host_lines(cfg: DictConfig, d: Decisions, m: Memory, gpus_per_node: int, host_gib: float) -> list[str]:
+    """Host memory per node at steady state: offloaded state plus the background checkpoint writer's staging copy
+    (:func:`ultrascale.plan.memory.checkpoint_staging_bytes`), against the node's RAM."""
+    staging = checkpoint_staging_bytes(arch_from_hf(d.hf_config), planned_layout(cfg, d)) \
+        if cfg.train.checkpoint_async else 0.0  # fmt: skip
+    if not m.host and not staging:
+        return []
+    node = (m.host + staging) * gpus_per_node
+    room = "fits" if node <= host_gib * GIB else "DOES NOT FIT"
+    parts = [f"offloaded state {m.host / GIB:.1f}"] if m.host else []
+    if staging:
+        parts.append(f"the background checkpoint writer's copy {staging / GIB:.1f} (train.checkpoint_async; "
+                     "false: no copy, each save stalls for its write)")  # fmt: skip
+    return [f"host memory: {' + '.join(parts)} = {(m.host + staging) / GIB:.1f} GiB per GPU, {node / GIB:.0f} GiB "
+            f"per node of {host_gib:g} GiB: {room}"]  # fmt: skip
 
 
 TIMING_TERMS = (

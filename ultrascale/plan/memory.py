@@ -193,6 +193,30 @@ def model_state_bytes(arch: Arch, lay: Layout, rank: int | None = None) -> dict[
     return {"params": params, "grads": grads, "optimizer": optim, "step_transient": transient, "host": host}
 
 
+def checkpoint_staging_bytes(arch: Arch, lay: Layout) -> float:
+    """Host bytes of the background checkpoint writer's staging copy on the heaviest rank (``train.checkpoint_async``,
+    ``ultrascale/train/ckpt_writer.py``): everything that rank writes. Its optimizer partition (fp32 master, Adam m
+    and v: 12 B a parameter of its shard; ZeRO-0: of every parameter, 8 B with fp32 weights), and on the rank that
+    writes the module (data-parallel rank 0) the weights in their dtype, a tied embedding and head once (ZeRO-3:
+    none: the module file holds empty placeholders, the weights travel as the fp32 partitions). Measured against
+    the writer's own staging bytes by ``tests/test_plan_host.py``.
+
+    Offloaded state counts like the rest, on top of :func:`model_state_bytes`' ``host``: it already lives in host
+    memory, but the next step's CPU Adam updates it in place while the thread writes, so the writer needs its
+    own copy (writing it where it lives would hold the next optimizer step for the whole write, the synchronous
+    save's stall). ``train.checkpoint_async=false`` needs no copy."""
+    w = DTYPE_BYTES[lay.dtype]
+    dense, expert = rank_params(arch, lay)
+    psi = dense + expert
+    trainable = getattr(lay, "trainable_params", None)  # finetune=lora: only the adapters have optimizer state
+    if lay.zero_stage == 0:
+        return w * psi + (8 + (4 if w < 4 else 0)) * (psi if trainable is None else trainable)
+    shard = dense / zero_group(lay) + expert / max(1, zero_group(lay) // lay.ep)
+    shard = shard if trainable is None else trainable / zero_group(lay)
+    weights = 0.0 if lay.zero_stage == 3 else w * psi
+    return weights + 12 * shard
+
+
 @cache
 def partition_overhang(sizes: tuple[int, ...], n: int, rank: int | None = None) -> int:
     """Elements beyond its flat partition that a ZeRO-2 rank accumulates between boundaries.

@@ -18,7 +18,7 @@ from ultrascale.config.decide import Decisions, checkpointing_mode
 from ultrascale.config.validate import validate
 from ultrascale.errors import ConfigError
 from ultrascale.model.arch import Arch, arch_from_cfg
-from ultrascale.plan.memory import GIB, Layout, Memory, construction_bytes, memory
+from ultrascale.plan.memory import GIB, Layout, Memory, checkpoint_staging_bytes, construction_bytes, memory
 from ultrascale.plan.timing import Timing, step_time
 
 
@@ -146,10 +146,20 @@ def evaluate(
     limit = c.gpu_memory_gib * GIB
     if cand.memory.total > limit:
         cand.rejected = f"does not fit: needs {cand.memory.total / GIB:.1f} GiB per rank > {c.gpu_memory_gib:g} GiB"
-    host = cand.memory.host * c.gpus_per_node
+    staging = checkpoint_staging_bytes(arch, lay) if _checkpoint_async(cfg) else 0.0
+    host = (cand.memory.host + staging) * c.gpus_per_node
     if cand.rejected is None and host > c.host_memory_gib * GIB:
-        cand.rejected = f"offload does not fit: needs {host / GIB:.0f} GiB host memory > {c.host_memory_gib:g} GiB"
+        what = "offload and the checkpoint writer's copy" if cand.memory.host and staging else \
+            "offload" if cand.memory.host else "the checkpoint writer's copy"  # fmt: skip
+        cand.rejected = (f"{what} does not fit: needs {host / GIB:.0f} GiB host memory per node > "
+                         f"{c.host_memory_gib:g} GiB" + (" (train.checkpoint_async=false needs no copy)"
+                                                         if staging else ""))  # fmt: skip
     return cand
+
+
+def _checkpoint_async(cfg: DictConfig) -> bool:
+    train = cfg.get("train") if isinstance(cfg, DictConfig) else None
+    return bool(train.get("checkpoint_async", False)) if train is not None else False
 
 
 def _plain(node: Any) -> Any:

@@ -48,14 +48,25 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
 
 
+def _alias_key(t: torch.Tensor) -> tuple:
+    """Equal for two tensors that read the same elements of the same memory (empty ones: by identity)."""
+    if t.numel() == 0:
+        return ("empty", id(t))
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def snapshot(obj: Any, memo: dict | None = None, copy: Callable[[torch.Tensor], torch.Tensor] = _clone) -> Any:
-    """A copy of ``obj`` whose tensors live in their own host memory (a tensor met twice is copied once), made
-    by ``copy``. Containers are rebuilt; anything else (numbers, strings, sizes, config objects) is kept as is."""
+    """A copy of ``obj`` whose tensors live in their own host memory, made by ``copy``. A tensor met twice is
+    copied once, and so is a second view of the same memory: ``module.state_dict()`` hands a tied embedding and
+    head as two detached tensors of one parameter (262M parameters of Llama-3.2-1B, 0.5 GB of bf16 copied and
+    written twice otherwise). Containers are rebuilt; anything else (numbers, strings, sizes, config objects) is
+    kept as is."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = copy(obj.detach())
-        return memo[id(obj)]
+        key = _alias_key(obj)
+        if key not in memo:
+            memo[key] = copy(obj.detach())
+        return memo[key]
     if isinstance(obj, dict):
         out = {} if type(obj) is dict else type(obj)()
         for k, v in obj.items():
