@@ -64,6 +64,8 @@ class Decisions:
     """The HF config the model is built from, built once."""
     gpu: GpuInfo | None = field(compare=False, default=None)
     """The GPU the levers were decided for (this rank's, or a planned cluster's); None on CPU ranks."""
+    finetune: Choice = Choice(False, "full: every parameter trains (finetune=none)", "none")
+    """``value``: ``none``, ``lora`` or ``qlora`` (``finetune.method``): adapters over a frozen pretrained model."""
 
     @property
     def pipeline(self) -> bool:
@@ -83,6 +85,7 @@ class Decisions:
             "zero3 init": self.zero3_init,
             "optimizer": self.optimizer_owner,
             "moe": self.moe,
+            "finetune": self.finetune,
         }
 
 
@@ -126,7 +129,23 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
         moe_leaf_modules=experts > 0 and stage == 3 and topo.ep == 1,
         hf_config=hf_config,
         gpu=gpu,
+        finetune=_finetune(cfg),
     )
+
+
+def _finetune(cfg: Any) -> Choice:
+    """``finetune.method``: what trains. Validation refuses what cannot run (no pretrained model, pp/tp/sp/ep>1,
+    QLoRA without CUDA and bitsandbytes); this only says what runs."""
+    f = getattr(cfg, "finetune", None)
+    method = str(f.method) if f is not None else "none"
+    if method == "none":
+        return Choice(False, "full: every parameter trains (finetune=none)", "none")
+    targets = ",".join(str(t) for t in f.target_modules)
+    saved = f", {','.join(str(m) for m in f.modules_to_save)} trained in full" if f.modules_to_save else ""
+    base = "frozen 4-bit NF4 base (bitsandbytes)" if method == "qlora" else "frozen base"
+    return Choice(True, f"{method}: r={f.r} alpha={f.alpha:g} dropout={f.dropout:g} on {targets}{saved}; {base} "
+                        f"from {cfg.model.pretrained_path}: only adapter weights get gradients and optimizer state "
+                        f"(finetune={method})", method)  # fmt: skip
 
 
 def _optimizer_owner(cfg: Any) -> Choice:

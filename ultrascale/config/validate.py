@@ -176,6 +176,7 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
     _parallel_combinations(cfg, topo, dims)
     _layout_rules(cfg, d, dims)
     if dims["max_pos"] and cfg.data.seq_len > dims["max_pos"]:
+    _finetune_rules(cfg, d, backend)
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds model max_position_embeddings={dims['max_pos']}: "
             "lower data.seq_len or raise model.config.max_position_embeddings"
@@ -348,6 +349,49 @@ def _zero_rules(cfg: DictConfig, d: Decisions) -> None:
 def _layout_rules(cfg: DictConfig, d: Decisions, dims: dict[str, int]) -> None:
     """Each parallel degree against the ZeRO stage and the model's shape."""
     p, topo, stage = cfg.parallel, d.topo, d.zero_stage
+def _finetune_rules(cfg: DictConfig, d: Decisions, backend: str) -> None:
+    """``finetune=lora|qlora``: adapters need trained weights to adapt, a layout peft's layers survive, and (QLoRA)
+    bitsandbytes' CUDA kernels."""
+    method = d.finetune.value
+    if method in (None, "none"):
+        return
+    key = f"finetune={method}"
+    if method == "qlora" and backend == "gloo":  # first: nothing else the user fixes would make it run here
+        raise ConfigError(
+            "finetune=qlora needs a CUDA GPU: bitsandbytes' 4-bit kernels do not run on the CPU accelerator; use "
+            "finetune=lora here (the same adapters over a full-precision base), or run on GPUs"
+        )
+    if not cfg.model.pretrained_path:
+        raise ConfigError(
+            f"{key} needs model.pretrained_path (got null): adapters on randomly initialised weights train a "
+            "low-rank update of noise; set model.pretrained_path=models/smollm2-135m (a local HF directory), or "
+            "use finetune=none to train every weight"
+        )
+    topo = d.topo
+    for lever, n, why in (("pp", topo.pp, "the pipeline engine builds its stages from the layer list itself"),
+                          ("tp", topo.tp, "AutoTP shards nn.Linear by name and would split peft's wrapped layers"),
+                          ("sp", topo.sp, "Ulysses with adapters is untested here"),
+                          ("ep", topo.ep, "AutoEP swaps the MoE blocks that adapters wrap")):  # fmt: skip
+        if n > 1:
+            raise ConfigError(f"{key} needs parallel.{lever}=1 (got {n}): {why}; use ZeRO data parallel "
+                              f"(zero=stage3 partitions the frozen base too)")  # fmt: skip
+    if cfg.optim.name == "muon":
+        raise ConfigError(f"{key} with optim=muon is not supported (Muon orthogonalises whole matrices, not "
+                          "low-rank factors): use optim=adamw")  # fmt: skip
+    if not cfg.finetune.target_modules:
+        raise ConfigError(f"{key} with finetune.target_modules=[] adapts nothing: name the Linear layers to adapt, "
+                          "e.g. finetune.target_modules=[q_proj,v_proj]")  # fmt: skip
+    if method != "qlora":
+        return
+    if d.zero_stage == 3:
+        raise ConfigError("finetune=qlora needs zero.stage<=2 (got 3): ZeRO-3 would partition the packed 4-bit "
+                          "weights; use zero=stage2 (the frozen 4-bit base is small: 0.5 bytes a parameter)")  # fmt: skip
+    from ultrascale.model.adapters import bitsandbytes_missing
+
+    if why := bitsandbytes_missing():
+        raise ConfigError(f"finetune=qlora needs bitsandbytes ({why}): pip install bitsandbytes, or use finetune=lora")
+
+
     if p.pp > 1:
         if stage > 1:
             raise ConfigError(f"parallel.pp={p.pp} needs zero.stage<=1 (got {stage}): use zero=stage1")
