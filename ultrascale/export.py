@@ -308,6 +308,16 @@ def export(
     mem = _Memory()  # from here on, memory is the checkpoint's tensors, not imports
     tp = int(meta.get("topology", {}).get("tp", 1))
     source = checkpoint_tensors(tag_dir, zero_stage, hf, tp=tp, shapes=expected)
+    finetune = cfg.get("finetune")
+    adapter_dir = None
+    if finetune is not None and str(finetune.method) != "none":  # LoRA: merge the adapters, and write them alone
+        from ultrascale.config.compose import resolve_path
+        from ultrascale.model.adapters import ADAPTER_DIR, export_sources, write_adapter
+
+        base_dir = resolve_path(cfg.model.pretrained_path)
+        source, adapter = export_sources(source, finetune, base_dir, expected)
+        adapter_dir = write_adapter(adapter, finetune, base_dir, out / ADAPTER_DIR)
+        del adapter
     names = [n for n in source if n not in tied]
     missing = set(expected) - tied - set(names)
     extra = set(names) - set(expected)
@@ -371,6 +381,7 @@ def export(
                 "step": meta.get("step"),
                 "zero_stage": zero_stage,
                 "dtype": dtype_name,
+                "adapter": str(adapter_dir) if adapter_dir else None,
             },
             indent=1,
         )
@@ -384,6 +395,7 @@ def export(
         "zero_stage": zero_stage,
         "dtype": dtype_name,
         "tensors": len(weight_map),
+        "adapter": str(adapter_dir) if adapter_dir else None,
         "shards": len(shards),
         "model_mb": total / mb,
         "largest_tensor_mb": max(math.prod(s) * torch.empty((), dtype=d).element_size() for _, s, d in plan) / mb,
@@ -424,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{stats['shards']} shard(s), {stats['model_mb']:.1f} MB {stats['dtype']}; peak RSS growth "
         f"{stats['peak_rss_growth_mb']:.1f} MB (anonymous {stats['peak_anon_growth_mb']:.1f} MB)\n"
         f"load it: AutoModelForCausalLM.from_pretrained({stats['out']!r}); AutoTokenizer.from_pretrained({stats['out']!r})"
+        + (
+            f"\nthe adapter alone (merged into the model above): PeftModel.from_pretrained(base, {stats['adapter']!r})"
+            if stats["adapter"]
+            else ""
+        )
     )
     return 0
 

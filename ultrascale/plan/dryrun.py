@@ -297,6 +297,16 @@ def mixture_lines(cfg: DictConfig) -> list[str]:
 
 
 def dry_run_report(
+def finetune_lines(cfg: DictConfig, d: Decisions) -> list[str]:
+    """``finetune=lora``: the adapters' trainable parameters against the total and the memory they save."""
+    if not d.finetune.on:
+        return []
+    from ultrascale.model.adapters import planned_params
+    from ultrascale.train.banner import finetune_line
+
+    return [finetune_line(cfg, d, *planned_params(d.hf_config, cfg.finetune))]
+
+
     cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[str, str], t: Target | None = None
 ) -> str:
     """The report, as text (rank 0 prints it). ``t``: the hardware ``d`` was decided for (default: this
@@ -325,6 +335,7 @@ def dry_run_report(
         "== parameters ==",
         f"total {counts['total']:,}  (embedding {counts['embedding']:,}, non-embedding {counts['non_embedding']:,})",
         "== batch ==",
+        *finetune_lines(cfg, d),
         batch_line(cfg, d.topo),
         f"model FLOPs per step {flops:.3e}  ({flops / tokens:.3e} per token; causal attention over the lower triangle)",
         *mixture_lines(cfg),

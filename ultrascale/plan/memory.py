@@ -80,6 +80,9 @@ class Layout:
     """The chunked linear cross-entropy (``Decisions.fused_loss``): no [tokens, vocab] logits are kept."""
     loss_chunk_tokens: int = 0
     """Tokens per fused-loss chunk (0: chosen from the vocabulary, as the loss does)."""
+    trainable_params: int | None = None
+    """Parameters that train (``finetune=lora``: the adapters, ``ultrascale.model.adapters.planned_params``); only
+    they have gradients, fp32 master copies and Adam moments. None: every parameter trains."""
 
     def __post_init__(self) -> None:
         from ultrascale.config.decide import checkpointing_mode
@@ -165,6 +168,8 @@ def model_state_bytes(arch: Arch, lay: Layout, rank: int | None = None) -> dict[
     shard = dense / n_dense + expert / n_exp  # this rank's ZeRO partition
     master = 4  # DeepSpeed keeps an fp32 partition copy even when the weights are fp32 (stage >= 1)
     st = lay.zero_stage
+    if lay.trainable_params is not None:  # adapters: the frozen base has weights only (tp = pp = ep = 1)
+        return _adapter_state_bytes(lay, w, psi, shard, float(lay.trainable_params), arch)
     if st == 0:
         params, grads = w * psi, w * psi
         optim = (8 + (4 if w < 4 else 0)) * psi
@@ -190,6 +195,28 @@ def model_state_bytes(arch: Arch, lay: Layout, rank: int | None = None) -> dict[
     if lay.offload_param and st == 3:
         host += params
         params = 0.0
+    return {"params": params, "grads": grads, "optimizer": optim, "step_transient": transient, "host": host}
+
+
+def _adapter_state_bytes(lay: Layout, w: int, psi: float, shard: float, t: float, arch: Arch) -> dict[str, float]:
+    """:func:`model_state_bytes` when only ``t`` parameters (the adapters, on top of the model's ``psi``) train:
+    every weight is held as usual
+    (ZeRO-3 partitions the frozen base too), gradients and optimizer state exist for the ``t`` only, partitioned
+    like a full run's (stage 1 holds the whole gradient between accumulation boundaries)."""
+    n = zero_group(lay)
+    st = lay.zero_stage
+    params = w * (shard + t / n + _persistent_params(arch, lay)) if st == 3 else w * (psi + t)  # base + adapters
+    if st == 0:
+        grads, optim, transient = w * t, (8 + (4 if w < 4 else 0)) * t, 0.0
+    else:
+        grads = w * t if (st == 1 and lay.grad_accum > 1) else w * t / n
+        optim, transient = 12 * t / n, (4 * t / n if w < 4 else 0.0)
+    host = 0.0
+    if lay.offload_optimizer:
+        host, optim, transient = optim + 4 * t / n, 0.0, 0.0
+        grads = 0.0 if st >= 1 else grads
+    if lay.offload_param and st == 3:
+        host, params = host + params, 0.0
     return {"params": params, "grads": grads, "optimizer": optim, "step_transient": transient, "host": host}
 
 

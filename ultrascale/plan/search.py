@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from ultrascale.config.decide import Decisions, checkpointing_mode
 from ultrascale.config.validate import validate
 from ultrascale.errors import ConfigError
+from ultrascale.model.adapters import planned_trainable
 from ultrascale.model.arch import Arch, arch_from_cfg
 from ultrascale.plan.memory import GIB, Layout, Memory, checkpoint_staging_bytes, construction_bytes, memory
 from ultrascale.plan.timing import Timing, step_time
@@ -76,6 +77,7 @@ def layout_from_cfg(cfg: DictConfig, world: int) -> Layout:
         allgather_bucket_size=int(z.allgather_bucket_size),
         prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
         persistence_threshold=int(z.stage3_param_persistence_threshold),
+        trainable_params=planned_trainable(cfg),
     )
 
 

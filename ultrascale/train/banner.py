@@ -29,6 +29,26 @@ def zero_line(cfg: Any, d: Decisions) -> str:
 
 
 def _stability_line(cfg: Any) -> str:
+def finetune_line(cfg: Any, d: Decisions, trainable: int, total: int) -> str:
+    """Trainable against total parameters, and the gradient and optimizer memory per rank that training only the
+    adapters saves against a full fine-tune of the same layout (the planner's model-state terms,
+    ``ultrascale/plan/memory.py``)."""
+    from dataclasses import replace
+
+    from ultrascale.model.arch import arch_from_hf
+    from ultrascale.plan.memory import GIB, model_state_bytes
+    from ultrascale.plan.search import layout_from_cfg
+
+    arch = arch_from_hf(d.hf_config)
+    lay = replace(layout_from_cfg(cfg, d.topo.world), zero_stage=d.zero_stage, trainable_params=trainable)
+    terms = ("grads", "optimizer", "step_transient")
+    lora = sum(model_state_bytes(arch, lay)[k] for k in terms)
+    full = sum(model_state_bytes(arch, replace(lay, trainable_params=None))[k] for k in terms)
+    return (f"trainable {trainable / 1e6:,.2f}M of {total / 1e6:,.2f}M params ({trainable / total:.2%}); gradients "
+            f"+ optimizer state {lora / GIB:.3f} GiB per rank against {full / GIB:.3f} GiB for a full fine-tune: "
+            f"saves {(full - lora) / GIB:.3f} GiB per rank (planner, ZeRO-{d.zero_stage})")  # fmt: skip
+
+
     st = cfg.stability
     spike = "off" if st.spike == "none" else f"{st.spike} at z>{st.spike_zscore:g} (window {st.spike_window})"
     return f"non-finite -> {st.nonfinite}, spike -> {spike}, stop after {st.max_consecutive} bad steps in a row"
@@ -61,6 +81,8 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
         f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}{threads}; MFU peak from {peak_src}",
         f"  runtime    {runtime()}, deepspeed {deepspeed_version()}",
+        f"  finetune   {d.finetune.why}",
+        *([f"  {'':<10} {finetune_line(cfg, d, info.n_trainable, info.n_params)}"] if info.n_trainable else []),
         *([f"  cpu        {detect().describe()}"] if backend == "gloo" else []),
         *([f"  gpu        {d.gpu.describe()}"] if d.gpu is not None else []),
         f"  packing    document masking {d.document_masking.why}",

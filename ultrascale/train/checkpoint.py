@@ -77,7 +77,8 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0, client: d
     t1 = time.perf_counter()
     if writer is not None:
         writer.begin(step, write_delay)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**(client or {}), "step": step}, save_latest=False)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**(client or {}), "step": step}, save_latest=False,
+                           exclude_frozen_parameters=has_frozen(engine))  # fmt: skip
     t2 = time.perf_counter()
     log.debug(f"save {tag}: barrier {t1 - t0:.2f}s, engine.save_checkpoint {t2 - t1:.2f}s"
               + (f" (snapshot {writer.snapshot_s:.2f}s of it)" if writer is not None else ""))  # fmt: skip
@@ -92,6 +93,13 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, keep: int = 0, client: d
         commit(ckpt_dir, tag_dir, {**meta, "step": step, "tag": tag}, keep)
     dist.barrier()
     return tag_dir
+
+
+def has_frozen(engine) -> bool:
+    """Whether the model has frozen parameters (``finetune=lora``'s base). They are left out of checkpoints: the
+    base is rebuilt from ``model.pretrained_path`` at every start (its fingerprint is in the meta), so a
+    checkpoint holds the adapters and their optimizer state only."""
+    return any(not p.requires_grad for p in engine.module.parameters())
 
 
 def commit(ckpt_dir: Path, tag_dir: Path, meta: dict, keep: int) -> None:
@@ -292,7 +300,8 @@ def _newest_that_verifies(ckpt_dir: Path, latest: Path, skipped: list[str]) -> P
 def load(engine, tag_dir: Path, same_world: bool) -> tuple[int, dict]:
     """Collective. Loads weights and optimizer; restores this rank's RNG. Returns (step, client state)."""
     path, client = engine.load_checkpoint(
-        str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True, load_lr_scheduler_states=False
+        str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True, load_lr_scheduler_states=False,
+        load_module_strict=not has_frozen(engine),  # a frozen base was left out of the save: it is already built
     )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {tag_dir}: see the rank logs")

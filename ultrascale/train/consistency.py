@@ -15,14 +15,15 @@ import torch.distributed as tdist
 from ultrascale.device import coll_tensor
 
 
-def param_digest(module: torch.nn.Module) -> str:
+def param_digest(module: torch.nn.Module, trainable: bool | None = None) -> str:
     """Digest of the replicated parameters (ZeRO-3 partitions gathered). Expert-parallel experts differ per
-    rank by design: skipped."""
+    rank by design: skipped. ``trainable``: only the parameters that train (True) or only the frozen ones (False:
+    ``finetune=lora``'s base, which must come out of a run bit for bit as it went in)."""
     from deepspeed.moe.utils import is_moe_param
 
     h = hashlib.sha1()
     for name, p in module.named_parameters():
-        if is_moe_param(p):
+        if is_moe_param(p) or (trainable is not None and p.requires_grad != trainable):
             continue
         if hasattr(p, "ds_id"):  # a ZeRO-3 partition
             import deepspeed

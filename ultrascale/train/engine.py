@@ -29,6 +29,8 @@ class EngineInfo:
 
     n_params: int
     gate: StepGate | None = None
+    n_trainable: int | None = None
+    """Parameters that get gradients and optimizer state (``finetune=lora``: the adapters); None: all of them."""
     extras: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
     """Host RSS rise per rank: ``construct_peak_gb`` (building the model), ``setup_peak_gb`` (inside
@@ -41,6 +43,12 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
 
     with HostPeak() as built, hostmem.construction():
         model, n_params = _construct(cfg, d, ds_config)
+    n_trainable = None
+    if d.finetune.on:  # before any lever patches the model: they then patch the tree with the adapters in it
+        from ultrascale.model.adapters import apply_lora, count_params
+
+        model = apply_lora(model, cfg.finetune, cfg.train.seed)
+        n_trainable, n_params = count_params(model)
     model, mpu, extras = _wrap_for_parallel(model, cfg, d)
     if not d.pipeline:  # the pipeline's stages checkpoint their layers themselves (_construct)
         from ultrascale.model.recompute import enable_checkpointing
@@ -67,7 +75,7 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
     if built.ok:
         extras["memory"] = (f"host RSS per rank: +{memory['construct_peak_gb']:.2f} GB peak while the model was "
                             f"built, +{memory['after_setup_gb']:.2f} GB after engine setup")  # fmt: skip
-    return engine, EngineInfo(n_params, gate=gate, extras=extras, memory=memory)
+    return engine, EngineInfo(n_params, gate=gate, extras=extras, memory=memory, n_trainable=n_trainable)
 
 
 def _construct(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, int]:
@@ -80,6 +88,11 @@ def _construct(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, int]:
         interval = pc.activation_checkpoint_interval or (1 if d.activation_checkpointing.value == "full" else 0)
         model = build_pipeline(d.hf_config, cfg.model, cfg.train.seed, d.topo.pp, str(pc.partition_method), interval)
         return model, count_params(cfg.model)["total"]
+    if d.finetune.value == "qlora":  # a 4-bit base on this rank's GPU (validation: CUDA, bitsandbytes, ZeRO<=2)
+        from ultrascale.model.adapters import build_quantized
+
+        model = build_quantized(cfg.model, d.hf_config)
+        return model, sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     zero3 = ds_config if d.zero3_init.on else None
     model = build_model(cfg.model, seed=cfg.train.seed, hf_config=d.hf_config, dtype=torch.float32, zero3=zero3)
     return model, sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())

@@ -39,9 +39,11 @@ def schedule_record(cfg: Any) -> dict:
 
 def checkpoint_meta(cfg: Any, d: Decisions) -> dict:
     """What every checkpoint of this run records about the run (beside its step, data offset and files)."""
+    from ultrascale.model.adapters import meta_record
+
     return {"world_size": d.topo.world, "topology": d.topo.as_dict(), "precision": str(cfg.precision.dtype),
             "zero_stage": d.zero_stage, "model": model_signature(d.hf_config), "schedule": schedule_record(cfg),
-            "train_steps": int(cfg.train.steps)}  # fmt: skip
+            "train_steps": int(cfg.train.steps), "finetune": meta_record(cfg)}  # fmt: skip
 
 
 def _lr(rec: dict, step: int) -> float:
@@ -96,6 +98,9 @@ def check_resume(cfg: Any, d: Decisions, meta: dict, tag: str, universal: bool) 
                 f"{key}={model.get(k)} but checkpoint {tag} holds a model with {k}={v}: resume with {key}={v} "
                 f"(or the model= option it was trained with), or start a new run in another output_dir"
             )
+    from ultrascale.model.adapters import check_finetune_resume, meta_record
+
+    check_finetune_resume(meta.get("finetune"), meta_record(cfg), tag)  # the adapters' shapes, and their base
     _data_positions(cfg, meta, tag)
     return _schedule_changes(cfg, meta.get("schedule"), tag, step, meta.get("train_steps"))
 

@@ -50,7 +50,7 @@ from ultrascale.rundir import ATTEMPTS, CONFIG, DS_CONFIG, METRICS, STOP_REQUEST
 from ultrascale.train import checkpoint
 from ultrascale.train.banner import banner
 from ultrascale.train.breakdown import StepBreakdown
-from ultrascale.train.consistency import replicas_agree
+from ultrascale.train.consistency import param_digest, replicas_agree
 from ultrascale.train.engine import build_engine
 from ultrascale.train.evaluate import Evaluator
 from ultrascale.train.loggers import MetricLogger, read_metrics
@@ -242,7 +242,9 @@ class Trainer:
         self.memory = MemoryMeter()
         self.stability = StabilityMonitor(cfg.stability)
         self.injector = FaultInjector(self.rank)
-        self.breakdown = StepBreakdown(self.engine, d.step_breakdown.on, d.pipeline)
+        self.breakdown = StepBreakdown(self.engine, d.step_breakdown.on, d.pipeline, d.step_breakdown.value == "events")
+        # finetune=lora: the frozen base as built, to prove at the end that training left it bit for bit alone
+        self.frozen_digest = param_digest(self.engine.module, trainable=False) if d.finetune.on else None
 
     def _resume(self) -> Path | None:
         """Load the checkpoint preflight chose and checked (the newest that verifies), if any. Returns its
@@ -631,7 +633,9 @@ class Trainer:
         """The end-of-run record: layout, replica agreement, stability counters and, if it trained, the numbers."""
         steps = self.cfg.train.steps
         out = {"steps": steps, "resumed_from": self.start_step, "world_size": self.topo.world,
-               "topology": self.topo.as_dict()}  # fmt: skip
+               "topology": self.topo.as_dict(), "total_params": self.info.n_params,
+               "trainable_params": self.info.n_params if self.info.n_trainable is None else self.info.n_trainable,
+               "finetune": self.decisions.finetune.value}  # fmt: skip
         agree_, digests, groups = replicas_agree(self.engine.module, self.engine.data_parallel_group)
         out.update(replicas_agree=agree_, param_digests=digests, replica_groups=groups)
         if not agree_:
@@ -655,6 +659,11 @@ class Trainer:
             out.update(final_loss=res.last["loss"], eval_loss=res.last_eval["eval_loss"],
                        eval_perplexity=res.last_eval["eval_perplexity"],
                        tokens_per_s=sum(tps) / len(tps) if tps else res.last["tokens_per_s"],
+        if self.frozen_digest is not None:
+            end = param_digest(self.engine.module, trainable=False)
+            out.update(frozen_digest_start=self.frozen_digest, frozen_digest_end=end)
+            if end != self.frozen_digest:
+                log.warning(f"the frozen base changed during training ({self.frozen_digest} -> {end})")
                        wall_tokens_per_s=self.tokens_per_step * (res.steps_run - 1) / res.loop_s if res.loop_s else None,
                        mfu=res.last["mfu"], mem_gb=self.memory.run_peak_gb)  # fmt: skip
         return out
