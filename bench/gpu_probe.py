@@ -61,7 +61,7 @@ SECTIONS: dict[str, float] = {  # name: seconds it may take; run in this order w
     "install": 60,
     "data": 45,
     "llama_1b": 200,
-    "trainer": 110,
+    "trainer": 150,
     "sampler": 90,
     "zero": 90,
     "export": 45,
@@ -202,6 +202,9 @@ class Plan:
 
     def _export(self, _levers) -> None:
         run, out = self.work / "zero3", self.work / "hf_zero3"
+        self.add("export", "the byte corpus gets the sampler model's tokenizer (export copies it)",
+                 [[self.py, __file__, "--worker", "tokenizer", str(self.sampler_model), str(self.data256)]], "ok",
+                 budget=15)  # fmt: skip
         self.add("export", "export the ZeRO-3 checkpoint",
                  [[self.py, "-m", "ultrascale.export", f"run_dir={run}", f"out={out}", "overwrite=true"]], "ok",
                  budget=20)  # fmt: skip
@@ -373,7 +376,7 @@ def _fmt(x, spec: str = ".3g") -> str:
     if isinstance(x, float):
         return format(x, spec)
     if isinstance(x, list):
-        return "/".join(_fmt(v, ".2f") for v in x)
+        return "/".join(_fmt(v, ".3g") for v in x)
     return str(x)
 
 
@@ -405,7 +408,7 @@ def p_train_run(step: Step, res: dict, ctx: dict) -> list[dict]:
         rows.append({"name": f"{step.name}: checkpoint stall", **{k: s.get(k) for k in (
             "stall_s", "snapshot_s", "staging_alloc_s", "wait_s", "staging", "staging_gb")},
             "result": f"stall {_fmt(s['stall_s'])} s per save ({s.get('staging')} staging, "
-                      f"{_fmt(s.get('staging_gb'), '.1f')} GB; alloc {_fmt(s.get('staging_alloc_s'))} s, "
+                      f"{_fmt(s.get('staging_gb'), '.3g')} GB; alloc {_fmt(s.get('staging_alloc_s'))} s, "
                       f"waiting for the previous write {_fmt(s.get('wait_s'))} s)"})  # fmt: skip
     return rows
 
@@ -417,7 +420,7 @@ def p_predict(step: Step, res: dict, ctx: dict) -> list[dict]:
         return [{"result": "no prediction line"}]
     err = (got["step_s"] - measured) / measured if measured else None
     return [{**got, "measured_step_s": measured, "error": err,
-             "result": f"predicted {got['step_s']:.3f} s/step on {got['cluster']}, measured {_fmt(measured)} s "
+             "result": f"predicted {got['step_s']:.3g} s/step on {got['cluster']}, measured {_fmt(measured)} s "
                        f"({_fmt(err, '+.1%')})"}]  # fmt: skip
 
 
@@ -674,8 +677,9 @@ def w_predict(run_dir: str) -> None:
     from ultrascale.plan.search import decided, layout_from_cfg
     from ultrascale.plan.timing import step_time
 
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    preset = "h200_8x" if "H200" in name else "a100_80g_8x" if "A100" in name else "h100_8x"
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    preset = ("h200_8x" if "H200" in name else "a100_80g_8x" if "A100" in name else "cpu_local" if name == "cpu"
+              else "h100_8x")  # fmt: skip
     base = OmegaConf.structured(ClusterConfig)
     chain = [OmegaConf.load(ROOT / "conf" / "cluster" / f"{preset}.yaml")]
     while "defaults" in chain[0]:
@@ -684,6 +688,10 @@ def w_predict(run_dir: str) -> None:
     for c in chain:
         c.pop("defaults", None)
     cluster = OmegaConf.to_object(OmegaConf.merge(base, *chain, {"nodes": 1, "gpus_per_node": 1}))
+    if getattr(cluster, "measure_peak", False):  # cpu_local: this CPU's measured matmul rate
+        from ultrascale.peak import gemm_rate
+
+        cluster.peak_tflops, cluster.measure_peak = gemm_rate()["flops"] / 1e12, False
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
     from ultrascale.gpu import detect
 
@@ -732,7 +740,22 @@ def w_logits(run_dir: str, hf_dir: str) -> None:
     dist.shutdown()
 
 
-WORKERS = {"versions": w_versions, "data": w_data, "predict": w_predict, "logits": w_logits}
+def w_tokenizer(model_dir: str, data_dir: str) -> None:
+    """The byte corpus names a ``tokenizer`` folder it does not have (its ids are bytes); the exporter copies the
+    data's tokenizer next to the weights, so give it the random model's (the probe checks logits, not text)."""
+    import shutil
+
+    from ultrascale.data.shards import load_manifest
+
+    dst = Path(data_dir) / load_manifest(Path(data_dir))["tokenizer"]
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_dir).glob("*.json"):
+        if "token" in f.name:
+            shutil.copy(f, dst / f.name)
+    print(json.dumps({"tokenizer": str(dst)}))
+
+
+WORKERS = {"versions": w_versions, "data": w_data, "predict": w_predict, "logits": w_logits, "tokenizer": w_tokenizer}
 
 
 def main(argv: list[str] | None = None) -> int:
