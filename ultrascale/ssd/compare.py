@@ -62,7 +62,8 @@ Scorer = Callable[[str, list[dict], Setting, int], dict[str, float]]
 """(model_dir, problems, setting, n samples) -> per-problem pass@1."""
 
 
-def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 1234, workers: int = 2) -> Scorer:
+def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 1234, workers: int = 2,
+                   device: str = "auto") -> Scorer:  # fmt: skip
     """Generate with the project's sampler and run every completion in the kernel sandbox (HumanEval's programs
     for HumanEval problems, SSD's for mined ones). Models are loaded once and kept while their candidates are
     scored."""
@@ -72,12 +73,13 @@ def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 
     cache: dict[str, tuple] = {}
 
     def score(model_dir: str, problems: list[dict], setting: Setting, n: int) -> dict[str, float]:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from ultrascale.model.build import load_pretrained
 
         if model_dir not in cache:
             cache.clear()  # one model in memory at a time
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = load_pretrained(model_dir, "fp32", device)
             cache[model_dir] = (model, AutoTokenizer.from_pretrained(model_dir))
         model, tok = cache[model_dir]
         greedy = setting.temperature <= 0
@@ -272,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     help="which problem sets to score (default: humaneval, and heldout when --heldout is given)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="the dev/test split and the bootstrap")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--device", default="auto", help="where the models run: auto (the GPU when there is one), cpu, "
+                    "cuda, cuda:N")  # fmt: skip
     ap.add_argument("--out", type=Path, help="write the result as JSON")
     ap.add_argument("--cache", type=Path, help="scores kept per (model, problems, setting, n), so a killed or "
                     "extended evaluation resumes (default: OUT's name + .scores.jsonl)")  # fmt: skip
@@ -294,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if "heldout" in a.sets:
         sets["heldout"] = heldout_problems(a.heldout)
     settings = grid(a.temperatures, a.top_k, a.top_p)
-    scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens)
+    scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens, device=a.device)
     cache = a.cache or (a.out.with_name(a.out.stem + ".scores.jsonl") if a.out else None)
     if cache:
         scorer = cached(scorer, cache, tag=f"max_new_tokens={a.max_new_tokens}")
