@@ -699,7 +699,7 @@ def w_predict(run_dir: str) -> None:
     lay = decided(layout_from_cfg(cfg, 1), d)
     s = SearchConfig()
     t = step_time(arch_from_hf(d.hf_config), lay, cluster, overlap=s.overlap, recompute_overhead=s.recompute_overhead)
-    print(json.dumps({"step_s": t.step, "cluster": f"{preset} (1 GPU)", "timing": t.as_dict()}))
+    print(json.dumps({"step_s": t.step, "cluster": f"{preset} (1 rank)", "timing": t.as_dict()}))
 
 
 def w_logits(run_dir: str, hf_dir: str) -> None:
