@@ -6,6 +6,7 @@ code that keeps it, or to the command that reproduces a measured figure. All in-
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,37 @@ def test_flash_attention_without_its_package_is_one_config_error():
         return
     with pytest.raises(ConfigError, match=r"model\.attn_implementation=flash_attention_2 .*flash-attn"):
         require_attn_kernel("flash_attention_2")
+
+
+def _readme_recipe_table() -> list[str]:
+    """The first cells of README.md's recipe table (``| recipe | model | hardware | layout |``)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if re.match(r"\|\s*recipe\s*\|\s*model\s*\|", ln))
+    names = []
+    for ln in lines[start + 2 :]:
+        if not ln.startswith("|"):
+            break
+        names.append(ln.split("|")[1].strip().strip("`"))
+    return names
+
+
+def test_readme_recipe_table_lists_every_recipe_once():
+    names = _readme_recipe_table()
+    assert sorted(names) == RECIPES, (
+        f"README.md's recipe table: missing {sorted(set(RECIPES) - set(names))}, "
+        f"stale {sorted(set(names) - set(RECIPES))}, repeated {sorted({n for n in names if names.count(n) > 1})}"
+    )
+
+
+def test_no_readme_calls_a_required_package_not_installed():
+    """A README saying "X (not installed)" beside a requirements.txt that pins X is a stale claim."""
+    pinned = {
+        re.split(r"[=<>\[ ;#]", ln.strip(), maxsplit=1)[0].lower()
+        for ln in (ROOT / "requirements.txt").read_text().splitlines()
+        if ln.strip() and not ln.lstrip().startswith("#")
+    }
+    for md in [ROOT / "README.md", *ROOT.glob("*/README.md"), *ROOT.glob("ultrascale/*/README.md")]:
+        for m in re.finditer(r"(\w[\w.-]*) \(not installed\)", md.read_text()):
+            assert m.group(1).lower() not in pinned, (
+                f"{md.relative_to(ROOT)}: {m.group(0)!r} but requirements.txt pins it"
+            )
