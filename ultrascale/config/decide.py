@@ -122,7 +122,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
         compile=_compile(cfg, topo, stage, experts),
         document_masking=doc,
         flat_batches=doc.on and attn.startswith("flash"),
-        step_breakdown=_step_breakdown(cfg, topo),
+        step_breakdown=_step_breakdown(cfg, topo, backend),
         overlap_loss_reduce=_overlap_loss_reduce(cfg, topo),
         autocast=_autocast(cfg, topo, backend, cpu),
         moe=Choice(experts > 0, _moe_why(experts, topo), experts),
@@ -331,12 +331,19 @@ def _autocast(cfg: Any, topo: Topology, backend: str, cpu: CpuInfo | None) -> Ch
     return Choice(True, why, (device, str(p.autocast)))
 
 
-def _step_breakdown(cfg: Any, topo: Topology) -> Choice:
+def _step_breakdown(cfg: Any, topo: Topology, backend: str) -> Choice:
+    """``value``: how DeepSpeed's engine timers are read. On a GPU they are CUDA events, and DeepSpeed reads every
+    one (a wait on its end event) after every micro-step; ``events`` reads them only for a logged row
+    (:class:`ultrascale.train.breakdown.StepBreakdown`)."""
     if not cfg.train.step_breakdown:
         return Choice(False, "off (train.step_breakdown=false): data wait and step time only")
     if topo.pp > 1:  # DeepSpeed 0.19.8: the pipeline's backward restarts a micro timer the base engine started
         return Choice(False, "data wait and step time only (the pipeline engine cannot run DeepSpeed's timers)")
-    return Choice(True, "on (DeepSpeed engine timers)")
+    if backend == "nccl":
+        return Choice(True, "on (DeepSpeed engine timers as CUDA events, read only for a logged row: one wait for "
+                            f"that step's update every train.log_interval={cfg.train.log_interval} steps, no "
+                            "synchronisation in the steps between)", "events")  # fmt: skip
+    return Choice(True, "on (DeepSpeed engine timers, host clocks)", "host")
 
 
 def _moe_why(experts: int, topo: Topology) -> str:

@@ -90,6 +90,9 @@ def build_ds_config(cfg: Any, d: Decisions) -> dict[str, Any]:
         "gradient_clipping": float(cfg.optim.grad_clip),
         "steps_per_print": 10**9,  # we log ourselves; DeepSpeed's own print is noise
         "wall_clock_breakdown": d.step_breakdown.on,  # engine timers feed the step breakdown
+        # DeepSpeed's throughput timer (on by default) synchronises the device at every forward and step() to
+        # print samples/s we never print (steps_per_print above); the step rows carry tokens/s instead
+        "timers": {"throughput": {"enabled": False}},
         "zero_optimization": _zero_section(cfg.zero, d.zero_stage),
         "zero_allow_untested_optimizer": True,
         "seed": int(cfg.train.seed),

@@ -4,8 +4,7 @@ Averages hide the comb: a run that is 30 % idle looks fine in tokens/s until som
 30 % went. Backward, gradient reduction and optimizer come from DeepSpeed's own engine timers
 (``wall_clock_breakdown``); the forward is timed here around the engine call, because DeepSpeed times it
 from module hooks, and a ``time.time()`` inside a compiled module's hooks breaks the ``torch.compile``
-graph. Host clocks on CPU, CUDA events on GPU, so no synchronisation is added inside the step. The parts
-are disjoint, and ``other_s`` is the rest of the step's wall time (our own bookkeeping, Python):
+graph. The parts are disjoint, and ``other_s`` is the rest of the step's wall time (our own bookkeeping, Python):
 
     data_wait_s + fwd_s + bwd_s + comm_s + opt_s + other_s = step_s
 
@@ -18,6 +17,14 @@ as a sum below it. On GPU host clocks around asynchronous calls mean nothing, so
 ``comm_s`` is what DeepSpeed exposes as a separate phase, the gradient reduction at the end of backward
 (``bwd_allreduce``), plus our own loss all-reduce. Reductions that overlap the backward (ZeRO ``overlap_comm``
 buckets) are inside ``bwd_s``; ZeRO-1/2's parameter all-gather after the update is inside ``opt_s``.
+
+Host clocks on CPU. On a GPU the timers are CUDA events, and reading one waits for its end event: DeepSpeed
+0.19.8 reads every engine timer after every micro-step (``engine._update_wall_clock_timers``, each a
+``end_event.synchronize()``), a stall of the host on each ``engine.step()``. With ``lazy`` (the decision's
+``events``, every nccl run) that read is switched off: the events stay queued, are read only for a row the
+trainer logs (one wait, for that step's update) and dropped unread otherwise, so a step whose row is not
+logged adds no synchronisation. (DeepSpeed's throughput timer, which synchronises the device twice per
+micro-step, is off in the DeepSpeed JSON: ``config/deepspeed.py``.)
 
 The pipeline engine cannot run with ``wall_clock_breakdown`` in DeepSpeed 0.19.8 (its backward starts a micro
 timer the base engine's hook already started), so pipeline runs record the data wait and the step time, and
@@ -37,9 +44,12 @@ _ENGINE = {"bwd_s": BACKWARD_INNER_MICRO_TIMER, "comm_s": BACKWARD_REDUCE_MICRO_
 
 
 class StepBreakdown:
-    """Accumulates one optimizer step's parts; ``finish()`` returns the row fields."""
+    """Accumulates one optimizer step's parts; ``finish()`` returns the row fields.
 
-    def __init__(self, engine, enabled: bool, pipe: bool):
+    ``lazy`` (default: on a GPU; the trainer passes the decision, ``step_breakdown.value == "events"``): the
+    engine timers are read in ``finish(read=True)`` only, not after every micro-step."""
+
+    def __init__(self, engine, enabled: bool, pipe: bool, lazy: bool | None = None):
         self.engine = engine
         self.enabled = enabled
         self.pipe = pipe
@@ -47,10 +57,13 @@ class StepBreakdown:
         self.t0 = 0.0
         self.outer_s = 0.0  # host wall time inside the timed calls (fetch, forward, our comm, backward, step)
         self.cuda = torch.cuda.is_available()
+        self.lazy = enabled and (self.cuda if lazy is None else lazy)
         self._fwd: list = []
         if enabled:
-            _quiet_timer_log(engine.timers)
+            _quiet_timer_log(engine.timers, keep=tuple(_ENGINE.values()) if self.lazy else ())
             engine.engine_timers.forward_timers = []  # timed by forward() below, outside any compiled region
+        if self.lazy:  # DeepSpeed's per-micro-step read of every timer (a wait on each CUDA end event)
+            engine._update_wall_clock_timers = _no_read
 
     def start(self) -> None:
         self.parts = dict.fromkeys(MEASURED, 0.0)
@@ -85,8 +98,9 @@ class StepBreakdown:
         self.outer_s += seconds
 
     def after_micro_step(self) -> None:
-        """After ``engine.step()``: DeepSpeed has cached this micro-step's timers (milliseconds)."""
-        if not self.enabled:
+        """After ``engine.step()``: DeepSpeed has cached this micro-step's timers (milliseconds). Lazy: nothing
+        was read; the events stay on the timers until ``finish``."""
+        if not self.enabled or self.lazy:
             return
         cache = self.engine.get_wall_clock_timers() or {}
         for part, name in _ENGINE.items():
@@ -99,28 +113,53 @@ class StepBreakdown:
         for name in self.engine.engine_timers.active_timers():
             self.engine.timers(name).reset()
 
-    def finish(self) -> dict[str, float]:
+    def finish(self, read: bool = True) -> dict[str, float]:
+        """The step's row fields. ``read``: the row will be logged. Lazy, a row that is not gets only what the
+        host clocked (step time, data wait, our loss all-reduce) and its events are dropped unread."""
         step_s = time.perf_counter() - self.t0
-        self.parts["fwd_s"] += sum(a.elapsed_time(b) for a, b in self._fwd) / 1000.0  # the step has synchronised
+        parts = self.enabled and (read or not self.lazy)
+        if self.lazy:
+            (self._read_engine_timers if read else self.drop_engine_timers)()
+        if parts or not self.lazy:  # the forward's events precede the loss the step waited for: complete
+            self.parts["fwd_s"] += sum(a.elapsed_time(b) for a, b in self._fwd) / 1000.0
         row = {"step_s": step_s, "data_wait_s": self.parts["data_wait_s"]}
-        row.update({p: self.parts[p] for p in (MEASURED[1:] if self.enabled else ("comm_s",))})
-        if self.enabled and not self.cuda and not self.pipe:
+        row.update({p: self.parts[p] for p in (MEASURED[1:] if parts else ("comm_s",))})
+        if parts and not self.cuda and not self.pipe:
             row[OTHER] = max(0.0, step_s - self.outer_s)  # measured: independent of the parts' sum
         else:
             row[OTHER] = max(0.0, step_s - sum(row[p] for p in MEASURED if p in row))
         row["data_wait"] = self.parts["data_wait_s"] / step_s if step_s > 0 else 0.0  # fraction, for the console
         return row
 
+    def _read_engine_timers(self) -> None:
+        """Lazy: add every micro-step's events of this step to its parts and clear the timers (one wait, for the
+        step's last event)."""
+        timers = self.engine.timers.timers
+        for part, name in _ENGINE.items():
+            if name in timers:
+                self.parts[part] += timers[name].elapsed(reset=True) / 1000.0
 
-def _quiet_timer_log(timers) -> None:
+    def drop_engine_timers(self) -> None:
+        """Lazy: forget the queued events unread (no wait)."""
+        for name in _ENGINE.values():
+            if name in self.engine.timers.timers:
+                self.engine.timers.timers[name].reset()
+
+
+def _no_read() -> None:
+    """Stands in for ``DeepSpeedEngine._update_wall_clock_timers`` in lazy mode: no timer is read on the step."""
+
+
+def _quiet_timer_log(timers, keep: tuple[str, ...] = ()) -> None:
     """DeepSpeed prints every timer group on every micro-step once ``wall_clock_breakdown`` is on; we log
-    the numbers ourselves. Keep the resets its callers rely on, drop the printing (and, on GPU, the event
-    synchronisation that formatting the string would cost)."""
+    the numbers ourselves. Keep the resets its callers rely on, except for ``keep`` (the lazy breakdown's
+    timers, whose events accumulate over the step's micro-steps until ``finish``), and drop the printing (on
+    GPU, formatting the string would read, and wait for, every event)."""
 
     def log(names, normalizer=1.0, reset=True, memory_breakdown=False, ranks=None):
         if reset:
             for name in names:
-                if name in timers.timers:
+                if name in timers.timers and name not in keep:
                     timers.timers[name].reset()
 
     timers.log = log

@@ -310,7 +310,7 @@ class Trainer:
             st.verdict = self.stability.nonfinite_grad()
         gn = self.engine.get_global_grad_norm()
         row = {"loss": st.loss, "lr": st.lr, "grad_norm": float(gn) if gn is not None else None,
-               **self.breakdown.finish(), "mem_gb": self.memory.peak_gb(),
+               **self.breakdown.finish(read=self._logs(step + 1, st.verdict)), "mem_gb": self.memory.peak_gb(),
                "epoch": self.batches.epoch(step + self.data_offset + 1), **(self.moe.flush() if self.moe else {}),
                **self._data_row(step + self.data_offset + 1)}  # fmt: skip
         row.update(throughput(self.tokens_per_step, row["step_s"], self.flops_per_token, self.topo.world, self.peak))
@@ -544,8 +544,12 @@ class Trainer:
             bar.close()
         return res
 
+    def _logs(self, done: int, verdict: Verdict) -> bool:
+        """Whether step ``done``'s row is logged: every ``train.log_interval`` steps, the last, and a bad step."""
+        return done % self.cfg.train.log_interval == 0 or done == self.cfg.train.steps or verdict.action != "ok"
+
     def _record(self, done: int, verdict: Verdict, row: dict) -> None:
-        if done % self.cfg.train.log_interval == 0 or done == self.cfg.train.steps or verdict.action != "ok":
+        if self._logs(done, verdict):
             self.metrics.log(done, row)
             self.memory.reset()  # the next row's mem_gb is the next interval's peak
         self._report_verdict(done, verdict, row)
@@ -640,6 +644,11 @@ class Trainer:
         out.update(replicas_agree=agree_, param_digests=digests, replica_groups=groups)
         if not agree_:
             log.warning(f"data-parallel replicas hold different parameters: {digests}")
+        if self.frozen_digest is not None:
+            end = param_digest(self.engine.module, trainable=False)
+            out.update(frozen_digest_start=self.frozen_digest, frozen_digest_end=end)
+            if end != self.frozen_digest:
+                log.warning(f"the frozen base changed during training ({self.frozen_digest} -> {end})")
         if self.moe is not None:  # expert shards differ by design; the rest must agree
             out.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
         out.update(self.stability.counters(), data_offset=self.data_offset, mfu_peak=self.peak_src,
@@ -659,11 +668,6 @@ class Trainer:
             out.update(final_loss=res.last["loss"], eval_loss=res.last_eval["eval_loss"],
                        eval_perplexity=res.last_eval["eval_perplexity"],
                        tokens_per_s=sum(tps) / len(tps) if tps else res.last["tokens_per_s"],
-        if self.frozen_digest is not None:
-            end = param_digest(self.engine.module, trainable=False)
-            out.update(frozen_digest_start=self.frozen_digest, frozen_digest_end=end)
-            if end != self.frozen_digest:
-                log.warning(f"the frozen base changed during training ({self.frozen_digest} -> {end})")
                        wall_tokens_per_s=self.tokens_per_step * (res.steps_run - 1) / res.loop_s if res.loop_s else None,
                        mfu=res.last["mfu"], mem_gb=self.memory.run_peak_gb)  # fmt: skip
         return out
