@@ -5,12 +5,16 @@ worker, or of the driver) that resumes to them, reusing every unit finished befo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,19 +29,73 @@ from ultrascale.dist import free_port
 SIGNATURES = f"{STAGES.index('signatures'):02d}_signatures"
 
 
+@dataclass(frozen=True)
+class Head:
+    address: str
+    logs: Path
+    """The head's session logs: Ray names each process's log after it (``worker-<id>-<job>-<pid>.out``,
+    ``python-core-driver-<job...>_<pid>.log``), which is the record of which processes were its workers."""
+
+    def workers(self, job: str | None = None) -> set[int]:
+        """Pids of the Ray workers this head started (those started for ``job``, a job id in hex)."""
+        names = (p.name.removesuffix(".out").split("-") for p in self.logs.glob("worker-*.out"))
+        return {int(n[3]) for n in names if job is None or n[2] == job}
+
+    def driver_jobs(self) -> dict[int, str]:
+        """Driver pid -> its job id, for every driver that joined this head."""
+        ids = (
+            p.stem.removeprefix("python-core-driver-").rsplit("_", 1) for p in self.logs.glob("python-core-driver-*")
+        )
+        return {int(pid): job[:8] for job, pid in ids}
+
+
+def _processes_under(root: str) -> list[int]:
+    """Pids whose command line names ``root`` (every process of a head started with ``--temp-dir=root``)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and root.encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def ray_head():
-    """A Ray head on loopback with 2 CPUs; stopped at the end of the module whatever happened."""
-    port = free_port()
+    """A Ray head on loopback with 2 CPUs and its own temp dir, stopped at the end of the module whatever
+    happened: ``ray start --block`` stops the processes it started when it gets SIGTERM (``ray stop`` would stop
+    every Ray on the host, another user's included); anything of this head still alive is then killed by pid."""
+    port, root = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths are limited
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    start = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-             "--disable-usage-stats", "--node-ip-address=127.0.0.1"]  # fmt: skip
-    proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120)
+    start = [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+             "--include-dashboard=false", "--disable-usage-stats", "--node-ip-address=127.0.0.1", f"--temp-dir={root}"]  # fmt: skip
+    log = Path(root) / "start.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen(start, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        yield f"127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        yield Head(f"127.0.0.1:{port}", Path(root) / "session_latest" / "logs")
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.terminate()
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        for pid in _processes_under(root):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _ray(corpus: Path, out: Path, address: str, *extra: str, crash: str | None = None, once: Path | None = None):
@@ -54,12 +112,13 @@ def _ray(corpus: Path, out: Path, address: str, *extra: str, crash: str | None =
 def test_ray_writes_the_bytes_of_one_local_task(prepared, ray_head, tmp_path, tasks):  # noqa: F811
     corpus, ref, _ = prepared
     out = tmp_path / "out"
-    proc = _ray(corpus, out, ray_head, f"executor.tasks={tasks}", "executor.workers=-1")
+    proc = _ray(corpus, out, ray_head.address, f"executor.tasks={tasks}", "executor.workers=-1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert outputs(out) == outputs(ref)  # shards, tokenizer, repos.json, decontamination list, manifest (stage stats)
     records = [json.loads(p.read_text()) for p in (out / "_work" / SIGNATURES).glob("task_*.json")]
     assert sorted(r["rank"] for r in records) == list(range(tasks))
-    assert not {r["pid"] for r in records} & {os.getpid()}  # they ran in Ray's worker processes
+    pids = {r["pid"] for r in records}  # they ran in this head's worker processes, not in the driver
+    assert pids <= ray_head.workers() and not pids & set(ray_head.driver_jobs()), (pids, ray_head.logs)
 
 
 def test_a_killed_ray_worker_is_run_again_and_reuses_the_units_it_finished(prepared, ray_head, tmp_path):  # noqa: F811
@@ -67,7 +126,8 @@ def test_a_killed_ray_worker_is_run_again_and_reuses_the_units_it_finished(prepa
     again in another worker, which skips that unit (its stats keep their mtime) and finishes the rest."""
     corpus, ref, _ = prepared
     out, once = tmp_path / "out", tmp_path / "fired"
-    proc = _ray(corpus, out, ray_head, "executor.tasks=3", "executor.workers=1", crash="signatures", once=once)
+    proc = _ray(corpus, out, ray_head.address, "executor.tasks=3", "executor.workers=1", crash="signatures",
+                once=once)  # fmt: skip
     assert once.exists(), "the fault point did not fire"
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert outputs(out) == outputs(ref)
@@ -85,7 +145,7 @@ def test_a_killed_driver_resumes_to_the_same_bytes_and_starts_fewer_tasks(prepar
     keeps every finished unit (same mtime), starts only the tasks that were not complete, and writes the bytes."""
     corpus, ref, _ = prepared
     out = tmp_path / "out"
-    extra = ["executor.type=ray", f"executor.address={ray_head}", "executor.progress=false", "executor.tasks=3",
+    extra = ["executor.type=ray", f"executor.address={ray_head.address}", "executor.progress=false", "executor.tasks=3",
              "executor.workers=1"]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     driver = subprocess.Popen([sys.executable, "-m", "data_prep", *overrides(corpus, out, *extra)], cwd=ROOT, env=env,
@@ -96,13 +156,17 @@ def test_a_killed_driver_resumes_to_the_same_bytes_and_starts_fewer_tasks(prepar
         time.sleep(0.05)
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
-    time.sleep(3)  # Ray ends a dead driver's tasks; give a task in flight the time to be stopped
+    job = ray_head.driver_jobs()[driver.pid]
+    workers = ray_head.workers(job)  # the processes Ray started for the dead driver's tasks
+    assert workers, f"no worker of job {job} in {sorted(p.name for p in ray_head.logs.iterdir())}"
+    deadline = time.time() + 60
+    while alive := [pid for pid in workers if _running(pid)]:  # Ray ends a dead driver's tasks
+        assert time.time() < deadline, f"the dead driver's workers {alive} were still running after 60 s"
+        time.sleep(0.05)
     assert not (out / "manifest.json").exists()
-    before = finished_units(out)
-    time.sleep(1)
-    assert finished_units(out) == before, "tasks of the dead driver were still writing"
+    before = finished_units(out)  # final: no process of the dead driver is left to write
     since = time.time()
-    proc = _ray(corpus, out, ray_head, "executor.tasks=3", "executor.workers=1")
+    proc = _ray(corpus, out, ray_head.address, "executor.tasks=3", "executor.workers=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert outputs(out) == outputs(ref)
     after = finished_units(out)
