@@ -87,7 +87,7 @@ bench-checkpoint: setup
 	$(BIN)/python bench/checkpoint_stall.py --json bench/results/checkpoint_stall.json
 
 bench-generate: setup
-	$(BIN)/python bench/bench_generate.py --limit 32 --sampled --json bench/results/bench_generate.json
+	$(BIN)/python bench/bench_generate.py --limit 32 --sampled --rounds 3 --measure --newline 8 --also-static --json bench/results/bench_generate.json
 
 # the TRL anchor needs a finished SSD round (python -m ultrascale.ssd ssd=smollm2_135m); trl 1.15.0 is the last
 # release with trl.experimental.ssd, installed here only (--no-deps: its requirements are already in the venv)
