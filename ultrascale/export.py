@@ -315,7 +315,7 @@ def export(
         from ultrascale.model.adapters import ADAPTER_DIR, export_sources, write_adapter
 
         base_dir = resolve_path(cfg.model.pretrained_path)
-        source, adapter = export_sources(source, finetune, base_dir, expected)
+        source, adapter = export_sources(source, finetune, base_dir, expected, Lazy)
         adapter_dir = write_adapter(adapter, finetune, base_dir, out / ADAPTER_DIR)
         del adapter
     names = [n for n in source if n not in tied]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -227,13 +229,12 @@ def build_quantized(model_cfg: Any, hf_config: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from ultrascale.config.compose import resolve_path
-    from ultrascale.dist import local_rank
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(
         str(resolve_path(model_cfg.pretrained_path)), config=hf_config, quantization_config=quant,
-        attn_implementation=str(model_cfg.attn_implementation), device_map={"": local_rank()},
+        attn_implementation=str(model_cfg.attn_implementation), device_map={"": int(os.environ.get("LOCAL_RANK", 0))},
         local_files_only=True, dtype=torch.bfloat16,
     )  # fmt: skip
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -243,16 +244,17 @@ def _read(entry: Any) -> torch.Tensor:
     return entry() if callable(entry) else entry
 
 
-def export_sources(source: dict, f: Any, base_dir: Path, expected: dict[str, tuple[int, ...]]) -> tuple[dict, dict]:
+def export_sources(source: dict, f: Any, base_dir: Path, expected: dict[str, tuple[int, ...]],
+                   lazy: Callable) -> tuple[dict, dict]:  # fmt: skip
     """(merged, adapter) for :func:`ultrascale.export.export` from a LoRA run's checkpoint tensors (``source``:
     trained-model names, tensors or lazy readers).
 
     ``merged``: every HF name of the model -> a lazy tensor: ``W + alpha/r * B @ A`` for an adapted Linear's
     weight, a ``modules_to_save`` copy for its module, else the base weight, read from the checkpoint or, when the
     frozen base was left out of it, from ``model.pretrained_path`` one tensor at a time. Nothing is materialized
-    here, so the exporter's one-tensor-at-a-time memory bound holds for the merge too. ``adapter``: peft's file
-    names -> the adapter's tensors, what ``PeftModel.from_pretrained`` reads."""
-    from ultrascale.export import Lazy
+    here, so the exporter's one-tensor-at-a-time memory bound holds for the merge too (``lazy``: the exporter's
+    ``Lazy(shape, dtype, read)``). ``adapter``: peft's file names -> the adapter's tensors, what
+    ``PeftModel.from_pretrained`` reads."""
     from ultrascale.model.weights import SafetensorsWeights
 
     scale = float(f.alpha) / int(f.r)
@@ -273,10 +275,10 @@ def export_sources(source: dict, f: Any, base_dir: Path, expected: dict[str, tup
         read = (lambda e=source[found]: _read(e)) if found else (lambda n=name: from_base(n))
         a, b = source.get(f"{mod}{LORA_A}"), source.get(f"{mod}{LORA_B}")
         if leaf == "weight" and a is not None and b is not None:  # an adapted Linear: merge B @ A into it
-            merged[name] = Lazy(shape, torch.float32, lambda r=read, a=a, b=b: merged_weight(r(), _read(a), _read(b),
+            merged[name] = lazy(shape, torch.float32, lambda r=read, a=a, b=b: merged_weight(r(), _read(a), _read(b),
                                                                                               scale))  # fmt: skip
         else:
-            merged[name] = Lazy(shape, torch.float32, read)
+            merged[name] = lazy(shape, torch.float32, read)
     adapter = {key: _read(v) for n, v in source.items() if (key := adapter_file_name(n)) is not None}
     return merged, adapter
 
