@@ -585,16 +585,6 @@ class LauncherConfig:
 
 
 @dataclass
-class RootConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-@dataclass
 class FinetuneConfig:
     """Adapters over a pretrained model (``finetune=lora``), with Hugging Face ``peft``: the base weights stay
     frozen and only the low-rank updates train, so only they get gradients and optimizer state. The model to
@@ -623,8 +613,20 @@ class FinetuneConfig:
     ``train.seed``. Every rank and every ZeRO stage draws the same."""
 
 
+@dataclass
+class RootConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    """``finetune=lora``: train adapters over ``model.pretrained_path`` instead of every weight."""
     output_dir: str = MISSING
     """Run directory: config, metrics, checkpoints and logs. Re-running with the same one auto-resumes."""
     dry_run: bool = False
@@ -635,8 +637,6 @@ class FinetuneConfig:
     GPUs. null: this machine. A real run reads the machine it runs on, whatever this says."""
 
 
-    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
-    """``finetune=lora``: train adapters over ``model.pretrained_path`` instead of every weight."""
 @dataclass
 class ClusterConfig:
     """The hardware a plan is for. Bandwidths are achieved bus bandwidths per GPU (what NCCL's busbw reports),

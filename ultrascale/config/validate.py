@@ -173,10 +173,10 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
     _loss_kernel_rules(cfg, d, backend)
     dims = model_dims(hf)
     _zero_rules(cfg, d)
+    _finetune_rules(cfg, d, backend)
     _parallel_combinations(cfg, topo, dims)
     _layout_rules(cfg, d, dims)
     if dims["max_pos"] and cfg.data.seq_len > dims["max_pos"]:
-    _finetune_rules(cfg, d, backend)
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds model max_position_embeddings={dims['max_pos']}: "
             "lower data.seq_len or raise model.config.max_position_embeddings"
@@ -346,9 +346,6 @@ def _zero_rules(cfg: DictConfig, d: Decisions) -> None:
         raise ConfigError(f"zero.zero_quantized_* (ZeRO++) needs zero.stage=3 (got {stage}): use zero=stage3")
 
 
-def _layout_rules(cfg: DictConfig, d: Decisions, dims: dict[str, int]) -> None:
-    """Each parallel degree against the ZeRO stage and the model's shape."""
-    p, topo, stage = cfg.parallel, d.topo, d.zero_stage
 def _finetune_rules(cfg: DictConfig, d: Decisions, backend: str) -> None:
     """``finetune=lora|qlora``: adapters need trained weights to adapt, a layout peft's layers survive, and (QLoRA)
     bitsandbytes' CUDA kernels."""
@@ -392,6 +389,9 @@ def _finetune_rules(cfg: DictConfig, d: Decisions, backend: str) -> None:
         raise ConfigError(f"finetune=qlora needs bitsandbytes ({why}): pip install bitsandbytes, or use finetune=lora")
 
 
+def _layout_rules(cfg: DictConfig, d: Decisions, dims: dict[str, int]) -> None:
+    """Each parallel degree against the ZeRO stage and the model's shape."""
+    p, topo, stage = cfg.parallel, d.topo, d.zero_stage
     if p.pp > 1:
         if stage > 1:
             raise ConfigError(f"parallel.pp={p.pp} needs zero.stage<=1 (got {stage}): use zero=stage1")

@@ -296,7 +296,6 @@ def mixture_lines(cfg: DictConfig) -> list[str]:
             *(f"{n:<10} {t:,} tokens over {steps} steps ({t / total:.1%})" for n, t in per.items())]  # fmt: skip
 
 
-def dry_run_report(
 def finetune_lines(cfg: DictConfig, d: Decisions) -> list[str]:
     """``finetune=lora``: the adapters' trainable parameters against the total and the memory they save."""
     if not d.finetune.on:
@@ -307,6 +306,7 @@ def finetune_lines(cfg: DictConfig, d: Decisions) -> list[str]:
     return [finetune_line(cfg, d, *planned_params(d.hf_config, cfg.finetune))]
 
 
+def dry_run_report(
     cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[str, str], t: Target | None = None
 ) -> str:
     """The report, as text (rank 0 prints it). ``t``: the hardware ``d`` was decided for (default: this
@@ -334,8 +334,8 @@ def finetune_lines(cfg: DictConfig, d: Decisions) -> list[str]:
         d.topo.describe(),
         "== parameters ==",
         f"total {counts['total']:,}  (embedding {counts['embedding']:,}, non-embedding {counts['non_embedding']:,})",
-        "== batch ==",
         *finetune_lines(cfg, d),
+        "== batch ==",
         batch_line(cfg, d.topo),
         f"model FLOPs per step {flops:.3e}  ({flops / tokens:.3e} per token; causal attention over the lower triangle)",
         *mixture_lines(cfg),

@@ -28,7 +28,6 @@ def zero_line(cfg: Any, d: Decisions) -> str:
     return f"ZeRO-{d.zero_stage}" + (f" ({', '.join(extras)})" if extras else "")
 
 
-def _stability_line(cfg: Any) -> str:
 def finetune_line(cfg: Any, d: Decisions, trainable: int, total: int) -> str:
     """Trainable against total parameters, and the gradient and optimizer memory per rank that training only the
     adapters saves against a full fine-tune of the same layout (the planner's model-state terms,
@@ -49,6 +48,7 @@ def finetune_line(cfg: Any, d: Decisions, trainable: int, total: int) -> str:
             f"saves {(full - lora) / GIB:.3f} GiB per rank (planner, ZeRO-{d.zero_stage})")  # fmt: skip
 
 
+def _stability_line(cfg: Any) -> str:
     st = cfg.stability
     spike = "off" if st.spike == "none" else f"{st.spike} at z>{st.spike_zscore:g} (window {st.spike_window})"
     return f"non-finite -> {st.nonfinite}, spike -> {spike}, stop after {st.max_consecutive} bad steps in a row"
@@ -79,10 +79,10 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"  batch      {batch_line(cfg, d.topo)}",
         f"  optimizer  {d.optimizer_owner.why}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
-        f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}{threads}; MFU peak from {peak_src}",
-        f"  runtime    {runtime()}, deepspeed {deepspeed_version()}",
         f"  finetune   {d.finetune.why}",
         *([f"  {'':<10} {finetune_line(cfg, d, info.n_trainable, info.n_params)}"] if info.n_trainable else []),
+        f"  device     {'cpu' if backend == 'gloo' else 'cuda'} / {backend}{threads}; MFU peak from {peak_src}",
+        f"  runtime    {runtime()}, deepspeed {deepspeed_version()}",
         *([f"  cpu        {detect().describe()}"] if backend == "gloo" else []),
         *([f"  gpu        {d.gpu.describe()}"] if d.gpu is not None else []),
         f"  packing    document masking {d.document_masking.why}",
