@@ -206,6 +206,9 @@ class SchedConfig:
     decay, so a run can be extended or branched from any stable-phase checkpoint), or ``constant``."""
     warmup_steps: int = num(100, ge=0)
     """Linear warmup from 0; protects Adam's early, badly estimated second moments."""
+    warmup_tokens: str | None = None
+    """The warmup in tokens (``50M``, ``20480``): sets ``warmup_steps`` to the steps that train this many, so the
+    warmup keeps its length when the batch changes. Null: ``warmup_steps`` as given."""
     min_lr_ratio: float = num(0.1, ge=0, le=1)
     """Final lr as a fraction of optim.lr."""
     decay_fraction: float = num(0.2, ge=0, le=1)
@@ -335,7 +338,14 @@ class LoggerConfig:
 @dataclass
 class TrainConfig:
     steps: int = num(100, ge=1)
-    """Optimizer steps to run (each consumes data.global_batch samples)."""
+    """Optimizer steps to run (each consumes data.global_batch samples). Replaced by the steps ``train.tokens``
+    gives when that is set."""
+    tokens: str | None = None
+    """Run length in tokens: ``2B``, ``500M``, ``20480`` (decimal suffixes K/M/B/T). When set it decides the length:
+    ``train.steps`` becomes the steps that train at least this many (each ``data.global_batch x data.seq_len``
+    tokens; the last one rounds up), the lr schedule follows, and the banner prints both. A resume under another
+    ``data.global_batch`` keeps the count: it runs the steps the rest takes, on the same lr curve over tokens
+    (``ultrascale/config/length.py``)."""
     eval_interval: int = num(50, ge=0)
     """Evaluate held-out loss every N steps (0 = only at the end)."""
     checkpoint_interval: int = num(50, ge=0)

@@ -130,6 +130,9 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
     ``gpu`` to this machine's GPU (:func:`ultrascale.gpu.detect`); the planner passes its cluster's backend and,
     where it has one, the cluster's GPU (:meth:`ultrascale.gpu.GpuInfo.from_cluster`).
     """
+    from ultrascale.config.length import resolve as resolve_length
+
+    resolve_length(cfg)  # train.tokens -> train.steps (and the warmup in tokens) before any rule reads them
     _train_tools(cfg.train)
     _mixture_rules(cfg.data, cfg.train.steps)
     if not str(cfg.train.resume).strip():

@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ultrascale.config.decide import Decisions
+from ultrascale.config.length import describe as run_length
 from ultrascale.errors import ConfigError
 from ultrascale.gpu import GpuInfo
 from ultrascale.model.arch import arch_from_hf
@@ -337,6 +338,7 @@ def dry_run_report(
         *finetune_lines(cfg, d),
         "== batch ==",
         batch_line(cfg, d.topo),
+        f"length {run_length(cfg)}",
         f"model FLOPs per step {flops:.3e}  ({flops / tokens:.3e} per token; causal attention over the lower triangle)",
         *mixture_lines(cfg),
         f"== host memory per rank (planner, {'build' if on_gpu else 'fp32 build'}) ==",

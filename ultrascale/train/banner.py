@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ultrascale.config.decide import Decisions
+from ultrascale.config.length import describe as run_length
 from ultrascale.config.topology import Topology
 
 
@@ -77,6 +78,7 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         f"attn={cfg.model.attn_implementation}, act-ckpt={d.activation_checkpointing.value}",
         f"  layout     {d.topo.describe()}  |  {zero_line(cfg, d)}  |  precision {cfg.precision.dtype}",
         f"  batch      {batch_line(cfg, d.topo)}",
+        f"  length     {run_length(cfg)}",
         f"  optimizer  {d.optimizer_owner.why}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
         f"  finetune   {d.finetune.why}",

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from ultrascale.config.compose import resolve_path
 from ultrascale.config.decide import Decisions
+from ultrascale.config.length import on_resume
 from ultrascale.data.prepare import check_prepared
 from ultrascale.data.shards import MANIFEST, load_manifest
 from ultrascale.data.sources import primary_path, sources
@@ -57,7 +58,8 @@ def preflight(cfg: DictConfig, d: Decisions) -> Preflight:
     changes: list[str] = []
     if tag_dir is not None:
         meta = checkpoint.read_meta(tag_dir)
-        changes = check_resume(cfg, d, meta, tag_dir.name, cfg.train.universal_checkpoint)
+        changes = on_resume(cfg, meta, tag_dir.name)  # another global batch: refused, or the length adjusted first
+        changes += check_resume(cfg, d, meta, tag_dir.name, cfg.train.universal_checkpoint)
     if skipped:
         found["resume"] += f" (skipped: {'; '.join(skipped)})"
     if changes:

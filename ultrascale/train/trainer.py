@@ -31,6 +31,7 @@ import torch.distributed as tdist
 from omegaconf import DictConfig, OmegaConf
 
 from ultrascale import dist
+from ultrascale.config import length
 from ultrascale.config.compose import resolve_path
 from ultrascale.config.decide import Decisions
 from ultrascale.config.deepspeed import build_ds_config
@@ -176,6 +177,7 @@ class Trainer:
         self._open_data()
         self._build()
         self.start_step, self.data_offset = 0, 0
+        self._set_history(length.continued([], 0, self.cfg))
         resumed_from = self._resume()
         lost_steps, lost_s = _truncate_metrics(self.out / METRICS, self.start_step) if dist.is_rank0() else (0, 0.0)
         self.metrics = MetricLogger(self.cfg.logger, self.out, dist.is_rank0(), self.config_dict, self.ds_config)
@@ -264,9 +266,20 @@ class Trainer:
         """Restore engine, RNG, data offset and stability state from a checkpoint; returns its step."""
         step, client = checkpoint.load(self.engine, tag_dir, same_world=saved_world == self.topo.world)
         client.update(checkpoint.rollback_since(tag_dir) or {})  # a rollback after this checkpoint was saved
-        self.data_offset = int(client.get("data_offset", 0))
+        meta = checkpoint.read_meta(tag_dir)
+        history = length.history_for(meta, self.cfg)
+        # the offset counts steps of the batch that wrote it: another global batch goes on from the same sample
+        from_gb = int(client.get("global_batch") or history[-1].global_batch)
+        self.data_offset = length.convert_offset(step, int(client.get("data_offset", 0)), from_gb, self.cfg,
+                                                 tag_dir.name)  # fmt: skip
+        self._set_history(length.continued(history, step, self.cfg))
         self.stability.load_state(client.get("stability", {}))
         return step
+
+    def _set_history(self, history: list[length.Segment]) -> None:
+        """The run's batch history (the step each global batch started at), recorded in every later checkpoint."""
+        self.history = history
+        self.checkpointer.meta["length"] = length.record(self.cfg, history)
 
     def _humaneval_tokenizer(self):
         """The tokenizer for in-training HumanEval on rank 0 (None elsewhere or when off). Collective."""
@@ -395,7 +408,8 @@ class Trainer:
 
     def _apply_lr(self, step: int) -> float:
         factor = self.stability.lr_factor(step) * self.mixture.lr_factor(step, self.cfg.train.steps)
-        return apply_lr(self.engine.optimizer, step, self.cfg.optim.sched, self.cfg.train.steps, factor)
+        at = length.schedule_position(self.history, step, self.cfg.train.tokens is not None)  # tokens: on its curve
+        return apply_lr(self.engine.optimizer, at, self.cfg.optim.sched, self.cfg.train.steps, factor)
 
     def _pipeline_step(self, st: StepState) -> None:
         """``engine.train_batch()`` runs the whole 1F1B schedule; the gate's ``pre_step`` judges the step
@@ -443,7 +457,8 @@ class Trainer:
         if not self.checkpointer.background:
             time.sleep(delay)
         client = {"data_offset": self.data_offset, "stability": self.stability.state(),
-                  "data_cursors": self.data_cursors(step + self.data_offset)}  # fmt: skip
+                  "data_cursors": self.data_cursors(step + self.data_offset),
+                  "global_batch": self.cfg.data.global_batch}  # fmt: skip
         waited = self.checkpointer.save(self.engine, step, client, write_delay=delay)
         secs = time.perf_counter() - t0
         how = "snapshot taken, writing in the background" if self.checkpointer.background else "saved"
@@ -480,8 +495,8 @@ class Trainer:
         window = (to_step + old_offset, step + 1 + old_offset)  # the data indices never to be read again
         if dist.is_rank0():  # durable now: a crash before the next checkpoint must not re-read the window
             checkpoint.record_rollback(self.checkpointer.ckpt_dir, tag_dir,
-                                       {"data_offset": self.data_offset, "stability": self.stability.state()},
-                                       window)  # fmt: skip
+                                       {"data_offset": self.data_offset, "stability": self.stability.state(),
+                                        "global_batch": self.cfg.data.global_batch}, window)  # fmt: skip
         self.metrics.event(step + 1, "rollback", reason=verdict.reason, to_step=to_step, zscore=verdict.zscore,
                            skip_from=window[0], skip_to=window[1])  # fmt: skip
         if os.environ.get(FAULT_ROLLBACK_ENV) and dist.is_rank0():
@@ -651,6 +666,7 @@ class Trainer:
                 log.warning(f"the frozen base changed during training ({self.frozen_digest} -> {end})")
         if self.moe is not None:  # expert shards differ by design; the rest must agree
             out.update(moe_shard_report(self.engine.module, self.engine.data_parallel_group))
+        out.update(tokens=length.tokens_at(self.history, res.end_step), asked_tokens=length.record(self.cfg)["tokens"])
         out.update(self.stability.counters(), data_offset=self.data_offset, mfu_peak=self.peak_src,
                    mem_gb_is=self.memory.kind, complete=res.stopped is None)  # fmt: skip
         data_step = res.end_step + self.data_offset
