@@ -33,6 +33,9 @@ def comment_text(path: Path) -> list[str]:
         if text.endswith("\\"):
             pending = text[:-1].strip()
             continue
+        if text.count("`") % 2:  # a backticked command that goes on in the next comment line
+            pending = text
+            continue
         pending = ""
         lines.append(text)
     return lines
