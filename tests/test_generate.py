@@ -379,3 +379,19 @@ def test_in_training_humaneval_and_ssd_sampling_generate_through_the_sampler(tin
 
 class _Out:
     passed, status, returncode, error = False, "failed", 1, ""
+
+
+def test_a_reused_static_cache_gives_the_same_tokens(tiny):
+    """The static cache (and on a GPU its graphs) is kept across ``generate`` calls when it is large enough, and
+    nothing of the last call leaks into the next: the same tokens, and the same columns attended as a fresh one."""
+    model, tok = tiny
+    sampler = Sampler(model, tok, batch_size=3, static="on")
+    params = SamplingParams(max_new_tokens=24, stop=("ar", "VE"))
+    first = sampler.generate(PROMPTS, params)
+    slots = sampler._slots
+    again = sampler.generate(PROMPTS[::-1], params)
+    assert sampler._slots is slots
+    assert [c.ids for (c,) in again] == [c.ids for (c,) in first][::-1]
+    fresh = Sampler(model, tok, batch_size=3, static="on")
+    fresh.generate(PROMPTS[::-1], params)
+    assert sampler.stats.cache_cells == fresh.stats.cache_cells

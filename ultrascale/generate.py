@@ -442,6 +442,7 @@ class Sampler:
         cap = max(self.batch_size, params.n)
         width = round_up(max(max(map(len, ids)) + params.max_new_tokens, self.sync_every) + 1, 64)
         slots = self._static_slots(bucket(cap), width)
+        slots.free(list(range(slots.slots)))  # a reused cache: no slot keeps a column from the last call
         rows: list[_Row | None] = [None] * slots.slots
         while pending or any(r is not None for r in rows):
             live = [s for s, r in enumerate(rows) if r is not None]
