@@ -314,6 +314,46 @@ def test_selective_keeps_what_the_planner_counts(name):
         torch.testing.assert_close(a, b)
 
 
+def test_selective_survives_compiled_layers():
+    """``train.compile_scope=layers`` compiles each layer in place, inside HF's checkpoint, where Inductor's matmuls
+    (``mm.out`` into its buffers) are out of the policy's reach: every matmul would be recomputed, as under full.
+    So with compiled layers the checkpoint goes inside the layer's forward, where torch.compile traces it and
+    applies the policy to the graph. The backward's saved tensors (no checkpoint frame hides them once compiled)
+    lie between the layer inputs alone (full) and everything (none); the gradients are uncheckpointed eager's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ultrascale.model.recompute import enable_checkpointing
+
+    hf = AutoConfig.for_model("llama", vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                              num_attention_heads=8, num_key_value_heads=2, use_cache=False)  # fmt: skip
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+
+    def run(mode: str, compiled: bool) -> tuple[int, torch.Tensor]:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa").train()
+        enable_checkpointing(model, mode, compiled_layers=compiled)
+        if compiled:
+            for layer in model.model.layers:
+                layer.compile()
+        params, seen = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return sum(seen.values()), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    none, grads = run("none", False)  # eager: every saved tensor through the hooks
+    full, _ = run("full", False)  # the layers' inputs (and the head), through the hooks
+    selective, compiled_grads = run("selective", True)
+    assert full < 0.5 * none and 1.5 * full < selective < none, (none, selective, full)
+    torch.testing.assert_close(compiled_grads, grads, rtol=1e-4, atol=1e-6)
+
+
 def test_the_planner_times_selective_between_none_and_full():
     from ultrascale.model.arch import arch_from_hf
     from ultrascale.plan.memory import Layout, memory

@@ -67,8 +67,38 @@ def checkpoint_kwargs(mode: str) -> dict:
     return kwargs
 
 
-def enable_checkpointing(model: torch.nn.Module, mode: str) -> None:
-    """Checkpoint every decoder layer of an HF model in ``mode`` (``none``: leave it alone)."""
+def enable_checkpointing(model: torch.nn.Module, mode: str, compiled_layers: bool = False) -> None:
+    """Checkpoint every decoder layer of an HF model in ``mode`` (``none``: leave it alone).
+
+    HF checkpoints a layer around its call (``GradientCheckpointingLayer.__call__``), which is outside what
+    ``layer.compile()`` (``train.compile_scope=layers``) compiles. Full checkpointing does not mind: it recomputes
+    the compiled layer. The selective policy does: inside a compiled layer the matmuls are Inductor's calls
+    (``mm.out`` into its own buffers), which the policy cannot keep, so every matmul would be recomputed and only
+    the attention kept. ``compiled_layers``: checkpoint inside each layer's forward instead, where the compile
+    traces it and its partitioner applies the policy to the graph (torch.compile's selective checkpointing)."""
     if mode == "none":
         return
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(mode))
+    if not (compiled_layers and mode == "selective"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(mode))
+        return
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers to checkpoint inside")
+    for layer in layers:
+        layer.forward = _checkpointed(layer, layer.forward, checkpoint_kwargs(mode))
+
+
+def _checkpointed(layer: torch.nn.Module, forward: Callable, kwargs: dict) -> Callable:
+    """``forward`` run under ``torch.utils.checkpoint`` while the layer trains with gradients (not in eval or
+    generation, where there is no backward and the KV cache must be written once)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(*args: Any, **kw: Any) -> Any:
+        if not (layer.training and torch.is_grad_enabled()):
+            return forward(*args, **kw)
+        for key in ("past_key_values", "layer_past"):  # as HF's own checkpointing: the replay must not write twice
+            if kw.get(key) is not None:
+                kw[key] = None
+        return checkpoint(forward, *args, **kwargs, **kw)
+
+    return checkpointed
