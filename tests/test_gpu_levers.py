@@ -238,13 +238,27 @@ def test_the_banner_names_the_gpu_and_each_levers_reason(tmp_path):
 
     cfg, topo, hf = _llama_1b()
     d = decide(cfg, topo, hf, "nccl", None, H100)
-    text = banner(cfg, d, {}, SimpleNamespace(n_params=1_235_814_400, n_trainable=None, extras={}), "H100 SXM5 80GB datasheet", tmp_path)
+    text = banner(
+        cfg,
+        d,
+        {},
+        SimpleNamespace(n_params=1_235_814_400, n_trainable=None, extras={}),
+        "H100 SXM5 80GB datasheet",
+        tmp_path,
+    )
     lines = {ln.split()[0]: ln for ln in text.splitlines()[1:] if ln.strip()}
     assert "NVIDIA H100 80GB HBM3 x8 (H100 SXM5 80GB; 79.6 GiB, 79.1 GiB free; sm_90, 132 SMs)" in lines["gpu"]
     assert "selective per-op" in lines["act-ckpt"] and "the planner predicts" in lines["act-ckpt"]
     assert "2048 tokens a chunk (1/64 of 79.1 GiB free" in lines["loss"] and "kernel: chunked" in lines["loss"]
     assert "act-ckpt=selective" in lines["model"]
-    cpu = banner(cfg, decide(cfg, topo, hf, "gloo", None), {}, SimpleNamespace(n_params=1, n_trainable=None, extras={}), "x", tmp_path)
+    cpu = banner(
+        cfg,
+        decide(cfg, topo, hf, "gloo", None),
+        {},
+        SimpleNamespace(n_params=1, n_trainable=None, extras={}),
+        "x",
+        tmp_path,
+    )
     assert "\n  gpu " not in cpu
 
 

@@ -208,8 +208,9 @@ class SSDRun:
 
         problems = read_jsonl(rnd.path("problems.jsonl"))
         raw = self.cfg.method == Method.ssd
-        completions, timing = generate_all(rnd.input_model, problems, self.cfg.sample, self.cfg.dtype, details=raw,
-                                         device=str(self.cfg.device))
+        completions, timing = generate_all(
+            rnd.input_model, problems, self.cfg.sample, self.cfg.dtype, details=raw, device=str(self.cfg.device)
+        )
         if raw:  # the paper's filter: empty responses and single-line stubs, nothing executed
             rows, stats = select_raw(problems, completions)
         else:
