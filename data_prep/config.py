@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from ultrascale.config.fields import num
 from ultrascale.errors import ConfigError
+from ultrascale.ssd.config import ProblemsConfig
 
 
 # Allowed choices are types: a value outside one fails at compose time with the key and the choices. Members
@@ -253,6 +254,44 @@ class ShowConfig:
     split: str = "train"
 
 
+@dataclass
+class ChatConfig:
+    """``python -m data_prep.chat``: chat JSONL -> packed shards with loss on assistant tokens only."""
+
+    input: str | None = None
+    """JSONL, one ``{"messages": [{"role", "content"}, ...]}`` per line (roles system/user/assistant)."""
+    output_dir: str | None = None
+    """Where the prepared dataset goes (``train.py data.path=``)."""
+    tokenizer: str = "models/smollm2-135m"
+    """The model's HF directory: its tokenizer and chat template render the conversations (the template the
+    model is prompted with at inference)."""
+    seq_len: int = num(1024, ge=8)
+    """Tokens per packed row; a conversation longer than this is dropped and counted (``too_long``)."""
+    validation_fraction: float = num(0.05, ge=0, lt=1)
+    """Share of whole conversations held out as the validation split (seeded)."""
+    seed: int = num(0, ge=0)
+    """Seeds the validation draw and the packing order."""
+    separator_token: str | None = None
+    """The token between packed conversations (the manifest's EOS: document masking starts a new document after
+    it). Null: the tokenizer's EOS, or ``<|endoftext|>`` where the EOS ends every turn (ChatML's ``<|im_end|>``)."""
+
+
+@dataclass
+class InstructConfig:
+    """``python -m data_prep.instruct``: a chat JSONL of docstring -> function pairs from a corpus's train
+    repositories, decontaminated as SSD's prompts are (``ultrascale/ssd/prompts.py``)."""
+
+    output: str = "data/instruct/docstring_functions.jsonl"
+    """The chat JSONL written (and ``<output>.report.json`` beside it: counts per filter)."""
+    instruction: str = "Complete the following Python code:"
+    """The user turn's first line; the code block with imports, helpers, signature and docstring follows."""
+    problems: ProblemsConfig = field(
+        default_factory=lambda: ProblemsConfig(max_problems=None, train_repos_from="data/stdlib")
+    )
+    """What is mined and how it is filtered (SSD's ``problems`` keys: ``input``, ``train_repos_from``: whose
+    repos.json keeps the validation repositories out, ``max_problems``, ``max_prompt_lines``, decontamination)."""
+
+
 # Keys that change where or how fast the output is made, not what it is.
 _NOT_HASHED = ("output_dir", "executor", "keep_work")
 
@@ -286,3 +325,5 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="data_prep_schema", node=DataPrepConfig)
     cs.store(name="data_prep_show_schema", node=ShowConfig)
+    cs.store(name="data_prep_chat_schema", node=ChatConfig)
+    cs.store(name="data_prep_instruct_schema", node=InstructConfig)

@@ -117,6 +117,11 @@ def test_a_header_command_composes(recipe: str, command: str):
 
         register_eval_configs()
         check(compose(overrides, config_name="eval"))
+    elif kind in ("data_prep.chat", "data_prep.instruct"):
+        from data_prep.config import register_configs
+
+        register_configs()
+        compose(overrides, config_name=kind.replace(".", "_"))
     elif kind == "plan":
         compose(overrides, config_name="plan")
     elif kind == "ssd":

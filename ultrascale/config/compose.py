@@ -27,7 +27,9 @@ def resolve_path(p: str | Path) -> Path:
 
 
 HELP_COMMANDS = {"train": "python train.py --help", "eval": "python eval.py --help", "plan": "python plan.py --help",
-                 "data_prep": "python -m data_prep --help", "ssd": "python -m ultrascale.ssd --help"}  # fmt: skip
+                 "data_prep": "python -m data_prep --help", "ssd": "python -m ultrascale.ssd --help",
+                 "data_prep_chat": "python -m data_prep.chat --help",
+                 "data_prep_instruct": "python -m data_prep.instruct --help"}  # fmt: skip
 
 
 def _one_line(exc: BaseException, overrides: list[str], config_name: str = "train") -> str:

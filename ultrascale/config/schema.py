@@ -444,6 +444,13 @@ class TrainConfig:
     sandbox (0 = off). Needs a prepared dataset with a tokenizer, zero.stage<=2 and pp=tp=1."""
     eval_humaneval_max_new_tokens: int = num(128, ge=1)
     """Generation budget per HumanEval completion during training (stop sequences usually end it sooner)."""
+    eval_fim: int = num(0, ge=0)
+    """At every eval_interval also score fill-in-the-middle (PSM, greedy, one span of each kind per file) on this
+    many held-out files of the data's validation repositories, on rank 0 (0 = off; ``ultrascale/eval/fim.py``):
+    ``fim_exact_match`` and ``fim_edit_similarity`` in the eval row. Needs data prepared with FIM (its tokenizer's
+    FIM tokens), zero.stage<=2 and pp=tp=sp=1."""
+    eval_fim_input: str = "stdlib"
+    """The corpus ``data.path`` was prepared from (data prep's ``input``): where ``eval_fim`` reads its files."""
     profile_steps: int = num(0, ge=0)
     """Record a ``torch.profiler`` trace of this many steps on every rank (0 = off): ``profile/rankNNNNN.txt``
     ranks the operators by self time, ``.trace.json`` opens in Perfetto. For when the step breakdown shows a

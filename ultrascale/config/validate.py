@@ -174,11 +174,16 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
     _checkpointing_rules(cfg, topo)
     d = decide(cfg, topo, hf, backend, cpu, gpu)
     _loss_kernel_rules(cfg, d, backend)
+    if cfg.train.eval_fim and (d.zero_stage == 3 or max(d.topo.pp, d.topo.tp, d.topo.sp) > 1):
+        raise ConfigError(f"train.eval_fim={cfg.train.eval_fim} needs zero.stage<=2 and parallel.pp=tp=sp=1 (rank 0 "
+                          "generates alone with the whole model): use train.eval_fim=0 and eval.py tasks=[fim] on "
+                          "the exported checkpoint")  # fmt: skip
     dims = model_dims(hf)
     _zero_rules(cfg, d)
     _finetune_rules(cfg, d, backend)
     _parallel_combinations(cfg, topo, dims)
     _layout_rules(cfg, d, dims)
+    _host_build_rule(cfg, d)
     if dims["max_pos"] and cfg.data.seq_len > dims["max_pos"]:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds model max_position_embeddings={dims['max_pos']}: "
@@ -332,6 +337,32 @@ def _topology(cfg: DictConfig, world_size: int) -> Topology:
             f"use data.global_batch={max(1, round(gb / (mb * topo.dp))) * mb * topo.dp}"
         )
     return topo
+
+
+def _host_build_rule(cfg: DictConfig, d: Decisions) -> None:
+    """A run on a declared cluster whose model build cannot fit a node's host memory: every rank of a node builds
+    at once (the planner's construction peak, ``ultrascale.plan.memory.construction_bytes``), so the node would
+    run out of memory before the first step. ZeRO-3 and pipeline stages build partitioned; ZeRO-0/1/2 build the
+    whole model (AutoEP runs their routed experts partitioned), as does tensor parallelism."""
+    c = cfg.get("cluster")
+    if c is None:
+        return
+    from ultrascale.model.arch import arch_from_hf
+    from ultrascale.plan.memory import GIB, Layout, construction_bytes
+
+    t = d.topo
+    lay = Layout(world=t.world, tp=t.tp, pp=t.pp, sp=t.sp, ep=t.ep, zero_stage=d.zero_stage)
+    per_rank = construction_bytes(arch_from_hf(d.hf_config), lay)
+    launched = cfg.launcher.nproc_per_node * cfg.launcher.nnodes == t.world  # else the planner's full nodes
+    ranks = min(int(cfg.launcher.nproc_per_node if launched else c.gpus_per_node), t.world)
+    if per_rank * ranks > float(c.host_memory_gib) * GIB:
+        raise ConfigError(
+            f"building the model takes ~{per_rank / GIB:.1f} GiB of host memory per rank x {ranks} ranks per node "
+            f"(launcher.nproc_per_node, cluster.gpus_per_node) = {per_rank * ranks / GIB:.0f} GiB > cluster.host_memory_gib="
+            f"{float(c.host_memory_gib):g} (cluster={c.name}): zero.stage={d.zero_stage} builds the whole model on "
+            "every rank; use zero=stage3 (built partitioned), parallel.pp>1 (each stage builds its own layers), or "
+            "fewer ranks per node"
+        )
 
 
 def _zero_rules(cfg: DictConfig, d: Decisions) -> None:

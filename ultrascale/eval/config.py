@@ -20,6 +20,7 @@ from ultrascale.errors import ConfigError
 class Task(StrEnum):
     perplexity = "perplexity"
     humaneval = "humaneval"
+    fim = "fim"
 
 
 TASKS = tuple(Task)
@@ -77,6 +78,48 @@ class HumanEvalConfig:
     line's indent otherwise read a bare newline as 'the body ends here' (SmolLM2-135M wrote empty bodies)."""
 
 
+class FimKind(StrEnum):
+    single_line = "single_line"
+    multi_line = "multi_line"
+    random_span = "random_span"
+
+
+class FimMode(StrEnum):
+    psm = "psm"
+    spm = "spm"
+    l2r = "l2r"
+
+
+@dataclass
+class FimConfig:
+    """``tasks=[fim]``: fill-in-the-middle on held-out files (``ultrascale/eval/fim.py``)."""
+
+    data: str | None = None
+    """Prepared dataset whose ``repos.json`` names the validation repositories the files come from; defaults to
+    the run's ``data.path``. Required with ``model_dir=``."""
+    input: str = "stdlib"
+    """The corpus ``data`` was prepared from (data prep's ``input``), where the files are read."""
+    files: int = num(40, ge=1)
+    """Held-out files (a seeded sample); each gives one span of every kind."""
+    kinds: list[FimKind] = field(default_factory=lambda: list(FimKind))
+    """Which spans: ``single_line``, ``multi_line``, ``random_span``."""
+    modes: list[FimMode] = field(default_factory=lambda: [FimMode.psm, FimMode.spm])
+    """Prompt orders: ``psm``, ``spm`` (need the tokenizer's FIM tokens), ``l2r`` (the prefix alone: the
+    left-to-right baseline any model can be scored on)."""
+    max_context_chars: int = num(1000, ge=0)
+    """Characters of prefix before and of suffix after the span kept in the prompt."""
+    max_lines: int = num(6, ge=2)
+    """Longest ``multi_line`` span, in lines."""
+    max_span_chars: int = num(120, ge=1)
+    """Longest ``random_span``, in characters."""
+    max_new_tokens: int = num(96, ge=1)
+    """Generation budget per middle (EOS, and a newline for ``single_line``, end it sooner)."""
+    batch_size: int = num(16, ge=1)
+    """Rows the sampler keeps in flight."""
+    seed: int = num(0, ge=0)
+    """Seeds the file sample and the spans."""
+
+
 @dataclass
 class EvalConfig:
     run_dir: str | None = None
@@ -88,7 +131,7 @@ class EvalConfig:
     tokenizer_dir: str | None = None
     """Tokenizer directory; defaults to model_dir, or to the run's prepared-data tokenizer."""
     tasks: list[Task] = field(default_factory=lambda: list(TASKS))
-    """Which evaluations to run: any of ``perplexity``, ``humaneval``."""
+    """Which evaluations to run: any of ``perplexity``, ``humaneval``, ``fim``."""
     output_dir: str | None = None
     """Where eval_results.json goes; defaults to ``<run_dir>/eval/<tag>`` or ``<model_dir>/eval``."""
     dtype: Precision = Precision.fp32
@@ -100,6 +143,7 @@ class EvalConfig:
     """Log the results to the run's wandb run (same id as training, offline unless configured)."""
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
     humaneval: HumanEvalConfig = field(default_factory=HumanEvalConfig)
+    fim: FimConfig = field(default_factory=FimConfig)
 
 
 def check(cfg: Any) -> None:
@@ -118,6 +162,9 @@ def check(cfg: Any) -> None:
             raise ConfigError(f"humaneval.k={list(he.k)} needs n_samples >= {max(too_big)}: raise humaneval.n_samples")
     if "perplexity" in cfg.tasks and cfg.model_dir and not cfg.perplexity.data_path:
         raise ConfigError("perplexity with model_dir= needs perplexity.data_path=DIR (a prepared dataset)")
+    if "fim" in cfg.tasks and cfg.model_dir and not cfg.fim.data:
+        raise ConfigError("fim with model_dir= needs fim.data=DIR (a prepared dataset: its validation repositories' "
+                          "files are the held-out files)")  # fmt: skip
 
 
 def register_eval_configs() -> None:

@@ -67,6 +67,12 @@ def table(results: dict) -> str:
     if he:
         rows += [(k, f"{v:.4f}") for k, v in he.items() if k.startswith("pass@")]
         rows.append(("humaneval problems", f"{he['problems']} x {he['n_samples']} sample(s), T={he['temperature']}"))
+    fim = results["tasks"].get("fim")
+    if fim:
+        rows += [(f"fim {k.removesuffix('/exact_match')} exact match", f"{v:.4f}  (edit sim "
+                  f"{fim[k.replace('exact_match', 'edit_similarity')]:.4f}, n={fim[k.replace('exact_match', 'n')]})")
+                 for k, v in fim.items() if k.endswith("/exact_match")]  # fmt: skip
+        rows.append(("fim held-out files", f"{fim['files']} files, {fim['spans']} spans"))
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
@@ -82,6 +88,12 @@ def run(cfg: DictConfig) -> dict:
     from ultrascale.export import export
 
     check(cfg)
+    fim_docs = None
+    if "fim" in cfg.tasks:  # the held-out files are read before any model is exported or loaded
+        from ultrascale.eval import fim
+
+        run_data = primary_path(OmegaConf.load(resolve_path(cfg.run_dir) / "config.yaml").data) if cfg.run_dir else None
+        fim_docs = fim.held_out_documents(str(cfg.fim.data or run_data), cfg.fim.input)
     if "humaneval" in cfg.tasks:
         check_available()  # a machine that cannot sandbox says so before any model is exported or loaded
     results: dict = {"tasks": {}}
@@ -107,6 +119,8 @@ def run(cfg: DictConfig) -> dict:
         model = load_pretrained(model_dir, str(cfg.dtype), str(cfg.device))
         log.info(f"eval: {model_dir} on {model.device} ({cfg.dtype})")
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+        if "fim" in cfg.tasks and any(str(m) != "l2r" for m in cfg.fim.modes):
+            fim.fim_tokens(tokenizer, str(results["model"]))  # a model without them: one line before any task runs
         if "perplexity" in cfg.tasks:
             load_manifest(data_path)  # fail with the data error before loading anything heavier
             p = cfg.perplexity
@@ -137,9 +151,19 @@ def run(cfg: DictConfig) -> dict:
             )
             samples = he.pop("samples")
             results["tasks"]["humaneval"] = he
+        if "fim" in cfg.tasks:
+            f = cfg.fim
+            problems = fim.spans(fim_docs, [str(k) for k in f.kinds], f.files, f.seed, f.max_lines, f.max_span_chars)
+            res = fim.evaluate(model, tokenizer, problems, modes=[str(m) for m in f.modes],
+                               max_context_chars=f.max_context_chars, max_new_tokens=f.max_new_tokens,
+                               batch_size=f.batch_size, model_name=str(results["model"]), progress=True)  # fmt: skip
+            fim_samples = res.pop("samples")
+            results["tasks"]["fim"] = res
     out_dir.mkdir(parents=True, exist_ok=True)
     if "humaneval" in cfg.tasks:
         write_jsonl(out_dir / "humaneval_samples.jsonl", samples)
+    if "fim" in cfg.tasks:
+        write_jsonl(out_dir / "fim_samples.jsonl", fim_samples)
     results["config"] = OmegaConf.to_container(cfg, resolve=True)
     write_json(out_dir / "eval_results.json", results)
     print(table(results) + f"\nwrote {out_dir / 'eval_results.json'}", flush=True)

@@ -19,12 +19,15 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from ultrascale.data.shards import write_samples
 from ultrascale.errors import DataError
+
+HEALED = "healed (the prompt's trailing newlines start the completion)"
 
 
 def eos_id(tokenizer, eos_token: str | None = None) -> int:
@@ -84,9 +87,6 @@ def build(
     """
     from transformers import AutoTokenizer
 
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     eos = eos_id(tokenizer, cfg.eos_token)
     encoded, too_long = [], 0
@@ -101,37 +101,69 @@ def build(
             f"no kept sample to finetune on ({len(records)} kept, {too_long} longer than sft.seq_len={cfg.seq_len}): "
             "sample more (sample.n), raise sft.seq_len, or start from a stronger model"
         )
-    rng = random.Random(cfg.seed)
-    tasks = sorted({t for t, _, _ in encoded})
-    n_val = (
-        max(1, round(cfg.validation_fraction * len(tasks))) if len(tasks) >= 2 and cfg.validation_fraction > 0 else 0
-    )
-    val_tasks = set(rng.sample(tasks, n_val))
+
+    def report(packed: dict) -> dict:
+        val = packed["validation_groups"]
+        return {
+            "samples": len(encoded),
+            "too_long": too_long,
+            "train_problems": packed["train_groups"],
+            "validation_problems": val,
+            "train_rows": packed["train_rows"],
+            "validation_rows": packed["validation_rows"],
+            "target_tokens": packed["target_tokens"],
+            "prompt_tokens": packed["context_tokens"],
+            "eos_token_id": eos,
+            "prompt_boundary": HEALED if heal_newline else "as is",
+            "validation": "held-out problems" if val else "a copy of train (fewer than 2 problems kept)",
+        }
+
+    return write_packed(encoded, tokenizer, out_dir, seq_len=cfg.seq_len, pad=eos,
+                        validation_fraction=cfg.validation_fraction, seed=cfg.seed, key="sft", report=report)  # fmt: skip
+
+
+def write_packed(
+    encoded: list[tuple[str, np.ndarray, np.ndarray]],
+    tokenizer,
+    out_dir: str | os.PathLike,
+    *,
+    seq_len: int,
+    pad: int,
+    validation_fraction: float,
+    seed: int,
+    key: str,
+    report: Callable[[dict], dict],
+) -> dict:
+    """Hold out whole groups (a problem's samples, a conversation) for validation, pack each split in a seeded
+    order with ``pad`` (also the manifest's document separator), and write the dataset with ``report(figures)``
+    in its manifest under ``key``. Every supervised set (SSD's samples, ``python -m data_prep.chat``'s
+    conversations) goes through here, so they split, pack and write alike. ``encoded``: ``(group, ids, loss
+    mask)`` per sample. Written into a temporary sibling and renamed, so ``out_dir`` exists only when complete.
+    Returns the report."""
+    rng = random.Random(seed)
+    groups = sorted({g for g, _, _ in encoded})
+    n_val = max(1, round(validation_fraction * len(groups))) if len(groups) >= 2 and validation_fraction > 0 else 0
+    val_groups = set(rng.sample(groups, n_val))
+    encoded = list(encoded)
     rng.shuffle(encoded)
-    train = pack([(i, m) for t, i, m in encoded if t not in val_tasks], cfg.seq_len, eos)
-    val = pack([(i, m) for t, i, m in encoded if t in val_tasks], cfg.seq_len, eos) if val_tasks else train
+    train = pack([(i, m) for g, i, m in encoded if g not in val_groups], seq_len, pad)
+    val = pack([(i, m) for g, i, m in encoded if g in val_groups], seq_len, pad) if val_groups else train
+    stats = report({"train_groups": len(groups) - n_val, "validation_groups": n_val,
+                    "train_rows": int(train[0].shape[0]), "validation_rows": int(val[0].shape[0]),
+                    "target_tokens": int(train[1].sum()),
+                    "context_tokens": int(sum(int((~m).sum()) for g, _, m in encoded if g not in val_groups))})  # fmt: skip
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer.save_pretrained(str(tmp / "tokenizer"))
-    stats = {
-        "samples": len(encoded),
-        "too_long": too_long,
-        "train_problems": len(tasks) - n_val,
-        "validation_problems": n_val,
-        "train_rows": int(train[0].shape[0]),
-        "validation_rows": int(val[0].shape[0]),
-        "target_tokens": int(train[1].sum()),
-        "prompt_tokens": int(sum(int((~m).sum()) for t, _, m in encoded if t not in val_tasks)),
-        "eos_token_id": eos,
-        "prompt_boundary": "healed (the prompt's trailing newlines start the completion)" if heal_newline else "as is",
-        "validation": "held-out problems" if val_tasks else "a copy of train (fewer than 2 problems kept)",
-    }
     write_samples(
         tmp,
         {"train": [train[0]], "validation": [val[0]]},
-        seq_len=cfg.seq_len,
+        seq_len=seq_len,
         vocab_size=len(tokenizer),
-        eos_token_id=eos,
+        eos_token_id=pad,
         tokenizer="tokenizer",
-        extra={"sft": stats},
+        extra={key: stats},
         loss_masks={"train": [train[1]], "validation": [val[1]]},
     )
     shutil.rmtree(out, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Evaluation during training: held-out loss over the first ``data.eval_batches`` micro-batches per data-parallel
 rank of the validation split (the same samples each time; the row says how many and which share of the split),
-and greedy HumanEval on rank 0. The evaluator decides when it is due, so the training loop stays a loop."""
+and greedy HumanEval and FIM on rank 0. The evaluator decides when it is due, so the training loop stays a loop."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Evaluator:
             tokenizer,
             out,
         )
+        self._fim_spans = None  # the held-out spans, cut once (rank 0)
 
     def due(self, step: int, last_step: int) -> bool:
         return step == last_step or bool(self.interval and step % self.interval == 0)
@@ -76,6 +77,8 @@ class Evaluator:
                 result[f"eval/{name}/perplexity"] = math.exp(min(src_loss, 50.0))
         if self.humaneval:
             result.update(self._humaneval(step))
+        if t.cfg.train.eval_fim:
+            result.update(self._fim(step))
         t.breakdown.reset_engine_timers()
         result["eval_s"] = time.perf_counter() - t0
         return result
@@ -103,3 +106,32 @@ class Evaluator:
                 model.train()
         score = dist.broadcast_object(score)
         return {"humaneval_pass@1": score, "humaneval_problems": self.humaneval}
+
+    def _fim(self, step: int) -> dict:
+        """FIM exact match and edit similarity (PSM, greedy) on ``train.eval_fim`` held-out files, generated on rank 0
+        (the others wait); the same spans every time, every completion in ``fim/step_XXXXXXXX.jsonl``."""
+        scores = None
+        if self.tokenizer is not None:
+            from ultrascale.data.sources import primary_path
+            from ultrascale.eval import fim
+            from ultrascale.train.checkpoint import tag_for
+
+            train = self.t.cfg.train
+            if self._fim_spans is None:
+                docs = fim.held_out_documents(str(primary_path(self.t.cfg.data)), train.eval_fim_input)
+                self._fim_spans = fim.spans(docs, fim.KINDS, train.eval_fim, seed=0)
+            model = self.t.engine.module
+            use_cache, model.config.use_cache = model.config.use_cache, True
+            try:
+                with eager(self.t.decisions.compile.on):
+                    res = fim.evaluate(model, self.tokenizer, self._fim_spans, modes=("psm",), max_new_tokens=48)
+                scores = {"fim_exact_match": res["all/psm/exact_match"],
+                          "fim_edit_similarity": res["all/psm/edit_similarity"]}  # fmt: skip
+                path = self.out / "fim" / f"{tag_for(step)}.jsonl"
+                path.parent.mkdir(exist_ok=True)
+                write_jsonl(path, res["samples"])
+            finally:
+                model.config.use_cache = use_cache
+                model.train()
+        scores = dist.broadcast_object(scores)
+        return {**(scores or {}), "fim_files": self.t.cfg.train.eval_fim}

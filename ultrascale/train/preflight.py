@@ -73,6 +73,8 @@ def preflight(cfg: DictConfig, d: Decisions) -> Preflight:
             humaneval_tokenizer(data, n)
         check_available()
         found["humaneval"] = f"greedy pass@1 on {n} problems at every eval, in the sandbox"
+    if cfg.train.eval_fim:
+        found["fim"] = fim_check(cfg)
     return Preflight(found, data_checked, tag_dir, tuple(skipped), tuple(changes))
 
 
@@ -85,3 +87,19 @@ def humaneval_tokenizer(data: Path, n: int) -> Path:
             "(byte-level data?): prepare data with data_prep or set train.eval_humaneval=0"
         )
     return tok_dir
+
+
+def fim_check(cfg: DictConfig) -> str:
+    """In-training FIM (``train.eval_fim``): the data's tokenizer has FIM tokens and its validation repositories
+    have files in ``train.eval_fim_input``; refused in one line before anything is written."""
+    from transformers import AutoTokenizer
+
+    from ultrascale.eval import fim
+
+    n, data = cfg.train.eval_fim, primary_path(cfg.data)
+    if not (data / MANIFEST).exists():
+        return f"FIM exact match on {n} held-out files at every eval (checked once {data} is prepared)"
+    tok = AutoTokenizer.from_pretrained(str(humaneval_tokenizer(data, n)))
+    fim.fim_tokens(tok, f"train.eval_fim={n}: the tokenizer of {data}")
+    docs = fim.held_out_documents(str(data), cfg.train.eval_fim_input)
+    return f"FIM exact match (PSM, greedy) on {min(n, len(docs))} held-out files at every eval, on rank 0"

@@ -282,8 +282,8 @@ class Trainer:
         self.checkpointer.meta["length"] = length.record(self.cfg, history)
 
     def _humaneval_tokenizer(self):
-        """The tokenizer for in-training HumanEval on rank 0 (None elsewhere or when off). Collective."""
-        n = self.cfg.train.eval_humaneval
+        """The tokenizer for in-training HumanEval and FIM on rank 0 (None elsewhere or when off). Collective."""
+        n = self.cfg.train.eval_humaneval or self.cfg.train.eval_fim
         if not n:
             return None
         tokenizer, error = None, None

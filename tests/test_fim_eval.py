@@ -1,0 +1,188 @@
+"""FIM evaluation (ultrascale/eval/fim.py): spans, prompts in data prep's FIM layout, scoring against planted
+completions, the eval.py task end to end on a real tiny model, and the one-line refusal of a model without FIM
+tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import TEST_ENV
+from tests.test_ssd_prompts import write_corpus
+from ultrascale.config.compose import PROJECT_ROOT, compose
+from ultrascale.errors import ConfigError
+from ultrascale.eval import fim
+
+CODE = '''import math
+
+
+def area(r):
+    """Area of a circle."""
+    return math.pi * r * r
+
+
+class Box:
+    def __init__(self, w, h):
+        self.w = w
+        self.h = h
+
+    def size(self):
+        return self.w * self.h
+'''
+
+
+def _spans() -> list[fim.Span]:
+    return [fim.cut(CODE, "geo.py", kind, seed) for kind in fim.KINDS for seed in range(4)]
+
+
+def test_spans_of_each_kind_cut_the_file_where_the_papers_do():
+    for s in _spans():
+        assert s.prefix + s.middle + s.suffix == CODE and s.middle.strip()
+        if s.kind == "single_line":
+            assert "\n" not in s.middle and s.prefix.endswith("\n") and s.suffix.startswith("\n")
+        elif s.kind == "multi_line":
+            assert 2 <= s.middle.count("\n") + 1 <= 6 and (s.prefix == "" or s.prefix.endswith("\n"))
+        else:
+            assert 1 <= len(s.middle) <= 120
+    assert fim.cut(CODE, "geo.py", "multi_line", 7) == fim.cut(CODE, "geo.py", "multi_line", 7)  # seeded
+    assert len({fim.cut(CODE, "geo.py", "random_span", s) for s in range(8)}) > 1
+    assert fim.cut("\n\n", "empty.py", "single_line", 0) is None
+
+
+def test_scores_against_planted_completions_perfect_is_1_empty_is_0():
+    spans = _spans()
+    rows = [(s, m, s.middle) for s in spans for m in ("psm", "spm")]
+    perfect = fim.score(rows)
+    assert {k: v for k, v in perfect.items() if not k.endswith("/n")} == {
+        f"{g}/{m}/{x}": 1.0 for g in (*fim.KINDS, "all") for m in ("psm", "spm")
+        for x in ("exact_match", "edit_similarity")
+    }  # fmt: skip
+    assert perfect["all/psm/n"] == len(spans) and perfect["single_line/spm/n"] == 4
+    empty = fim.score([(s, m, "") for s, m, _ in rows])
+    assert all(v == 0.0 for k, v in empty.items() if not k.endswith("/n"))
+    span = fim.Span("f.py", "single_line", "", "    return a + b", "\n")
+    off = fim.score([(span, "psm", "return a - b  ")])  # stripped, one substitution in 12 characters
+    assert off["all/psm/exact_match"] == 0.0 and off["all/psm/edit_similarity"] == pytest.approx(11 / 12)
+    assert fim.score([(span, "psm", "\n  return a + b\n")])["all/psm/exact_match"] == 1.0
+    assert fim.levenshtein("kitten", "sitting") == 3 and fim.levenshtein("", "abc") == 3
+
+
+@pytest.fixture(scope="module")
+def fim_model(tmp_path_factory) -> Path:
+    """A tiny Llama with data prep's tokenizer (trained here on stdlib sources, FIM tokens included), saved as an
+    HF directory the way an export is."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from data_prep.tokenizer import save_hf, train_bpe
+
+    out = tmp_path_factory.mktemp("fim_model")
+    texts = [f.read_text(errors="replace") for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]]
+    save_hf(train_bpe(texts, 600), out, 512)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=512, eos_token_id=0, bos_token_id=0,
+                      pad_token_id=0)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def test_prompts_are_data_preps_fim_layout_token_for_token(fim_model):
+    """PSM and SPM as ``data_prep/pack.py`` writes a FIM sample (each piece encoded on its own between the
+    sentinels), read through the sampler's own encoding."""
+    from transformers import AutoTokenizer
+
+    from data_prep.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, load_dir
+    from ultrascale.generate import Sampler
+
+    hf = AutoTokenizer.from_pretrained(str(fim_model))
+    raw = load_dir(fim_model)
+    sid = {t: raw.token_to_id(t) for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)}
+    tokens = fim.fim_tokens(hf)
+    enc = lambda s: raw.encode(s).ids  # noqa: E731
+    sampler = Sampler.__new__(Sampler)
+    sampler.tokenizer = hf
+    for s in _spans():
+        psm = sampler.encode(fim.prompt(s, "psm", tokens, 1000))
+        spm = sampler.encode(fim.prompt(s, "spm", tokens, 1000))
+        assert psm == [sid[FIM_PREFIX], *enc(s.prefix), sid[FIM_SUFFIX], *enc(s.suffix), sid[FIM_MIDDLE]]
+        assert spm == [sid[FIM_PREFIX], sid[FIM_SUFFIX], *enc(s.suffix), sid[FIM_MIDDLE], *enc(s.prefix)]
+    s = _spans()[0]
+    assert fim.prompt(s, "l2r", None, 10) == s.prefix[-10:]
+    assert fim.prompt(s, "psm", tokens, 5) == f"{tokens[0]}{s.prefix[-5:]}{tokens[1]}{s.suffix[:5]}{tokens[2]}"
+
+
+def _held_out(tmp_path: Path) -> tuple[Path, Path]:
+    corpus = write_corpus(tmp_path / "corpus", {"trainrepo/a.py": "x = 1\n", "valrepo/geo.py": CODE,
+                                                "valrepo/more.py": CODE.replace("area", "perimeter")})  # fmt: skip
+    prep = tmp_path / "prepared"
+    prep.mkdir()
+    (prep / "repos.json").write_text(json.dumps({"trainrepo": "train", "valrepo": "validation"}))
+    return corpus, prep
+
+
+def test_eval_py_fim_task_end_to_end_on_held_out_files(fim_model, tmp_path):
+    from ultrascale.eval.config import register_eval_configs
+    from ultrascale.eval.run import run
+
+    corpus, prep = _held_out(tmp_path)
+    register_eval_configs()
+    out = tmp_path / "eval"
+    cfg = compose([f"model_dir={fim_model}", "tasks=[fim]", f"fim.data={prep}", f"fim.input={corpus}",
+                   "fim.modes=[psm,spm,l2r]", "fim.max_new_tokens=8", f"output_dir={out}", "wandb=false"], "eval")  # fmt: skip
+    res = run(cfg)["tasks"]["fim"]
+    assert (res["files"], res["spans"]) == (2, 6)  # the validation repository's two files, never trainrepo's
+    for kind in (*fim.KINDS, "all"):
+        for mode in ("psm", "spm", "l2r"):
+            assert (
+                0.0 <= res[f"{kind}/{mode}/exact_match"] <= res[f"{kind}/{mode}/edit_similarity"] + 1e-9 <= 1.0 + 1e-9
+            )
+    samples = [json.loads(ln) for ln in (out / "fim_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 18 and {s["file"] for s in samples} == {"valrepo/geo.py", "valrepo/more.py"}
+    assert all("\n" not in s["completion"] for s in samples if s["kind"] == "single_line")
+    assert np.mean([s["exact_match"] for s in samples if s["mode"] == "psm"]) == res["all/psm/exact_match"]
+
+
+def test_a_model_without_fim_tokens_is_one_error_line(smollm2_135m, tmp_path):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ConfigError, match="has no FIM tokens"):
+        fim.fim_tokens(AutoTokenizer.from_pretrained(str(smollm2_135m)))
+    corpus, prep = _held_out(tmp_path)
+    cmd = [sys.executable, "eval.py", f"model_dir={smollm2_135m}", "tasks=[fim]", f"fim.data={prep}",
+           f"fim.input={corpus}", "wandb=false", f"output_dir={tmp_path / 'out'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, env={**os.environ, **TEST_ENV}, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "has no FIM tokens" in errors[0] and "fim.modes=[l2r]" in errors[0]
+
+
+def test_in_training_eval_includes_fim_on_the_datas_held_out_files(tmp_path):
+    """``train.eval_fim``: data prep (FIM on) over the fixture corpus, a tiny model trained 2 steps on 1 rank; its
+    closing eval row carries FIM exact match and edit similarity, every completion is kept per eval."""
+    from tests.conftest import FAST, check, launch, metrics
+    from tests.test_data_prep import FIXTURE
+
+    data = tmp_path / "data"
+    prep = [sys.executable, "-m", "data_prep", f"input={FIXTURE}", f"output_dir={data}", "tokenizer.vocab_size=400",
+            "pack.seq_len=64", "split.validation_fraction=0.3", "executor.progress=false"]  # fmt: skip
+    check(subprocess.run(prep, cwd=PROJECT_ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True))
+    out = tmp_path / "run"
+    args = ["model=tiny", *FAST, f"data.path={data}", "train.steps=2", "train.eval_fim=2",
+            f"train.eval_fim_input={FIXTURE}", f"output_dir={out}"]  # fmt: skip
+    check(launch(args, nproc=0))
+    evals = [r for r in metrics(out) if r.get("event") == "eval"]
+    assert len(evals) == 1 and 0.0 <= evals[0]["fim_exact_match"] <= evals[0]["fim_edit_similarity"] <= 1.0
+    assert evals[0]["fim_files"] == 2
+    samples = [json.loads(ln) for ln in (out / "fim" / "step_00000002.jsonl").read_text().splitlines()]
+    assert {s["mode"] for s in samples} == {"psm"} and len({s["file"] for s in samples}) == 2
+    repos = json.loads((data / "repos.json").read_text())
+    assert all(repos[s["file"].split("/")[0]] == "validation" for s in samples)
