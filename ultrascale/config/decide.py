@@ -113,7 +113,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
     return Decisions(
         topo=topo,
         zero_stage=stage,
-        zero3_init=Choice(stage == 3, "ZeRO-3: every rank builds only its shard" if stage == 3 else f"ZeRO-{stage}"),
+        zero3_init=_partitioned_build(stage, topo, experts),
         optimizer_owner=_optimizer_owner(cfg),
         fused_loss=fused,
         loss_kernel=kernel,
@@ -146,6 +146,20 @@ def _finetune(cfg: Any) -> Choice:
     return Choice(True, f"{method}: r={f.r} alpha={f.alpha:g} dropout={f.dropout:g} on {targets}{saved}; {base} "
                         f"from {cfg.model.pretrained_path}: only adapter weights get gradients and optimizer state "
                         f"(finetune={method})", method)  # fmt: skip
+
+
+def _partitioned_build(stage: int, topo: Topology, experts: int) -> Choice:
+    """Which parameters are built partitioned (``deepspeed.zero.Init``); ``value``: ``all`` (ZeRO-3) or
+    ``experts`` (ZeRO-1/2 with AutoEP: only the routed experts, which AutoEP gathers one layer at a time and keeps
+    this rank's 1/ep of; the rest is made whole right after the build, as ZeRO-1/2 hold it)."""
+    if stage == 3:
+        return Choice(True, "ZeRO-3: every rank builds only its shard", "all")
+    if experts and topo.ep > 1 and topo.pp == 1:
+        return Choice(True, f"the routed experts only: built partitioned over the {topo.world} ranks, then AutoEP "
+                            f"gathers one layer at a time and keeps this rank's {experts // topo.ep} of {experts}; "
+                            f"the dense part is made whole after the build (ZeRO-{stage} replicates it)",
+                      "experts")  # fmt: skip
+    return Choice(False, f"ZeRO-{stage}: every rank builds the whole model (ZeRO-{stage} holds the weights whole)")
 
 
 def _optimizer_owner(cfg: Any) -> Choice:

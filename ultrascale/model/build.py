@@ -73,7 +73,12 @@ def require_attn_kernel(attn: str) -> None:
 
 
 def build_model(
-    model_cfg, seed: int, hf_config: Any = None, dtype: torch.dtype = torch.float32, zero3: dict | None = None
+    model_cfg,
+    seed: int,
+    hf_config: Any = None,
+    dtype: torch.dtype = torch.float32,
+    zero3: dict | None = None,
+    partitioned_experts: bool = False,
 ):
     """Built on CPU in ``dtype`` from ``hf_config`` (built from ``model_cfg`` when not given): a checkpoint's
     weights, or weights keyed by ``(seed, parameter name)`` (:mod:`ultrascale.model.init`), which every rank
@@ -84,6 +89,12 @@ def build_model(
     only for the weights to be drawn again); then each rank draws its own slices, or reads them from the
     checkpoint one module at a time (:func:`ultrascale.model.weights.load_partitioned`: transformers' own ZeRO-3
     loader held more than the whole model per rank).
+
+    ``partitioned_experts`` (ZeRO-1/2 with AutoEP; ``zero3`` then a stage-3 copy of the JSON for ``zero.Init``):
+    built partitioned the same way, then every parameter outside the routed experts is made whole again
+    (:func:`ultrascale.model.moe.gather_non_experts`: ZeRO-1/2 replicate them). The experts stay partitioned until
+    AutoEP, inside ``deepspeed.initialize``, gathers one layer at a time and keeps this rank's 1/ep: no rank ever
+    holds every expert, which is most of an MoE model (Mixtral-8x7B: 45 of 47B parameters).
     """
     from transformers import AutoModelForCausalLM
 
@@ -103,11 +114,24 @@ def build_model(
         from ultrascale.model.weights import SafetensorsWeights, load_partitioned
 
         load_partitioned(model, SafetensorsWeights(resolve_path(model_cfg.pretrained_path)))
-        return model
-    from ultrascale.model.init import init_model
+    else:
+        from ultrascale.model.init import init_model
 
-    init_model(model, model_cfg.init_seed if model_cfg.init_seed is not None else seed)  # layout-independent
+        init_model(model, model_cfg.init_seed if model_cfg.init_seed is not None else seed)  # layout-independent
+    if partitioned_experts:
+        from ultrascale.model.moe import gather_non_experts
+
+        gather_non_experts(model)
     return model
+
+
+def zero_init_config(ds_config: dict) -> dict:
+    """The run's DeepSpeed JSON as ``deepspeed.zero.Init`` needs it to partition a build: ZeRO-1/2 runs
+    (``partitioned_experts``) build with a stage-3 copy; the engine itself keeps the run's stage."""
+    zero = ds_config.get("zero_optimization", {})
+    if zero.get("stage") == 3:
+        return ds_config
+    return {**ds_config, "zero_optimization": {"stage": 3}}
 
 
 @contextlib.contextmanager

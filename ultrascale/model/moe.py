@@ -66,6 +66,32 @@ def prepare_moe(model, moe_cfg: Any, where: str, leaf_modules: bool) -> str:
     return f"{where}, top-{k}, router aux loss x {coef:g}{leaf}"
 
 
+def gather_non_experts(model) -> int:
+    """A model built under ``zero.Init`` for a ZeRO-1/2 run with AutoEP: make every parameter outside the routed
+    experts (``<SparseMoeBlock>.experts``) a whole, ordinary parameter again, one tensor at a time, and leave the
+    experts partitioned for AutoEP, which gathers them one layer at a time inside ``deepspeed.initialize``
+    (``deepspeed.moe.ep_repack``) and keeps this rank's. Tied parameters stay tied. Returns the parameters made
+    whole.
+
+    Collective: every rank gathers the same tensors in the same order."""
+    import gc
+
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    experts = {id(p) for block in _sparse_blocks(model) for p in getattr(block, "experts", block).parameters()}
+    whole: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or id(p) in experts or not hasattr(p, "ds_id"):
+                continue
+            if id(p) not in whole:
+                with GatheredParameters([p], modifier_rank=None):
+                    whole[id(p)] = torch.nn.Parameter(p.data.detach().clone(), requires_grad=p.requires_grad)
+            module._parameters[name] = whole[id(p)]
+    gc.collect()  # ZeRO parameters hold reference cycles (DeepSpeed's own engine collects them the same way)
+    return len(whole)
+
+
 def deferred_optimizer(optimizer: torch.optim.Optimizer):
     """(factory, param groups) so DeepSpeed builds our optimizer *after* AutoEP swapped the expert params.
 

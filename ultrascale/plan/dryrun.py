@@ -219,7 +219,9 @@ def host_memory_line(cfg: Any, d: Decisions, on_gpu: bool = False) -> str:
     (which, on GPUs, is the HBM section's)."""
     arch, lay = arch_from_hf(d.hf_config), planned_layout(cfg, d)
     build = construction_bytes(arch, lay) / GIB
-    how = ("partitioned from the first byte (ZeRO-3)" if d.zero3_init.on else
+    how = ("partitioned from the first byte (ZeRO-3)" if d.zero3_init.value == "all" else
+           f"the routed experts partitioned over the {d.topo.world} ranks, the rest whole as ZeRO-{d.zero_stage} holds "
+           "it; AutoEP then gathers one layer's experts at a time" if d.zero3_init.value == "experts" else
            "this stage's layers only" if d.pipeline else
            "the whole model: DeepSpeed 0.19.8's AutoTP shards it inside initialize(); measured 1.95 GiB per rank "
            "for a 0.51B model at tp=2, make bench-scale" if d.topo.tp > 1 else

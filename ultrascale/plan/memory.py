@@ -377,10 +377,15 @@ def construction_bytes(arch: Arch, lay: Layout) -> float:
     """Host bytes a rank holds while its model is built or loaded (before ``deepspeed.initialize``).
 
     ZeRO-3: its partition of every tensor plus one whole tensor at a time (built partitioned; keyed init draws a
-    tensor whole and keeps a slice). Pipeline: its stage's layers only (each stage builds its own). Otherwise,
-    tensor parallelism included, the whole model: DeepSpeed 0.19.8's AutoTP shards a model built whole, inside
-    ``deepspeed.initialize``.
+    tensor whole and keeps a slice). ZeRO-1/2 with expert parallelism: the routed experts the same way, the rest
+    whole (made whole right after the build, as ZeRO-1/2 hold it), with its partitions until they are freed;
+    AutoEP then gathers one layer's experts at a time inside ``deepspeed.initialize``. Pipeline: its stage's
+    layers only (each stage builds its own). Otherwise, tensor parallelism included, the whole model: DeepSpeed
+    0.19.8's AutoTP shards a model built whole, inside ``deepspeed.initialize``.
     """
+    if lay.zero_stage < 3 and lay.ep > 1 and lay.pp == 1 and arch.expert_params:
+        dense = arch.dense_params
+        return BUILD_BYTES * (dense + (dense + arch.expert_params) / lay.world + max(arch.param_sizes))
     if lay.zero_stage == 3 and lay.pp == 1:
         dense, expert = rank_params(arch, Layout(world=lay.world, tp=1, pp=1, sp=lay.sp, ep=lay.ep))
         shard = dense / zero_group(lay) + expert / max(1, zero_group(lay) // lay.ep)

@@ -15,7 +15,7 @@ import torch
 from ultrascale import hostmem
 from ultrascale.config.decide import Decisions
 from ultrascale.errors import ConfigError
-from ultrascale.model.build import build_model, count_params, require_attn_kernel
+from ultrascale.model.build import build_model, count_params, require_attn_kernel, zero_init_config
 from ultrascale.train.metrics import HostPeak
 from ultrascale.train.optim import build_optimizer, param_groups
 from ultrascale.train.stability import StepGate
@@ -53,7 +53,7 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
     if not d.pipeline:  # the pipeline's stages checkpoint their layers themselves (_construct)
         from ultrascale.model.recompute import enable_checkpointing
 
-        enable_checkpointing(model, d.activation_checkpointing.value)
+        enable_checkpointing(model, d.activation_checkpointing.value, d.compile.on and d.compile.value == "layers")
     _apply_loss(model, d)
     _apply_attention(model, d)
     _apply_autocast(model, d)
@@ -93,8 +93,9 @@ def _construct(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, int]:
 
         model = build_quantized(cfg.model, d.hf_config)
         return model, sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    zero3 = ds_config if d.zero3_init.on else None
-    model = build_model(cfg.model, seed=cfg.train.seed, hf_config=d.hf_config, dtype=torch.float32, zero3=zero3)
+    zero3 = zero_init_config(ds_config) if d.zero3_init.on else None
+    model = build_model(cfg.model, seed=cfg.train.seed, hf_config=d.hf_config, dtype=torch.float32, zero3=zero3,
+                        partitioned_experts=d.zero3_init.value == "experts")  # fmt: skip
     return model, sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
 
 

@@ -22,7 +22,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: 
             continue
         seen.add(id(p))
         is_embedding = "embed" in name or "lm_head" in name
-        if p.ndim < 2 or "norm" in name.lower() or name.endswith(".bias") or (is_embedding and not decay_embeddings):
+        ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partitioned parameter's data is an empty 1-D tensor
+        if ndim < 2 or "norm" in name.lower() or name.endswith(".bias") or (is_embedding and not decay_embeddings):
             no_decay.append(p)
         else:
             decay.append(p)
