@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ultrascale.config.checkpointing import AC_MODES, checkpointing_mode
 from ultrascale.config.topology import Topology
 from ultrascale.cpu import CpuInfo
 from ultrascale.gpu import GpuInfo
@@ -445,7 +446,6 @@ GPU_MAX_CHUNK_TOKENS = 8192
 AC_HEADROOM = 0.10
 """``auto`` activation checkpointing keeps 10 % of the GPU's free memory unplanned (NCCL buffers, the caching
 allocator's slack), on top of the planner's own fragmentation term."""
-AC_MODES = ("none", "selective", "full")
 """Cheapest (most memory) first: ``auto`` takes the first whose predicted peak fits."""
 
 
@@ -490,17 +490,6 @@ def _loss_kernel(cfg: Any, fused: Choice, gpu: GpuInfo | None, liger: bool) -> C
                   "chunked")  # fmt: skip
 
 
-def checkpointing_mode(value: Any) -> str:
-    """``train.activation_checkpointing`` as one of auto/none/selective/full: YAML's and the command line's
-    booleans (``true``/``false``, which the config keeps as ``"True"``/``"False"``) mean full/none, as they did
-    before the modes. Raises ValueError for anything else."""
-    v = str(value).strip().lower()
-    v = {"true": "full", "false": "none"}.get(v, v)
-    if v not in ("auto", *AC_MODES):
-        raise ValueError(value)
-    return v
-
-
 def selective_unavailable(topo: Topology) -> str | None:
     """Why per-op selective checkpointing cannot run with this layout (None: it can). The pipeline engine
     checkpoints whole layers itself; under AutoTP, Ulysses and AutoEP the layers' collectives sit between the
@@ -535,8 +524,8 @@ def predicted_peaks(cfg: Any, topo: Topology, hf_config: Any, fused: Choice, mod
     from dataclasses import replace
 
     from ultrascale.model.arch import arch_from_hf
+    from ultrascale.plan.layout import layout_from_cfg
     from ultrascale.plan.memory import memory
-    from ultrascale.plan.search import layout_from_cfg
 
     arch = arch_from_hf(hf_config)
     lay = replace(layout_from_cfg(cfg, topo.world), zero_stage=int(cfg.zero.stage), fused_loss=fused.on,

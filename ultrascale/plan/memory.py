@@ -85,7 +85,7 @@ class Layout:
     they have gradients, fp32 master copies and Adam moments. None: every parameter trains."""
 
     def __post_init__(self) -> None:
-        from ultrascale.config.decide import checkpointing_mode
+        from ultrascale.config.checkpointing import checkpointing_mode
 
         mode = checkpointing_mode(self.activation_checkpointing)
         if mode == "auto":
@@ -274,7 +274,7 @@ def _persistent_params(arch: Arch, lay: Layout) -> float:
 def activation_bytes_per_token_layer(arch: Arch, lay: Layout, mode: str | bool) -> float:
     """Bytes one token leaves saved for backward in one decoder layer under checkpointing ``mode``
     (none/selective/full; True/False mean full/none), before TP/SP division."""
-    from ultrascale.config.decide import checkpointing_mode
+    from ultrascale.config.checkpointing import checkpointing_mode
 
     mode = checkpointing_mode(mode)
     e = DTYPE_BYTES[lay.dtype]

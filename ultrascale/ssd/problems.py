@@ -31,6 +31,7 @@ from ultrascale.errors import ConfigError, DataError
 from ultrascale.eval.sandbox import Limits
 from ultrascale.jsonio import iter_jsonl
 from ultrascale.ssd.config import ProblemSource
+from ultrascale.ssd.decontam import decontaminate
 from ultrascale.ssd.execute import verdicts
 from ultrascale.ssd.mine import MineOptions, mine_file
 
@@ -212,8 +213,6 @@ def build(cfg: DictConfig) -> tuple[list[dict], dict]:
         problems = mine(cfg, counts)
     counts["mined"] = len(problems)
     problems = _dedupe(problems, counts)
-    from ultrascale.ssd.prompts import decontaminate  # prompts builds on this module: imported here, not above
-
     problems = decontaminate(problems, cfg, counts)
     problems = _verify(problems, cfg, counts)
     counts["kept"] = len(problems)

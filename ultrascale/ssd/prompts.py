@@ -29,8 +29,6 @@ import json
 import logging
 import random
 from collections import Counter
-from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,12 +37,12 @@ from omegaconf import DictConfig, OmegaConf
 from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.jsonio import iter_jsonl
+from ultrascale.ssd.decontam import HELD_OUT_PREFIX, decontaminate
 from ultrascale.ssd.mine import BUILTINS, MineOptions, Module, closure, free_names, mine_file, used_modules_and_names
 from ultrascale.ssd.problems import corpus_documents
 
 log = logging.getLogger("ultrascale")
 
-HELD_OUT_PREFIX = "heldout/"
 """Decontamination item ids of validation-repository problems (HumanEval's are ``HumanEval/<n>``)."""
 
 DROP_REASONS = (
@@ -277,46 +275,6 @@ def _dedupe(records: list[dict], counts: Counter) -> list[dict]:
             prompts.add(norm)
             bodies.add(r["_body"])
             out.append(r)
-    return out
-
-
-def decontaminate(
-    records: list[dict],
-    cfg: DictConfig,
-    counts: Counter,
-    held_out: Sequence[tuple[str, str]] = (),
-    held_out_keys: AbstractSet[str] = frozenset(),
-) -> list[dict]:
-    """Drop prompts overlapping HumanEval or a held-out problem, with data prep's n-gram matcher and settings.
-
-    The one matcher for every source of training prompts (mined, corpus, JSONL; RFT's problems too): each
-    record's prompt plus its ``reference`` when it has one. The held-out problems are added to the same index
-    as HumanEval's items, so one pass checks both. A body identical to a held-out one (``_body``, an AST key)
-    is dropped too: a short function has fewer than ``decontam_ngram`` words and no n-grams at all.
-    """
-    from data_prep.decontam import Decontaminator, ngrams
-
-    det = Decontaminator(["humaneval"], None, cfg.decontam_ngram, cfg.decontam_min_overlap)
-    for item_id, text in held_out:
-        k = len(det.item_ids)
-        det.item_ids.append(item_id)
-        grams = ngrams(text, det.n)
-        det.item_size.append(len(grams))
-        for g in grams:
-            det.index[g].append(k)
-    det.first = {g.split(" ", 1)[0] for g in det.index}
-    det.last = {g.rsplit(" ", 1)[-1] for g in det.index}
-    out = []
-    for r in records:
-        hit = det.match(r["prompt"] + r.get("reference", ""))
-        if r.get("_body") in held_out_keys:
-            hit = hit if hit and hit[0].startswith(HELD_OUT_PREFIX) else ("heldout/identical body", 1.0)
-        if hit:
-            reason = "validation_contaminated" if hit[0].startswith(HELD_OUT_PREFIX) else "humaneval_contaminated"
-            counts[reason] += 1
-            log.info(f"prompts: drop {r['task_id']} (matches {hit[0]}, overlap {hit[1]})")
-            continue
-        out.append(r)
     return out
 
 
