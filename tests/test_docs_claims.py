@@ -89,3 +89,31 @@ def test_no_readme_calls_a_required_package_not_installed():
             assert m.group(1).lower() not in pinned, (
                 f"{md.relative_to(ROOT)}: {m.group(0)!r} but requirements.txt pins it"
             )
+
+
+MEASURED = re.compile(
+    r"\bmeasured\b|\btook\b|\bwent\b|\bs/step|tokens/s\b|after \d+ steps?\b|\bnats\b|perplexity \d", re.I
+)
+"""Words of a measured figure in a recipe header (not arithmetic such as the batch line's tokens/step)."""
+COMMAND = re.compile(r"python3? (-m )?[\w./-]+|torchrun |deepspeed |make [\w-]+|dry_run=true")
+
+
+def _header_blocks(name: str) -> list[str]:
+    """A recipe header's ``# Key:`` blocks, each with its continuation lines."""
+    head = (RECIPES_DIR / f"{name}.yaml").read_text().split("\ndefaults:")[0]
+    blocks: list[list[str]] = []
+    for ln in head.splitlines():
+        if not ln.startswith("#") or ln.startswith("# @package"):
+            continue
+        if re.match(r"^# [A-Za-z][\w ./-]*:", ln) or not blocks:
+            blocks.append([])
+        blocks[-1].append(ln)
+    return ["\n".join(b) for b in blocks]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_header_measured_figures_carry_the_command_that_reproduces_them(name):
+    """``bench/results/`` is not kept, so a figure in a header is only as good as the command beside it."""
+    for block in _header_blocks(name):
+        if MEASURED.search(block):
+            assert COMMAND.search(block), f"recipes/{name}.yaml: a measured figure without its command:\n{block}"

@@ -138,5 +138,9 @@ def test_a_header_command_composes(recipe: str, command: str):
 
         assert len(overrides) == 2 and overrides[0].startswith(("pypi:", "/", "models/")), overrides
         assert callable(gguf_import.main)
+    elif kind == "ultrascale.ssd.evaluate":
+        from ultrascale.ssd.compare import parser
+
+        parser().parse_args(overrides)  # an unknown flag or a bad value exits with argparse's message
     else:
         pytest.fail(f"{recipe}: a command this test does not know how to check: {command}")

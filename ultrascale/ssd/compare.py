@@ -249,7 +249,9 @@ def table(result: dict, runs: dict[str, dict] | None = None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m ultrascale.ssd.evaluate`` (also what a recipe header's command is checked
+    against, ``tests/test_recipe_commands.py``)."""
     ap = argparse.ArgumentParser(
         prog="python -m ultrascale.ssd.evaluate",
         description=__doc__,
@@ -279,7 +281,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, help="write the result as JSON")
     ap.add_argument("--cache", type=Path, help="scores kept per (model, problems, setting, n), so a killed or "
                     "extended evaluation resumes (default: OUT's name + .scores.jsonl)")  # fmt: skip
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    a = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     from ultrascale.eval.humaneval import load_problems
     from ultrascale.eval.sandbox import check_available
