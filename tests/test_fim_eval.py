@@ -74,6 +74,30 @@ def test_scores_against_planted_completions_perfect_is_1_empty_is_0():
     assert fim.levenshtein("kitten", "sitting") == 3 and fim.levenshtein("", "abc") == 3
 
 
+def test_left_to_right_prompts_are_healed_and_a_single_line_ends_at_its_own_newline(monkeypatch):
+    """An l2r prompt ends at the span's line start, a bare newline token that tells a byte-level BPE model the next
+    line starts at column 0 (HumanEval's boundary problem, ``humaneval.heal``): it is healed, and the single line,
+    which then begins with the newline it gave back, is cut at the next one. PSM keeps its prompt as data prep
+    trains it and stops a single line at its first newline."""
+    import ultrascale.eval.humaneval as humaneval
+
+    calls = []
+
+    def fake_generate(model, tokenizer, prompts, *, heal_newline, extra_stops, **kw):
+        calls.append((heal_newline, list(extra_stops)))
+        # what generate returns after unhealing: the model's line, then whatever it wrote next
+        return [["    return a + b\n    print(a)"] for _ in prompts]
+
+    monkeypatch.setattr(humaneval, "generate", fake_generate)
+    span = fim.Span("f.py", "single_line", "def f(a, b):\n", "    return a + b\n", "")
+    block = fim.Span("f.py", "multi_line", "def f(a, b):\n", "    return a + b\n    print(a)\n", "")
+    tokens = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+    monkeypatch.setattr(fim, "fim_tokens", lambda tok, name="": tokens)
+    res = fim.evaluate(None, None, [span, block], modes=("psm", "l2r"))
+    assert calls == [(False, [("\n",), ()]), (True, [(), ()])]
+    assert res["single_line/l2r/exact_match"] == 1.0 and res["multi_line/l2r/exact_match"] == 1.0
+
+
 @pytest.fixture(scope="module")
 def fim_model(tmp_path_factory) -> Path:
     """A tiny Llama with data prep's tokenizer (trained here on stdlib sources, FIM tokens included), saved as an

@@ -187,10 +187,22 @@ def evaluate(model, tokenizer, problems: Sequence[Span], *, modes: Sequence[str]
         raise DataError("fim: no span to evaluate (the held-out files are empty)")
     jobs = [(s, m) for m in modes for s in problems]
     prompts = [prompt(s, m, tokens, max_context_chars) for s, m in jobs]
-    single = [("\n",) if s.kind == "single_line" else () for s, _ in jobs]
-    outs = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, stops=(),
-                    heal_newline=False, progress=progress, extra_stops=single)  # fmt: skip
-    rows = [(s, m, cs[0]) for (s, m), cs in zip(jobs, outs)]
+    outs = [""] * len(jobs)
+    for healed in (False, True):
+        # An l2r prompt is plain text ending where the span starts, for a line at a line start: healed as HumanEval's
+        # prompts are (humaneval.heal: a bare newline token tells a byte-level BPE model the next line starts at
+        # column 0). Its single line then begins with the newline it gave back, so it ends at the next one, cut
+        # below. The sentinel modes end in <fim_middle> or SPM's prefix, each piece encoded on its own as data prep
+        # trains them: no boundary to heal, and a single line stops at its first newline.
+        idx = [i for i, (_, m) in enumerate(jobs) if (m == "l2r") == healed]
+        if not idx:
+            continue
+        stops = [("\n",) if jobs[i][0].kind == "single_line" and not healed else () for i in idx]
+        got = generate(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
+                       batch_size=batch_size, stops=(), heal_newline=healed, progress=progress, extra_stops=stops)  # fmt: skip
+        for i, cs in zip(idx, got):
+            outs[i] = cs[0].split("\n", 1)[0] if healed and jobs[i][0].kind == "single_line" else cs[0]
+    rows = [(s, m, c) for (s, m), c in zip(jobs, outs)]
     result = score(rows)
     result.update(files=len({s.file for s in problems}), spans=len(problems), modes=list(modes))
     log.info("fim: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("all/")
