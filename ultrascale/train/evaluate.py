@@ -86,52 +86,54 @@ class Evaluator:
     def _humaneval(self, step: int) -> dict:
         """Greedy pass@1 generated on rank 0 (the others wait); every completion and how it ended in the
         sandbox goes to ``humaneval/step_XXXXXXXX.jsonl``: what the model wrote is worth more than the number."""
-        score = None
-        if self.tokenizer is not None:
+
+        def run(model) -> tuple[Any, list]:
             from ultrascale.eval.humaneval import evaluate
+
+            res = evaluate(model, self.tokenizer, limit=self.humaneval,
+                           max_new_tokens=self.t.cfg.train.eval_humaneval_max_new_tokens)  # fmt: skip
+            return res["pass@1"], res["samples"]
+
+        return {"humaneval_pass@1": self._generate_on_rank0("humaneval", step, run),
+                "humaneval_problems": self.humaneval}  # fmt: skip
+
+    def _fim(self, step: int) -> dict:
+        """FIM exact match and edit similarity (PSM, greedy) on ``train.eval_fim`` held-out files, generated on rank 0
+        (the others wait); the same spans every time, every completion in ``fim/step_XXXXXXXX.jsonl``."""
+
+        def run(model) -> tuple[Any, list]:
+            from ultrascale.data.sources import primary_path
+            from ultrascale.eval import fim
+
+            train = self.t.cfg.train
+            if self._fim_spans is None:
+                docs = fim.held_out_documents(str(primary_path(self.t.cfg.data)), train.eval_fim_input)
+                self._fim_spans = fim.spans(docs, fim.KINDS, train.eval_fim, seed=0)
+            res = fim.evaluate(model, self.tokenizer, self._fim_spans, modes=("psm",), max_new_tokens=48)
+            scores = {"fim_exact_match": res["all/psm/exact_match"],
+                      "fim_edit_similarity": res["all/psm/edit_similarity"]}  # fmt: skip
+            return scores, res["samples"]
+
+        scores = self._generate_on_rank0("fim", step, run)
+        return {**(scores or {}), "fim_files": self.t.cfg.train.eval_fim}
+
+    def _generate_on_rank0(self, name: str, step: int, run) -> Any:
+        """``run(model) -> (result, samples)`` on rank 0 (the one holding the tokenizer) with the KV cache on and
+        eagerly; the samples go to ``<name>/step_XXXXXXXX.jsonl``; the model is put back to training; every rank
+        gets the result (None where there is no tokenizer). Collective."""
+        result = None
+        if self.tokenizer is not None:
             from ultrascale.train.checkpoint import tag_for
 
             model = self.t.engine.module
             use_cache, model.config.use_cache = model.config.use_cache, True  # generation wants its KV cache
             try:
                 with eager(self.t.decisions.compile.on):
-                    res = evaluate(model, self.tokenizer, limit=self.humaneval,
-                                   max_new_tokens=self.t.cfg.train.eval_humaneval_max_new_tokens)  # fmt: skip
-                score = res["pass@1"]
-                samples = self.out / "humaneval" / f"{tag_for(step)}.jsonl"
-                samples.parent.mkdir(exist_ok=True)
-                write_jsonl(samples, res["samples"])
-            finally:
-                model.config.use_cache = use_cache
-                model.train()
-        score = dist.broadcast_object(score)
-        return {"humaneval_pass@1": score, "humaneval_problems": self.humaneval}
-
-    def _fim(self, step: int) -> dict:
-        """FIM exact match and edit similarity (PSM, greedy) on ``train.eval_fim`` held-out files, generated on rank 0
-        (the others wait); the same spans every time, every completion in ``fim/step_XXXXXXXX.jsonl``."""
-        scores = None
-        if self.tokenizer is not None:
-            from ultrascale.data.sources import primary_path
-            from ultrascale.eval import fim
-            from ultrascale.train.checkpoint import tag_for
-
-            train = self.t.cfg.train
-            if self._fim_spans is None:
-                docs = fim.held_out_documents(str(primary_path(self.t.cfg.data)), train.eval_fim_input)
-                self._fim_spans = fim.spans(docs, fim.KINDS, train.eval_fim, seed=0)
-            model = self.t.engine.module
-            use_cache, model.config.use_cache = model.config.use_cache, True
-            try:
-                with eager(self.t.decisions.compile.on):
-                    res = fim.evaluate(model, self.tokenizer, self._fim_spans, modes=("psm",), max_new_tokens=48)
-                scores = {"fim_exact_match": res["all/psm/exact_match"],
-                          "fim_edit_similarity": res["all/psm/edit_similarity"]}  # fmt: skip
-                path = self.out / "fim" / f"{tag_for(step)}.jsonl"
+                    result, samples = run(model)
+                path = self.out / name / f"{tag_for(step)}.jsonl"
                 path.parent.mkdir(exist_ok=True)
-                write_jsonl(path, res["samples"])
+                write_jsonl(path, samples)
             finally:
                 model.config.use_cache = use_cache
                 model.train()
-        scores = dist.broadcast_object(scores)
-        return {**(scores or {}), "fim_files": self.t.cfg.train.eval_fim}
+        return dist.broadcast_object(result)
