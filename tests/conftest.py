@@ -102,6 +102,17 @@ def launch(
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def memprobe(tmp_path: Path, args: list[str], nproc: int = 4) -> list[dict]:
+    """``ultrascale.train.memprobe`` under torchrun on ``nproc`` CPU ranks: each rank's record of what setup cost
+    it in host memory (build, engine, step), in rank order."""
+    out = tmp_path / "mem.json"
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "-m",
+           "ultrascale.train.memprobe", str(out), *args]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return [json.loads(f.read_text()) for f in sorted(tmp_path.glob("mem.json.rank*"))]
+
+
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Fail with the tail of the output (not a bare exit code) when a launched run fails."""
     if proc.returncode != 0:

@@ -12,11 +12,8 @@ and the trained result on 2 (``train.py``) in ``dist`` tests.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -102,16 +99,9 @@ SLACK_GB = 0.15  # as tests/test_scale_memory_dist.py: the allocator, DeepSpeed'
 
 
 def _memprobe(tmp_path: Path, overrides: list[str]) -> list[dict]:
-    from tests.conftest import ROOT, TEST_ENV
-    from ultrascale.dist import free_port
+    from tests.conftest import memprobe
 
-    out = tmp_path / "mem.json"
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    cmd = [torchrun, "--nproc_per_node", str(RANKS), "--master_port", str(free_port()), "-m", "ultrascale.train.memprobe",
-           str(out), *MOE, *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{out}.rank*"))]
+    return memprobe(tmp_path, [*MOE, *overrides], RANKS)
 
 
 @pytest.mark.dist

@@ -10,17 +10,9 @@ does a whole model in bf16 (checked by building ZeRO-3 whole: +1.09 GiB on every
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import ROOT, TEST_ENV
-from ultrascale.dist import free_port
+from tests.conftest import memprobe
 
 pytestmark = pytest.mark.dist
 
@@ -33,13 +25,7 @@ SLACK_GB = 0.15  # measured: 0.09 GiB over the share under ZeRO-3, 0.05 GiB over
 
 
 def _probe(tmp_path, overrides: list[str]) -> list[dict]:
-    out = tmp_path / "mem.json"
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    cmd = [torchrun, "--nproc_per_node", str(RANKS), "--master_port", str(free_port()), "-m", "ultrascale.train.memprobe",
-           str(out), *MODEL, *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{out}.rank*"))]
+    return memprobe(tmp_path, [*MODEL, *overrides], RANKS)
 
 
 def _model_gb(ranks: list[dict]) -> float:
