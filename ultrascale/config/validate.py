@@ -232,7 +232,8 @@ def _attention_rules(cfg: DictConfig, topo: Topology, hf: Any) -> None:
 def _checkpointing_rules(cfg: DictConfig, topo: Topology) -> None:
     """``train.activation_checkpointing``: one of the modes (booleans mean full/none), and selective only where
     its per-op policy runs."""
-    from ultrascale.config.decide import checkpointing_mode, selective_unavailable
+    from ultrascale.config.checkpointing import checkpointing_mode
+    from ultrascale.config.decide import selective_unavailable
 
     value = cfg.train.activation_checkpointing
     try:

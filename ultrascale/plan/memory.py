@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cache
 
+from ultrascale.config.checkpointing import checkpointing_mode
 from ultrascale.model.arch import Arch
 from ultrascale.model.flops import attention_span
 
@@ -85,8 +86,6 @@ class Layout:
     they have gradients, fp32 master copies and Adam moments. None: every parameter trains."""
 
     def __post_init__(self) -> None:
-        from ultrascale.config.checkpointing import checkpointing_mode
-
         mode = checkpointing_mode(self.activation_checkpointing)
         if mode == "auto":
             raise ValueError("Layout.activation_checkpointing=auto: decide it first (ultrascale.config.decide)")
@@ -274,8 +273,6 @@ def _persistent_params(arch: Arch, lay: Layout) -> float:
 def activation_bytes_per_token_layer(arch: Arch, lay: Layout, mode: str | bool) -> float:
     """Bytes one token leaves saved for backward in one decoder layer under checkpointing ``mode``
     (none/selective/full; True/False mean full/none), before TP/SP division."""
-    from ultrascale.config.checkpointing import checkpointing_mode
-
     mode = checkpointing_mode(mode)
     e = DTYPE_BYTES[lay.dtype]
     h = arch.hidden
