@@ -65,14 +65,66 @@ def test_the_runtime_takes_a_gpu_nodes_torch_and_says_which():
     assert runtime().startswith(f"torch {torch.__version__}")
 
 
-def test_a_device_the_machine_lacks_is_one_line():
-    assert resolve("auto") == torch.device("cpu")  # no GPU here
+def test_a_collective_under_nccl_is_built_on_the_current_cuda_device(monkeypatch):
+    """comm_device's NCCL arm, which no other CPU test runs (the device guard plants comm_device itself): with
+    ``get_backend`` planted as ``nccl`` and the current CUDA device as 3, a collective's tensors go to cuda:3,
+    for the group asked about (a gloo group beside it stays on the CPU). The planted NCCL is strict: every
+    collective raises, so comm_device cannot probe the group by communicating."""
+    import torch.distributed as tdist
+
+    from tests.dist_scripts.device_guard import refuse_unplanted
+
+    nccl_group, gloo_group, asked = object(), object(), []
+
+    def get_backend(group=None):
+        asked.append(group)
+        return "nccl" if group in (None, nccl_group) else "gloo"
+
+    planted = {"is_available": lambda: True, "is_initialized": lambda: True, "get_backend": get_backend}
+    for name, fn in (planted | refuse_unplanted(planted)).items():
+        monkeypatch.setattr(tdist, name, fn)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert comm_device() == torch.device("cuda", 3)
+    assert comm_device(nccl_group) == torch.device("cuda", 3)
+    assert comm_device(gloo_group) == torch.device("cpu")
+    assert asked == [None, nccl_group, gloo_group]
+    with pytest.raises(AssertionError, match=r"planted NCCL: torch.distributed.all_to_all is not recorded"):
+        tdist.all_to_all([], [])  # the strictness itself
+
+
+def test_a_device_the_machine_lacks_is_one_line(monkeypatch):
+    """``auto`` is this machine's answer: ``cuda:LOCAL_RANK`` where a GPU is usable (not under the tests'
+    ``DS_ACCELERATOR=cpu``), the CPU otherwise; a CUDA device this machine lacks is one line."""
+    import os
+
+    usable = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
+    local = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
+    assert resolve("auto") == (torch.device("cuda", local) if usable else torch.device("cpu"))
     assert resolve("cpu") == torch.device("cpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match=r"device=cuda:1: this machine has no usable CUDA device"):
-            resolve("cuda:1")
     with pytest.raises(ConfigError, match="is not a torch device"):
         resolve("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, planted on any machine
+    with pytest.raises(ConfigError, match=r"device=cuda:1: this machine has no usable CUDA device"):
+        resolve("cuda:1")
+
+
+def test_auto_takes_this_ranks_gpu_where_one_is_usable(monkeypatch):
+    """The CUDA arm of ``auto`` on a planted 2-GPU machine: rank LOCAL_RANK's GPU (wrapped onto the GPUs there
+    are), the CPU under ``DS_ACCELERATOR=cpu`` or without CUDA; ``cuda:N`` checked against the count."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    for rank, want in (("0", 0), ("1", 1), ("3", 1)):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert resolve("auto") == resolve(None) == torch.device("cuda", want), rank
+    assert resolve("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match=r"device=cuda:2: this machine has 2 CUDA device\(s\): use cuda:0...cuda:1"):
+        resolve("cuda:2")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert resolve("auto") == torch.device("cpu")
+    monkeypatch.delenv("DS_ACCELERATOR")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve("auto") == torch.device("cpu")
 
 
 @pytest.mark.dist
@@ -145,7 +197,9 @@ def test_loaders_of_eval_and_ssd_take_the_gpu_a_node_has():
 
 
 def test_eval_py_runs_on_the_device_it_is_given(lazy, tmp_path):
-    """``python eval.py model_dir=... device=...``: the model and the perplexity batches on that device."""
+    """``python eval.py model_dir=... device=...``: the model and the perplexity batches on that device. Equal
+    losses alone would pass a model left on the CPU (the batches follow the model), so a global forward hook
+    records where every Linear of the forward ran."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.conftest import write_byte_dataset
@@ -159,12 +213,25 @@ def test_eval_py_runs_on_the_device_it_is_given(lazy, tmp_path):
     model_dir = tmp_path / "model"
     LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(model_dir)  # fmt: skip
-    make_tokenizer(model_dir)
+    make_tokenizer(model_dir, vocab=257)  # the byte data's vocabulary size (eval checks the data's against it)
     register_eval_configs()
     over = [f"model_dir={model_dir}", "tasks=[perplexity]", f"perplexity.data_path={data}", "wandb=false",
             "perplexity.max_samples=4", f"output_dir={tmp_path / 'eval'}"]  # fmt: skip
-    on_lazy = run(compose([*over, "device=lazy"], "eval"))["tasks"]["perplexity"]
-    on_cpu = run(compose([*over, "device=cpu"], "eval"))["tasks"]["perplexity"]
+    ran_on: list[str] = []
+
+    def where(module, args, output):  # every Linear's output: where its matmul ran
+        if isinstance(module, torch.nn.Linear):
+            ran_on.append(output.device.type)
+
+    hook = torch.nn.modules.module.register_module_forward_hook(where)
+    try:
+        on_lazy = run(compose([*over, "device=lazy"], "eval"))["tasks"]["perplexity"]
+        lazy_ran, ran_on[:] = ran_on[:], []
+        on_cpu = run(compose([*over, "device=cpu"], "eval"))["tasks"]["perplexity"]
+    finally:
+        hook.remove()
+    assert lazy_ran and set(lazy_ran) == {"lazy"}, f"device=lazy: the forward ran on {sorted(set(lazy_ran))}"
+    assert ran_on and set(ran_on) == {"cpu"}
     assert on_lazy["loss_per_token"] == pytest.approx(on_cpu["loss_per_token"], rel=1e-5)
 
 

@@ -12,7 +12,8 @@ refuses a CPU tensor beside its own exactly as CUDA does. Two doubles stand in f
   forward, then runs the real engine on the same values (the CPU's copy);
 - **planted NCCL**: ``torch.distributed`` reports backend ``nccl`` and world 2, ``ultrascale.device.comm_device``
   answers ``lazy`` (the stand-in for ``cuda:LOCAL_RANK``), and every collective records its tensors' devices and
-  acts as two identical ranks would (a sum doubles, a min/max/broadcast keeps, a gather repeats).
+  acts as two identical ranks would (a sum doubles, a min/max/broadcast keeps, a gather repeats); any other
+  collective raises (:func:`refuse_unplanted`), so none can slip past the record on the real gloo group.
 
 The real engine's own calls (backward, step, timers) run with the real process group. Writes OUT (JSON): every
 forward input's and collective tensor's device, per path, and the paths that raised.
@@ -24,6 +25,7 @@ import contextlib
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,7 +35,30 @@ import torch._lazy.ts_backend
 import torch.distributed as tdist
 
 LAZY = torch.device("lazy", 0)
-COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_object", "reduce_scatter_tensor")
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
+               "all_gather_object", "_all_gather_base", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "_reduce_scatter_base", "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter",
+               "scatter_object_list", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+               "send_object_list", "recv_object_list", "batch_isend_irecv", "barrier", "monitored_barrier")  # fmt: skip
+"""Every collective of ``torch.distributed``: a planted NCCL answers for all of them (see :func:`refuse_unplanted`)."""
+
+
+def refuse_unplanted(planted: dict, seen: Callable[[str], None] | None = None) -> dict:
+    """A raising stand-in for every collective ``planted`` does not plant (``seen`` is told its name first, so
+    a caller that swallows the error is still caught). Without it, a collective the spy does not record would
+    run on the real (gloo, CPU) process group and pass with a CPU tensor, the very mistake the spy is there to
+    catch."""
+
+    def refuse(name: str):
+        def raise_(*args, **kwargs):
+            if seen is not None:
+                seen(name)
+            raise AssertionError(f"planted NCCL: torch.distributed.{name} is not recorded: plant it in "
+                                 "tests/dist_scripts/device_guard.py (PlantedNccl.install)")  # fmt: skip
+
+        return raise_
+
+    return {n: refuse(n) for n in COLLECTIVES if n not in planted and hasattr(tdist, n)}
 
 
 class PlantedNccl:
@@ -74,6 +99,8 @@ class PlantedNccl:
                    "get_backend": lambda group=None: "nccl", "get_rank": lambda group=None: 0,
                    "is_initialized": lambda: True, "barrier": lambda *a, **k: None,
                    "get_process_group_ranks": lambda group: [0, 1]}  # fmt: skip
+        unplanted = lambda name: self.record.append({"op": name, "device": "not recorded"})  # noqa: E731
+        planted |= refuse_unplanted(planted, unplanted)  # strict: a collective it does not record fails its path
         self.saved = {k: getattr(tdist, k) for k in planted} | {"comm_device": device.comm_device}
         self.planted = planted | {"comm_device": lambda group=None: LAZY}
         self.on()
