@@ -131,6 +131,29 @@ def test_kernel_gradients_of_q_k_v_equal_masked_sdpa(heads, kv_heads, window):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
 
 
+def test_compiled_flex_equals_masked_sdpa(monkeypatch):
+    """The call a GPU makes: without gradients :func:`flex` runs ``torch.compile(flex_attention)`` with the
+    BlockMask (inductor's CPU kernel here, inference only), not the reference path the tests above compare. Its
+    output equals SDPA's under the dense document mask, so a call that dropped ``block_mask=`` (attention across
+    documents and to the future) fails here; GQA 4:2 rides on ``enable_gqa``. Tiny on purpose: 7.2 s
+    with its compile on this box's CPU."""
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("flex() without gradients ran the reference path, not the compiled call")
+
+    monkeypatch.setattr(flex_mod, "_reference", no_reference)
+    seq = 200
+    pos = make_batch(_rows(seq, [[40, 41, 150], [127]]).numpy(), None, EOS, True).position_ids
+    fn = _doc_mask(pos)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, seq, 16, generator=g) for h in (4, 2, 2))
+    dense = sdpa_mask(2, seq, seq, mask_function=fn, allow_is_causal_skip=False)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=dense)
+    with torch.no_grad():
+        out = flex_mod.flex(q, k, v, block_mask(fn, 2, seq, seq, torch.device("cpu")))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
 def test_block_tables_list_exactly_the_tiles_the_mask_needs():
     """What the GPU kernel reads: per row and 128-token tile, skipped / full / partial. Every tile holding an
     allowed pair is listed, and only tiles allowed throughout are listed as full (computed without mask_mod)."""
