@@ -436,3 +436,63 @@ def test_mem_gb_is_the_peak_of_its_interval_and_the_run_keeps_the_largest():
     after = meter.peak_gb()
     assert spiked > quiet + 0.2 and after < spiked - 0.2, (quiet, spiked, after)
     assert meter.run_peak_gb == pytest.approx(spiked)
+
+
+class _PlantedCuda:
+    """``torch.cuda`` of a GPU rank as :class:`MemoryMeter` sees it: an allocator with a current and a peak
+    allocation, every call recorded. Strict: any other attribute raises, so the meter cannot read a figure
+    this double does not model (``memory_reserved``, ``mem_get_info``...) and pass with a real CPU answer."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.allocated = self.peak = 3 * 2**30
+
+    def alloc(self, gib: float) -> None:
+        self.allocated += int(gib * 2**30)
+        self.peak = max(self.peak, self.allocated)
+
+    def is_available(self) -> bool:
+        return True
+
+    def max_memory_allocated(self, device=None) -> int:
+        self.calls.append("max_memory_allocated")
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.calls.append("reset_peak_memory_stats")
+        self.peak = self.allocated
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"torch.cuda.{name} is not planted")
+
+
+class _TorchWith:
+    """``torch`` with its ``cuda`` planted."""
+
+    def __init__(self, cuda: _PlantedCuda) -> None:
+        self.cuda = cuda
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def test_mem_gb_on_a_gpu_is_the_allocators_peak_of_its_interval(monkeypatch):
+    """The meter's CUDA arm, which no CPU run reaches, against a planted ``torch.cuda``: a logged row reads
+    ``max_memory_allocated`` (the interval's peak: a 2 GiB spike freed before the row shows), the reset after
+    it makes the next row the next interval's peak (3 GiB, not the spike's 5), and the run keeps the 5."""
+    from ultrascale.train import metrics
+
+    cuda = _PlantedCuda()
+    monkeypatch.setattr(metrics, "torch", _TorchWith(cuda))  # metrics' torch only: the rest of torch is real
+    meter = metrics.MemoryMeter()
+    assert meter.cuda and not meter.host_peak and "torch.cuda.max_memory_allocated" in meter.kind
+    cuda.alloc(2)
+    cuda.alloc(-2)  # freed before the row is written
+    assert meter.peak_gb() == 5.0
+    meter.reset()
+    assert meter.peak_gb() == 3.0
+    cuda.alloc(1)
+    assert meter.peak_gb() == 4.0
+    assert meter.run_peak_gb == 5.0
+    assert cuda.calls == ["max_memory_allocated", "reset_peak_memory_stats", "max_memory_allocated",
+                          "max_memory_allocated"]  # fmt: skip
