@@ -112,10 +112,11 @@ wheelhouse: setup
 wheelhouse-check: setup
 	$(BIN)/python -m launch.wheelhouse --py $(PY_VERSION) --check-only
 
-# on the GPU node: no venv, no network; the node's python3 (its torch) installs wheelhouse/py$(PY_VERSION) into a
-# scratch dir and runs every section within 8 minutes (bench/README.md: the GPU probe). PROBE_ARGS="--sections ..."
+# on the GPU node: no venv, no network; the node's python3 (its torch) installs its own version's wheelhouse
+# (wheelhouse/pyX.Y; PY_VERSION=X.Y on the command line picks another) into a scratch dir and runs the first call of
+# the plan within 8 minutes (bench/README.md: the GPU probe; `--dry-run` prints the next calls). PROBE_ARGS="--sections ..."
 gpu-probe:
-	$(PROBE_PY) bench/gpu_probe.py --wheelhouse wheelhouse/py$(PY_VERSION) $(PROBE_ARGS)
+	$(PROBE_PY) bench/gpu_probe.py $(if $(filter command line environment,$(origin PY_VERSION)),--wheelhouse wheelhouse/py$(PY_VERSION)) $(PROBE_ARGS)
 
 clean:
 	rm -rf runs outputs multirun .pytest_cache

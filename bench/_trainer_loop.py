@@ -15,6 +15,16 @@ user finds (shared/probes/README.md) is ``ACCELERATE_USE_DEEPSPEED=true``, a ``P
 gloo first, and ``accelerator_config={"use_configured_state": True}``. On CUDA the same state is built with
 NCCL: DeepSpeed's collectives there take CUDA tensors, which gloo does not.
 
+``+like`` (the GPU probe's anchor): Trainer does the work the train.py run did, read from that run's own
+decisions (``validate`` on its config.yaml, as the run decided): liger's fused linear cross-entropy
+(``use_liger_kernel``) where the run used liger; activation checkpointing where the run had it; position ids
+that restart at each document (``ultrascale.data.loader.make_batch``, the run's own labels too), from which HF
+builds the document mask, through HF's flex_attention where the run used flex. What cannot be matched is listed
+in ``settings.not_like_for_like`` (selective recompute is full recompute here; our chunked loss is the full-logit
+loss there, whose logits at micro 8 x 4,096 x vocab 128k run an 80 GB card out of memory, so on CUDA without
+liger the micro batch is halved and accumulation doubled: the same tokens a step). ``tokens_per_s_median`` is the
+global batch's tokens over the median step interval after the first two steps, as the probe reads ours.
+
 ``MODE`` may carry ``+flags``. ``+gc``: ``gradient_checkpointing=True`` (the job's own activation
 checkpointing, as the GPU probe's llama_1b job has it; without it Trainer keeps every layer's activations).
 ``+bf16``: ``bf16=True`` and the JSON's ``bf16.enabled`` on ``"auto"`` (HF's documented DeepSpeed setup), so
@@ -34,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from itertools import pairwise
@@ -44,10 +55,12 @@ import torch
 
 
 class PackedRows(torch.utils.data.Dataset):
-    """The packed shards as Trainer expects them: int64 ``input_ids`` and unshifted ``labels``, no padding."""
+    """The packed shards as Trainer expects them: int64 ``input_ids`` and unshifted ``labels``, no padding; with
+    ``eos`` also ``position_ids`` that restart after each EOS (the document mask) and each document's first
+    token not a target, exactly as train.py's batches."""
 
-    def __init__(self, split):
-        self.split = split
+    def __init__(self, split, eos: int | None = None):
+        self.split, self.eos = split, eos
 
     def __len__(self) -> int:
         return len(self.split)
@@ -57,9 +70,41 @@ class PackedRows(torch.utils.data.Dataset):
         ids = torch.from_numpy(self.split.get(idx)[0])
         labels = ids.clone()
         mask = self.split.get_loss_mask(idx)
+        if self.eos is not None:
+            from ultrascale.data.loader import make_batch
+
+            b = make_batch(ids[None].numpy(), None if mask is None else mask, self.eos, True)
+            return {"input_ids": ids, "labels": b.labels[0], "position_ids": b.position_ids[0]}
         if mask is not None:  # supervised data: prompt tokens are read but not learned
             labels[~torch.from_numpy(mask[0])] = -100
         return {"input_ids": ids, "labels": labels}
+
+
+def like_ours(cfg, ds: dict, data_dir: str) -> tuple[dict, list[str]]:
+    """What the train.py run decided, in Trainer's terms: ({liger, gc, flex, eos}, what cannot be matched)."""
+    from ultrascale.config.validate import validate
+    from ultrascale.data.shards import load_manifest
+    from ultrascale.gpu import detect
+
+    d = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), backend=trainer_backend(), gpu=detect())
+    notes = []
+    liger = bool(d.fused_loss.on and d.loss_kernel.value == "liger")
+    if d.fused_loss.on and not liger:
+        notes.append("loss: ours chunked fused, Trainer full logits")
+        gas, micro = int(ds["gradient_accumulation_steps"]), int(ds["train_micro_batch_size_per_gpu"])
+        if torch.cuda.is_available() and micro > 1 and micro % 2 == 0:  # the full-logit loss's ~50 GiB at micro 8
+            ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = micro // 2, gas * 2
+            notes.append(f"Trainer micro batch {micro // 2} x {gas * 2} accumulation (ours {micro} x {gas})")
+    ac = d.activation_checkpointing.value if d.activation_checkpointing.on else "none"
+    if ac == "selective":
+        notes.append("activation checkpointing: ours selective, Trainer full")
+    attn = d.attention.value if d.attention.on else "sdpa"
+    flex = attn == "flex"
+    if d.document_masking.on and not flex:
+        notes.append(f"attention: ours {'blocked causal SDPA' if attn != 'sdpa' else 'sdpa'}, Trainer sdpa with "
+                     "a dense document mask")  # fmt: skip
+    eos = int(load_manifest(data_dir)["eos_token_id"]) if d.document_masking.on else None
+    return {"liger": liger, "gc": ac != "none", "flex": flex, "eos": eos}, notes
 
 
 def _schedule(sched, steps: int) -> tuple[str, dict, int]:
@@ -120,7 +165,7 @@ def main() -> None:
     run_dir, data_dir, steps, out_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     mode = sys.argv[5] if len(sys.argv) > 5 else "default"
     mode, *flags = mode.split("+")  # "tuned+bf16": Trainer's bf16=True, as a user who trains in bf16 sets it
-    bf16, gc = "bf16" in flags, "gc" in flags
+    bf16, gc, like = "bf16" in flags, "gc" in flags, "like" in flags
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     from accelerate import PartialState
 
@@ -136,6 +181,8 @@ def main() -> None:
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     ds = json.loads(Path(run_dir, "ds_config.json").read_text())
     ds["wall_clock_breakdown"] = False  # train.py's step-breakdown timers are one of its extras, not the baseline's
+    ours, notes = like_ours(cfg, ds, data_dir) if like else ({}, [])
+    gc = ours.get("gc", gc)
     ds_before = json.loads(json.dumps(ds))
     precision = "bf16" if bf16 else str(cfg.precision.dtype)
     if bf16:  # what HF documents for bf16=True with DeepSpeed: the JSON's bf16 block on "auto", Trainer fills it
@@ -168,10 +215,15 @@ def main() -> None:
         dataloader_num_workers=0,
         gradient_checkpointing=gc,
         accelerator_config={"use_configured_state": True},
+        use_liger_kernel=bool(ours.get("liger")),
         **_tuned(cfg) if mode == "tuned" else {},
     )
     model = build_model(cfg.model, seed=cfg.train.seed)
-    train = PackedRows(open_split(data_dir, "train", verify=False))
+    if like:
+        model.config.use_cache = False  # a cache turns HF's packed-sequence (document) mask off
+        if ours["flex"]:
+            model.set_attn_implementation("flex_attention")
+    train = PackedRows(open_split(data_dir, "train", verify=False), eos=ours.get("eos"))
     stamps: list[float] = []
 
     class StepClock(TrainerCallback):
@@ -210,6 +262,9 @@ def main() -> None:
             json.dumps(
                 {
                     "tokens_per_s": tokens / (stamps[-1] - stamps[0]),
+                    "tokens_per_s_median": int(ds["train_batch_size"])
+                    * int(cfg.data.seq_len)
+                    / statistics.median([b - a for a, b in pairwise(stamps)][1:] or [stamps[-1] - stamps[0]]),
                     "steps_timed": len(stamps) - 1,
                     "first_step_unix": clock.first_step_unix,
                     "step_intervals_s": [round(b - a, 5) for a, b in pairwise(stamps)],
@@ -219,6 +274,10 @@ def main() -> None:
                         "mode": mode,
                         "bf16": targs.bf16,
                         "gradient_checkpointing": bool(targs.gradient_checkpointing),
+                        "liger": bool(targs.use_liger_kernel),
+                        "attention": model.config._attn_implementation,
+                        "document_mask": ours.get("eos") is not None,
+                        "not_like_for_like": notes if like else None,
                         "backend": dist.get_backend(),
                         "logging_steps": targs.logging_steps,
                         "optim": str(getattr(targs.optim, "value", targs.optim)),

@@ -117,12 +117,14 @@ def _stopping():
         """Per row: done once the text generated after the prompt contains a stop sequence (the prompt itself is
         never searched), as bigcode-evaluation-harness's ``EndOfFunctionCriteria`` decides for a whole batch.
         A finished row is not decoded again; ``length[r]`` is how many tokens row r had generated when it stopped
-        (HF pads a finished row from then on, and the pad may be the EOS token)."""
+        (HF pads a finished row from then on, and the pad may be the EOS token). The new tokens come to the host
+        once a step for the whole batch (``new``), not once a row: on a GPU each copy is a sync."""
 
         def __init__(self, start: int, stops, tokenizer) -> None:
             self.start, self.stops, self.tokenizer = start, tuple(stops), tokenizer
             self.done = None
             self.length: list[int | None] = []
+            self.new: list[list[int]] = []
 
         def __call__(self, input_ids, scores, **kwargs):
             import torch
@@ -130,9 +132,13 @@ def _stopping():
             if self.done is None:
                 self.done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
                 self.length = [None] * input_ids.shape[0]
+                self.new = [[] for _ in range(input_ids.shape[0])]
+            have = len(self.new[0])
+            for row, got in zip(self.new, input_ids[:, self.start + have :].tolist(), strict=True):
+                row.extend(got)
             for r in range(input_ids.shape[0]):
                 if not self.done[r]:
-                    text = self.tokenizer.decode(input_ids[r, self.start :], skip_special_tokens=True)
+                    text = self.tokenizer.decode(self.new[r], skip_special_tokens=True)
                     if any(s in text for s in self.stops):
                         self.done[r], self.length[r] = True, input_ids.shape[1] - self.start
             return self.done.to(input_ids.device)

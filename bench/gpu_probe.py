@@ -1,42 +1,59 @@
 #!/usr/bin/env python3
 """The GPU probe: one command, at most 8 minutes on one GPU with no network, that says what the project does on
-that GPU. It installs the project's dependencies from the wheelhouse (``make wheelhouse PY_VERSION=3.12``; the
-node's own torch, CUDA and Triton are used), then runs each section as subprocesses with their own timeouts, so
-a failed or slow section is a row with its error, never the end of the probe:
+that GPU. It installs the project's dependencies from the running Python's wheelhouse (``wheelhouse/pyX.Y``, built
+by ``make wheelhouse PY_VERSION=X.Y``; the node's own torch, CUDA and Triton are used), then runs each section as
+subprocesses with their own time limits, so a failed or slow section is a row with its error, never the end of
+the probe. Sections, in the order the GPU goals need them:
 
-    install    pip install --no-index --no-deps --target WORK/site wheelhouse/*.whl; the imports and versions
-    data       the byte corpus (ultrascale.data.bytecorpus) at seq 4096 and 256; a random-init SmolLM2-135M with a
-               BPE tokenizer trained on the same stdlib (no hub: nothing can be downloaded there)
+    install    pip install --no-index --no-deps --target WORK/site wheelhouse/pyX.Y/*.whl (skipped, and said so,
+               when there is no wheelhouse and this Python already imports every requirement: a dev venv); the
+               versions; a ~5 s torch.compile + flex_attention smoke test that names what is missing (a C
+               compiler, Python.h) when Triton/Inductor cannot build
+    data       the byte corpus at the job's length with documents short enough that every row holds several
+               (every batch takes the flex path, nothing recompiles inside a timed step) and at 256; a
+               random-init SmolLM2-135M with a BPE tokenizer trained on the same stdlib (no hub there)
     llama_1b   recipes/llama_1b_zero0.yaml on 1 GPU, every lever at its decided default: tokens/s, MFU, peak
-               memory, the planner's predicted step time against the measured one, and the checkpoint stall
-               (two saves: the first allocates and pins the staging buffers, the second reuses them)
-    trainer    the same job under HF Trainer + DeepSpeed (bench/_trainer_loop.py, tuned, bf16, gradient
-               checkpointing as the recipe has it): ours / Trainer's tokens/s
-    sampler    bench/bench_generate.py (its own CLI) on the random-init SmolLM2-135M: greedy identity and speed
-               against HF generate (at batch 8, 32 and HF's best, where that script reports them)
+               memory, the checkpoint stall (two saves: the first allocates and pins the staging buffers, the
+               second reuses them), the planner's predicted step time against the measured one
+    sampler    bench/bench_generate.py (its own CLI) on the random-init SmolLM2-135M: speed ratio and greedy
+               identity against HF generate (random init: identity is mostly near ties)
+    trainer    the same job under HF Trainer + DeepSpeed (bench/_trainer_loop.py ``like`` mode: the run's own
+               loss kernel, activation checkpointing and document-masked position ids): ours / Trainer's tokens/s,
+               "not like for like" beside the ratio where a setting could not be matched
     zero       SmolLM2-135M, bf16, ZeRO 0/1/2/3 side by side on the GPU: train, eval, checkpoint, then resume
                to a longer schedule
     export     the ZeRO-3 run's checkpoint to a HF directory; from_pretrained's logits against the engine's
     levers     the llama_1b job with each lever of ``LEVERS`` set one way and the other (a key the schema does
                not have yet is a row saying so)
 
-Sections run in that order while the time lasts (``--budget``, 470 s by default, leaves the device tool's
-8-minute command its margin); a section that does not fit is a row saying so. Pick sections with ``--sections``
-(``install`` and ``data`` always run: a fresh machine has nothing). The table is printed last; the JSON goes to
-``$OUT/gpu_probe.json`` on the device machine (or ``--json``); each subprocess's log to ``WORK/logs``.
+The default run is the first call of the plan: the sections, in that order, whose step limits fit ``--budget``
+(470 s, the device tool's 8-minute command less its margin); ``--dry-run`` prints it, ends with ``planned: N s of
+the B s budget`` and prints what does not fit as further calls (``--sections ...``), each with its own total.
+A section a call runs brings what it needs (``trainer`` the llama_1b run it compares with, ``export`` the ZeRO
+runs). The probe's own training runs skip what they do not measure (``train.final_eval``, ``train.final_save``,
+``train.param_digest`` set false).
+
+Nothing a step starts outlives it: the probe is the subreaper of everything it starts (Linux), and after a step
+it signals every descendant it can find, collected before signalling (torchrun's workers live in their own
+sessions), SIGTERM then SIGKILL after a grace. The free GPU memory is read before each section (a row's
+``gpu_free_gb``). Results survive a kill: the JSON (``$OUT/gpu_probe.json`` on the device machine, or
+``--json``) is rewritten after every step, with each step's log beside it (``gpu_probe_logs/``).
 
     python bench/gpu_probe.py [--dry-run] [--sections llama_1b,trainer] [--levers train.compile] [--budget 470]
-                              [--wheelhouse wheelhouse/py3.12] [--work DIR] [--json PATH]
+                              [--wheelhouse wheelhouse/py3.12] [--work DIR] [--json PATH] [--job gpu|tiny]
 
-``--dry-run`` prints the plan (each step's command and time budget) on any machine, without running anything.
+``--job tiny`` runs the same sections on the tiny model on a CPU host, which is how the probe itself is checked
+where no GPU is lent.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,25 +71,30 @@ LEVERS: dict[str, tuple[str, ...]] = {
     "train.compile": ("true", "false"),
     "train.checkpoint_staging": ("pinned", "pageable"),
 }
-"""Each lever of the llama_1b job and the values compared (names per /work/coord/INTERFACES.md). A row sets one
-key, everything else stays at the recipe's decided default."""
+"""Each lever of the llama_1b job and the values compared. A row sets one key, everything else stays at the
+recipe's decided default."""
 
-SECTIONS: dict[str, float] = {  # name: seconds it may take; run in this order while time is left
-    "install": 60,
-    "data": 45,
-    "llama_1b": 200,
-    "trainer": 150,
-    "sampler": 90,
-    "zero": 90,
-    "export": 45,
-    "levers": 420,
-}
-LEVER_ROW_S = 110.0
-"""A lever row's own limit inside ``levers``: one train.py launch of the 1B job (build, compile, 6 steps)."""
+SECTIONS = ("install", "data", "llama_1b", "sampler", "trainer", "zero", "export", "levers")
+"""In the order a call runs them: what the GPU goals need first."""
+LIMITS: dict[str, float] = {  # each step's own time limit, seconds
+    "pip": 40, "versions": 15, "smoke": 25, "data": 35,
+    "llama_1b": 170, "predict": 20, "micro": 40,
+    "sampler": 75, "trainer": 140,
+    "zero_first": 50, "zero_resume": 40,
+    "tokenizer": 10, "export": 20, "logits": 25,
+    "lever": 110,
+}  # fmt: skip
+"""A lever row's limit is one train.py launch of the 1B job (build, compile, 6 steps)."""
 ALWAYS = ("install", "data")
+NEEDS = {"trainer": "llama_1b", "export": "zero"}
+"""A section that reads another's run: a call with the one and not the other runs the other's run step first."""
 DEFAULT_BUDGET_S = 470.0
 LLAMA_STEPS, LEVER_STEPS = 8, 6
 ZERO_STEPS, ZERO_RESUME_STEPS = 6, 8
+GRACE_S = 10.0
+"""Seconds between SIGTERM and SIGKILL for what a step leaves running."""
+SKIP_UNMEASURED = ("train.final_eval=false", "train.final_save=false", "train.param_digest=false")
+"""The probe's timing runs measure steps (and the llama row its interval saves), not the end of a run."""
 
 
 @dataclass(frozen=True)
@@ -94,11 +116,11 @@ class Job:
 
 JOBS = {
     "gpu": Job(("recipe=llama_1b_zero0", "launcher.nproc_per_node=1", "data.global_batch=8", "logger=none",
-                "train.keep_checkpoints=1", "train.log_interval=1"), 4096, "smollm2_135m", "smollm2_135m",
-               ("--limit", "32", "--max-new-tokens", "128"), "tuned+bf16+gc"),
+                "train.keep_checkpoints=1", "train.log_interval=1", *SKIP_UNMEASURED), 4096, "smollm2_135m",
+               "smollm2_135m", ("--limit", "32", "--max-new-tokens", "128"), "tuned+bf16+like"),
     "tiny": Job(("recipe=cpu_smoke", "launcher.nproc_per_node=1", "data.global_batch=8", "logger=none",
-                 "train.keep_checkpoints=1", "train.log_interval=1"), 256, "tiny", "tiny",
-                ("--limit", "2", "--max-new-tokens", "8"), "default+gc", micro_gb=0.2, cpu=True),
+                 "train.keep_checkpoints=1", "train.log_interval=1", *SKIP_UNMEASURED), 256, "tiny", "tiny",
+                ("--limit", "2", "--max-new-tokens", "8"), "default+like", micro_gb=0.2, cpu=True),
 }  # fmt: skip
 """``gpu``: the first GPU run's job (llama_1b_zero0, micro 8 x 4,096 tokens on one GPU, no accumulation), SmolLM2-135M
 for ZeRO and the sampler."""
@@ -115,6 +137,13 @@ class Step:
     parse: str = ""
     """Which parser turns the finished step into rows (a function name in ``PARSERS``)."""
     args: dict = field(default_factory=dict)
+    measures: str = ""
+    """The figures its rows report (printed by the dry run)."""
+
+
+def default_wheelhouse() -> Path:
+    """The running Python's wheelhouse: wheels are built per Python version (``make wheelhouse PY_VERSION=X.Y``)."""
+    return ROOT / "wheelhouse" / f"py{sys.version_info.major}.{sys.version_info.minor}"
 
 
 class Plan:
@@ -126,58 +155,83 @@ class Plan:
         self.site, self.logs = work / "site", work / "logs"
         self.data_main, self.data256 = work / f"data{self.job.seq}", work / "data256"
         self.sampler_model = work / f"{self.job.sampler_model}_random"
+        self.sections = [s for s in SECTIONS if s in ALWAYS or s in sections]
+        self.levers = levers
         self.steps: list[Step] = []
-        for s in [*ALWAYS, *(s for s in SECTIONS if s in sections and s not in ALWAYS)]:
+        for s in self.sections:
             getattr(self, f"_{s}")(levers)
+
+    @property
+    def total_s(self) -> float:
+        return sum(s.budget_s for s in self.steps)
 
     def torchrun(self, *args: str) -> list[str]:
         return [self.py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *args]
 
-    def add(self, section: str, name: str, cmds: list[list[str]], parse: str = "", budget: float | None = None,
-            **args) -> None:  # fmt: skip
-        self.steps.append(Step(section, name, cmds, budget or SECTIONS[section], parse, args))
+    def add(self, section: str, name: str, cmds: list[list[str]], parse: str = "", budget: float = 0.0,
+            measures: str = "", **args) -> None:  # fmt: skip
+        self.steps.append(Step(section, name, cmds, budget, parse, args, measures))
 
     def _install(self, _levers) -> None:
-        self.add("install", "pip install --no-index", [[self.py, "-m", "pip", "install", "-q", "--no-index",
-                 "--no-deps", "--no-compile", "--upgrade", "--target", str(self.site), f"{self.wheelhouse}/*.whl"]],
-                 "installed")  # fmt: skip
-        self.add("install", "imports", [[self.py, __file__, "--worker", "versions"]], "versions", budget=60)
+        self.add("install", "pip install --no-index (or this Python's own packages)",
+                 [[self.py, __file__, "--worker", "install", str(self.wheelhouse), str(self.site)]], "installed",
+                 LIMITS["pip"], "what was installed, or why nothing was")  # fmt: skip
+        self.add("install", "imports", [[self.py, __file__, "--worker", "versions"]], "versions", LIMITS["versions"],
+                 "versions of python, torch, CUDA, DeepSpeed, transformers, liger/triton; the GPU")  # fmt: skip
+        self.add("install", "torch.compile + flex_attention smoke test", [[self.py, __file__, "--worker", "smoke"]],
+                 "smoke", LIMITS["smoke"], "compile seconds; the missing C compiler or Python.h by name",
+                 prereq=False)  # fmt: skip
 
     def _data(self, _levers) -> None:
-        self.add("data", f"byte corpus + random-init {self.job.sampler_model}",
+        self.add("data", f"byte corpus (several documents a row) + random-init {self.job.sampler_model}",
                  [[self.py, __file__, "--worker", "data", str(self.work), str(self.job.seq), self.job.sampler_model]],
-                 "ok")  # fmt: skip
+                 "data", LIMITS["data"], "rows and documents per row")  # fmt: skip
 
-    def _llama_1b(self, _levers) -> None:
+    def _llama_run(self) -> Path:
+        """The llama_1b run: MFU, tokens/s and the checkpoint stall of two interval saves (3 and 6: no final
+        save, no final eval, no parameter digest)."""
         run = self.work / "llama_base"
         self.add("llama_1b", f"{self.job.train[0].split('=')[1]}, decided levers",
                  [self.torchrun("train.py", *self.job.train, f"data.path={self.data_main}", f"train.steps={LLAMA_STEPS}",
-                                f"train.checkpoint_interval={LLAMA_STEPS // 2}", f"train.eval_interval={LLAMA_STEPS}",
-                                f"output_dir={run}")], "train_run", run=str(run), checkpoints=True,
+                                f"train.checkpoint_interval={LLAMA_STEPS // 2 - 1}", "train.eval_interval=0",
+                                f"output_dir={run}")], "train_run", LIMITS["llama_1b"],
+                 "tokens/s, MFU, peak memory; checkpoint stall per save", run=str(run), checkpoints=True,
                  cleanup=True)  # fmt: skip
+        return run
+
+    def _llama_1b(self, _levers) -> None:
+        run = self._llama_run()
         self.add("llama_1b", "planner prediction", [[self.py, __file__, "--worker", "predict", str(run)]], "predict",
-                 budget=40, run=str(run))  # fmt: skip
+                 LIMITS["predict"], "predicted vs measured step time (error %)", run=str(run))  # fmt: skip
         out = self.work / "staging.json"
         self.add("llama_1b", f"staging copy alone, {self.job.micro_gb:g} GB, pinned vs pageable",
                  [[self.py, "bench/checkpoint_stall.py", "--micro", f"{self.job.micro_gb:g}", "--json", str(out)]],
-                 "micro", budget=60, out=str(out))  # fmt: skip
-
-    def _trainer(self, _levers) -> None:
-        run = self.work / "llama_base"
-        mode = self.job.trainer_mode
-        self.add("trainer", f"HF Trainer + DeepSpeed ({mode})",
-                 [self.torchrun("bench/_trainer_loop.py", str(run), str(self.data_main), str(LLAMA_STEPS),
-                                str(self.work / "trainer_out"), mode)], "trainer", run=str(run))  # fmt: skip
+                 "micro", LIMITS["micro"], "staging GB/s pinned vs pageable (the stall's floor)",
+                 out=str(out))  # fmt: skip
 
     def _sampler(self, _levers) -> None:
         self.add("sampler", "bench_generate.py vs HF generate",
                  [[self.py, "bench/bench_generate.py", "--model", str(self.sampler_model), *self.job.sampler_args,
-                   "--json", str(self.work / "generate.json")]], "generate",
-                 out=str(self.work / "generate.json"))  # fmt: skip
+                   "--json", str(self.work / "generate.json")]], "generate", LIMITS["sampler"],
+                 "tokens/s ours and HF's, speed ratio at batch 8/32/HF's best, greedy identity (random init: "
+                 "identity is mostly near ties)",
+                 out=str(self.work / "generate.json"), random_init=True)  # fmt: skip
+
+    def _trainer(self, _levers) -> None:
+        run = self.work / "llama_base"
+        if not any(s.args.get("run") == str(run) for s in self.steps):  # the run it compares with, and reads
+            self._llama_run()
+        mode = self.job.trainer_mode
+        self.add("trainer", f"HF Trainer + DeepSpeed ({mode})",
+                 [self.torchrun("bench/_trainer_loop.py", str(run), str(self.data_main), str(LLAMA_STEPS),
+                                str(self.work / "trainer_out"), mode)], "trainer", LIMITS["trainer"],
+                 "Trainer tokens/s (same per-step median), speed ratio ours / Trainer, like for like or not",
+                 run=str(run))  # fmt: skip
 
     def _zero(self, _levers) -> None:
         common = [f"model={self.job.zero_model}", "precision=bf16", f"data.path={self.data256}", "data.micro_batch=4",
-                  "data.global_batch=8", "logger=none", "train.compile=false", "launcher.nproc_per_node=1"]  # fmt: skip
+                  "data.global_batch=8", "logger=none", "train.compile=false", "launcher.nproc_per_node=1",
+                  "train.param_digest=false"]  # fmt: skip
         first, resume = [], []
         for s in range(4):
             run = self.work / f"zero{s}"
@@ -185,36 +239,30 @@ class Plan:
             first.append(self.torchrun("train.py", *args, f"train.steps={ZERO_STEPS}",
                                        f"train.checkpoint_interval={ZERO_STEPS // 2}",
                                        f"train.eval_interval={ZERO_STEPS}"))  # fmt: skip
-            resume.append(
-                self.torchrun(
-                    "train.py",
-                    *args,
-                    f"train.steps={ZERO_RESUME_STEPS}",
-                    f"train.checkpoint_interval={ZERO_STEPS // 2}",
-                    f"train.eval_interval={ZERO_RESUME_STEPS}",
-                    "train.allow_schedule_change=true",
-                )
-            )
+            resume.append(self.torchrun("train.py", *args, f"train.steps={ZERO_RESUME_STEPS}",
+                                        f"train.checkpoint_interval={ZERO_STEPS // 2}",
+                                        f"train.eval_interval={ZERO_RESUME_STEPS}",
+                                        "train.allow_schedule_change=true"))  # fmt: skip
         runs = [str(self.work / f"zero{s}") for s in range(4)]
-        self.add("zero", "ZeRO 0/1/2/3 bf16: train, eval, checkpoint", first, "zero_first", budget=50, runs=runs)
-        self.add("zero", "ZeRO 0/1/2/3 bf16: resume to a longer schedule", resume, "zero_resume", budget=40,
-                 runs=runs)  # fmt: skip
+        self.add("zero", "ZeRO 0/1/2/3 bf16: train, eval, checkpoint", first, "zero_first", LIMITS["zero_first"],
+                 "loss falls, eval loss, latest checkpoint per stage", runs=runs)  # fmt: skip
+        if "zero" in self.sections:
+            self.add("zero", "ZeRO 0/1/2/3 bf16: resume to a longer schedule", resume, "zero_resume",
+                     LIMITS["zero_resume"], "resumed step and steps logged per stage", runs=runs)  # fmt: skip
 
-    def _export(self, _levers) -> None:
+    def _export(self, levers) -> None:
+        if not any(s.parse == "zero_first" for s in self.steps):  # the ZeRO-3 checkpoint it exports
+            self._zero(levers)
         run, out = self.work / "zero3", self.work / "hf_zero3"
         self.add("export", "the byte corpus gets the sampler model's tokenizer (export copies it)",
                  [[self.py, __file__, "--worker", "tokenizer", str(self.sampler_model), str(self.data256)]], "ok",
-                 budget=15)  # fmt: skip
+                 LIMITS["tokenizer"])  # fmt: skip
         self.add("export", "export the ZeRO-3 checkpoint",
                  [[self.py, "-m", "ultrascale.export", f"run_dir={run}", f"out={out}", "overwrite=true"]], "ok",
-                 budget=20)  # fmt: skip
-        self.add(
-            "export",
-            "from_pretrained logits vs the engine's",
-            [self.torchrun(__file__, "--worker", "logits", str(run), str(out))],
-            "logits",
-            budget=25,
-        )
+                 LIMITS["export"], "the HF directory is written")  # fmt: skip
+        self.add("export", "from_pretrained logits vs the engine's",
+                 [self.torchrun(__file__, "--worker", "logits", str(run), str(out))], "logits", LIMITS["logits"],
+                 "logits difference (max, relative), argmax agreement")  # fmt: skip
 
     def _levers(self, levers) -> None:
         for key, values in levers.items():
@@ -223,11 +271,11 @@ class Plan:
                 ckpt = key == "train.checkpoint_staging"
                 self.add("levers", f"{key}={value}",
                          [self.torchrun("train.py", *self.job.train, f"data.path={self.data_main}",
-                                        f"train.steps={LEVER_STEPS}",
+                                        f"train.steps={LEVER_STEPS}", "train.eval_interval=0",
                                         f"train.checkpoint_interval={LEVER_STEPS // 2 if ckpt else 0}",
                                         f"{key}={value}", f"output_dir={run}")],
-                         "train_run", budget=LEVER_ROW_S, run=str(run), checkpoints=ckpt, key=key, value=value,
-                         cleanup=True)  # fmt: skip
+                         "train_run", LIMITS["lever"], "tokens/s, MFU, peak memory" + ("; stall" if ckpt else ""),
+                         run=str(run), checkpoints=ckpt, key=key, value=value, cleanup=True)  # fmt: skip
 
     def env(self) -> dict[str, str]:
         """What every subprocess runs with: the wheelhouse's packages first, then the node's own (torch)."""
@@ -239,59 +287,143 @@ class Plan:
                 **({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"} if self.job.cpu else {})}  # fmt: skip
 
 
-# ---- running ------------------------------------------------------------------------------------------------------
+def plan_calls(sections: list[str], levers: dict[str, tuple[str, ...]], budget: float, job: str = "gpu",
+               work: Path = Path("WORK")) -> list[tuple[list[str], dict[str, tuple[str, ...]], float]]:  # fmt: skip
+    """The asked sections split into device calls whose step limits each fit ``budget``: (sections, levers,
+    planned seconds) per call, in section order. Each call is a bare machine (install and data again); a lever
+    key is the smallest unit (its rows compare with each other)."""
+    units: list[tuple[str, dict]] = [(s, {}) for s in SECTIONS if s in sections and s not in ALWAYS and s != "levers"]
+    if "levers" in sections:
+        units += [("levers", {k: v}) for k, v in levers.items()]
+    calls: list[tuple[list[str], dict, float]] = []
+    cur: tuple[list[str], dict] = ([], {})
+
+    def total(secs: list[str], lev: dict) -> float:
+        return Plan(work, work, secs, lev, job=job).total_s
+
+    for sec, lev in units:
+        trial = ([*cur[0], *([sec] if sec not in cur[0] else [])], {**cur[1], **lev})
+        if cur[0] and total(*trial) > budget:
+            calls.append((*cur, total(*cur)))
+            trial = ([sec], dict(lev))
+        cur = trial
+    if cur[0] or not calls:
+        calls.append((*cur, total(*cur)))
+    return calls
 
 
-def _expand(cmd: list[str]) -> list[str]:
-    """Glob the wheelhouse pattern at run time (the plan prints it as a pattern)."""
-    out = []
-    for a in cmd:
-        if a.endswith("*.whl"):
-            found = sorted(str(p) for p in Path(a).parent.glob("*.whl"))
-            if not found:
-                raise RuntimeError(f"no wheels in {Path(a).parent}: run `make wheelhouse PY_VERSION=3.12` where the "
-                                   "registry is reachable and carry it (carry=['wheelhouse/py3.12'])")  # fmt: skip
-            out += found
-        else:
-            out.append(a)
+def call_args(sections: list[str], levers: dict) -> str:
+    out = f"--sections {','.join(sections) or 'install'}"
+    if "levers" in sections and set(levers) != set(LEVERS):
+        out += f" --levers {','.join(levers)}"
     return out
 
 
+# ---- running ------------------------------------------------------------------------------------------------------
+
+
+def become_subreaper() -> bool:
+    """Make this process the parent of every orphan among its descendants (Linux ``PR_SET_CHILD_SUBREAPER``), so
+    a grandchild whose parent died, even one that called ``setsid``, is still found among our descendants."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants(roots: list[int], rounds: int = 3) -> dict:
+    """Every live descendant of ``roots`` (and of this process: orphans re-parented to the subreaper), as
+    psutil processes by pid. Collected ``rounds`` times before anything is signalled: a process may fork while
+    we look, and torchrun's workers are in sessions of their own, which a process-group signal misses."""
+    import psutil
+
+    found: dict = {}
+    for _ in range(rounds):
+        for pid in [*roots, os.getpid()]:
+            try:
+                proc = psutil.Process(pid)
+                kids = proc.children(recursive=True)
+                if pid != os.getpid():
+                    kids.append(proc)
+            except psutil.NoSuchProcess:
+                continue
+            for k in kids:
+                found.setdefault(k.pid, k)
+        time.sleep(0.02)
+    return found
+
+
+def kill_tree(roots: list[int], grace: float | None = None) -> list[int]:
+    """SIGTERM every descendant, SIGKILL what is left after ``grace`` (a worker that treats SIGTERM as "save and
+    stop" would write a checkpoint while the next section starts), reap them; returns the pids signalled."""
+    import psutil
+
+    grace = GRACE_S if grace is None else grace
+    procs = descendants(roots)
+    for p in procs.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace)
+    more = descendants([p.pid for p in alive])  # what the survivors started meanwhile
+    for p in {**more, **{p.pid: p for p in alive}}.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(list({**procs, **more}.values()), timeout=5)
+    _reap()
+    return sorted({**procs, **more})
+
+
+def _reap() -> None:
+    """Collect the exit status of every child that has ended (orphans re-parented to us included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def run_step(step: Step, plan: Plan, limit: float) -> dict:
-    """Run the step's commands side by side under one limit; returns rc, seconds and log tails."""
+    """Run the step's commands side by side under one limit; returns rc, seconds and log tails. Whatever the
+    step leaves running when it ends or runs out of time is killed with its whole tree."""
     plan.logs.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     procs, logs = [], []
     try:
         for i, cmd in enumerate(step.cmds):
-            argv = _expand(cmd)
             log = plan.logs / f"{len(list(plan.logs.iterdir())):02d}_{step.section}_{i}.log"
             logs.append(log)
             f = open(log, "w")  # noqa: SIM115 (open until the process it logs has ended)
             f.write(f"$ {shlex.join(cmd)}\n")
             f.flush()
-            procs.append((subprocess.Popen(argv, cwd=ROOT, env=plan.env(), stdout=f, stderr=subprocess.STDOUT,
+            procs.append((subprocess.Popen(cmd, cwd=ROOT, env=plan.env(), stdout=f, stderr=subprocess.STDOUT,
                                            start_new_session=True), f))  # fmt: skip
-    except (RuntimeError, OSError) as e:
-        for p, f in procs:
-            _kill(p)
+    except OSError as e:
+        kill_tree([p.pid for p, _ in procs], grace=2)
+        for _, f in procs:
             f.close()
         return {"rc": 127, "seconds": 0.0, "error": str(e), "logs": [str(p) for p in logs], "tails": []}
     timed_out = False
-    for p, _ in procs:
-        left = limit - (time.perf_counter() - t0)
-        try:
-            p.wait(timeout=max(left, 0.1))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-    for p, f in procs:
-        if p.poll() is None:
-            _kill(p)
-        f.close()
+    try:
+        for p, _ in procs:
+            left = limit - (time.perf_counter() - t0)
+            try:
+                p.wait(timeout=max(left, 0.1))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:  # also on SIGTERM/SIGINT of the probe itself: nothing it started is left
+        left_over = kill_tree([p.pid for p, _ in procs])
+        for _, f in procs:
+            f.close()
     rcs = [p.returncode for p, _ in procs]
     tails = [_tail(log) for log in logs]
     res = {"rc": 124 if timed_out else max(rcs, key=abs), "rcs": rcs, "seconds": time.perf_counter() - t0,
-           "logs": [str(p) for p in logs], "tails": tails}  # fmt: skip
+           "logs": [str(p) for p in logs], "tails": tails, "killed": left_over}  # fmt: skip
     if timed_out:
         res["error"] = f"timed out after {limit:.0f} s"
     elif res["rc"]:
@@ -299,19 +431,29 @@ def run_step(step: Step, plan: Plan, limit: float) -> dict:
     return res
 
 
-def _kill(p: subprocess.Popen) -> None:
-    import signal
+def _no_wheelhouse(where: Path) -> str:
+    py = where.name.removeprefix("py")
+    return (f"no wheels in {where}: run `make wheelhouse PY_VERSION={py}` where the registry is reachable and "
+            f"carry it (carry=['wheelhouse/{where.name}'])")  # fmt: skip
 
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            p.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+
+def gpu_free_gb() -> float | None:
+    """Free memory of GPU 0 as CUDA reports it (None without CUDA). Read in this process: a subprocess would
+    cost a torch import per section; the price is this process's CUDA context (~0.5 GB) for the probe's life."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(0)
+    return round(free / 2**30, 2)
+
+
+def _gpu_total_gb() -> float | None:
+    import torch
+
+    return round(torch.cuda.mem_get_info(0)[1] / 2**30, 2) if torch.cuda.is_available() else None
 
 
 def _tail(log: Path, n: int = 4000) -> str:
@@ -381,7 +523,30 @@ def _fmt(x, spec: str = ".3g") -> str:
 
 
 def p_installed(step: Step, res: dict, ctx: dict) -> list[dict]:
-    return [{"result": "ok"}]
+    got = _json_from(res["tails"][0]) if res["tails"] else {}
+    if got.get("skipped"):
+        return [{**got, "result": f"skipped: {got['skipped']}"}]
+    return [{**got, "result": f"{got['installed']} wheels from {got['from']}" if got.get("installed") else "ok"}]
+
+
+def p_smoke(step: Step, res: dict, ctx: dict) -> list[dict]:
+    got = _json_from(res["tails"][0]) if res["tails"] else {}
+    if not got:
+        return [{"result": "no result line"}]
+    missing = f"; missing: {'; '.join(got['missing'])}" if got.get("missing") else ""
+    if not got.get("ok"):
+        return [{**got, "result": f"{got.get('exception')}{missing}"}]
+    return [{**got, "result": f"compiled flex_attention on {got['device']} in {got['seconds']:.1f} s "
+             f"({'forward + backward' if got['backward'] else 'forward'}), max |diff| vs SDPA "
+             f"{got['max_abs_diff_vs_sdpa']:.2g}{missing}"}]  # fmt: skip
+
+
+def p_data(step: Step, res: dict, ctx: dict) -> list[dict]:
+    got = _json_from(res["tails"][0]) if res["tails"] else {}
+    if not got:
+        return [{"result": "no result line"}]
+    return [{**got, "result": f"{got['rows']} rows of {got['seq']}, at least {got['min_docs_per_row']} documents "
+             f"a row; {got['params']:,} params"}]  # fmt: skip
 
 
 def p_versions(step: Step, res: dict, ctx: dict) -> list[dict]:
@@ -429,10 +594,13 @@ def p_trainer(step: Step, res: dict, ctx: dict) -> list[dict]:
     ours = ctx.get("runs", {}).get(step.args["run"], {}).get("tokens_per_s")
     if not got:
         return [{"result": "no result line"}]
-    ratio = ours / got["tokens_per_s"] if ours else None
-    return [{"tokens_per_s": got["tokens_per_s"], "ours_tokens_per_s": ours, "ratio": ratio,
-             "settings": got.get("settings"),
-             "result": f"{got['tokens_per_s']:,.0f} tok/s; ours / Trainer = {_fmt(ratio, '.2f')}x"}]  # fmt: skip
+    theirs = got.get("tokens_per_s_median") or got["tokens_per_s"]  # both sides: median step after the first two
+    ratio = ours / theirs if ours else None
+    unlike = (got.get("settings") or {}).get("not_like_for_like")
+    note = f" (not like for like: {'; '.join(unlike)})" if unlike else " (like for like)" if unlike == [] else ""
+    return [{"tokens_per_s": theirs, "ours_tokens_per_s": ours, "ratio": ratio, "settings": got.get("settings"),
+             "like_for_like": unlike == [] if unlike is not None else None,
+             "result": f"{theirs:,.0f} tok/s; ours / Trainer = {_fmt(ratio, '.2f')}x{note}"}]  # fmt: skip
 
 
 def p_generate(step: Step, res: dict, ctx: dict) -> list[dict]:
@@ -443,9 +611,10 @@ def p_generate(step: Step, res: dict, ctx: dict) -> list[dict]:
     tps = got.get("tokens_per_s", {})
     parts = [f"{k} {v:,.0f} tok/s" for k, v in tps.items() if isinstance(v, int | float)]
     speed = {k: v for k, v in got.items() if k.startswith("speedup") and isinstance(v, int | float)}
-    return [{"tokens_per_s": tps, **speed, "identical_greedy": got.get("identical_greedy"),
+    random = "random init: identity is mostly near ties" if step.args.get("random_init") else None
+    return [{"tokens_per_s": tps, **speed, "identical_greedy": got.get("identical_greedy"), "note": random,
              "result": "; ".join([*parts, *(f"{k} {v:.2f}x" for k, v in speed.items()),
-                                  f"greedy identical: {got.get('identical_greedy')}"])}]  # fmt: skip
+                                  f"greedy identical: {got.get('identical_greedy')}", *filter(None, [random])])}]  # fmt: skip
 
 
 def p_micro(step: Step, res: dict, ctx: dict) -> list[dict]:
@@ -537,58 +706,101 @@ def missing_lever(key: str, value: str) -> str | None:
 
 
 def execute(plan: Plan, budget: float, out_json: Path | None) -> dict:
+    """Run the plan's steps in order while the budget lasts. Every finished step's rows are in the JSON at once
+    (rewritten after each step), so a probe killed from outside has kept what it measured."""
     t_start = time.perf_counter()
     deadline = t_start + budget
     plan.work.mkdir(parents=True, exist_ok=True)
+    if out_json is not None:  # the logs come back with the JSON ($OUT), not left in a temp dir
+        plan.logs = out_json.parent / f"{out_json.stem}_logs"
+    become_subreaper()
     ctx: dict = {}
     rows: list[dict] = []
+    result = {"gpu": None, "budget_s": budget, "wall_s": 0.0, "complete": False, "rows": rows}
     failed_prereq = False
-    for step in plan.steps:
-        left = deadline - time.perf_counter()
-        base = {"section": step.section, "name": step.name}
-        if step.args.get("key") and not failed_prereq:
-            why = missing_lever(step.args["key"], step.args["value"]) if _schema_importable(plan) else None
-            if why:
-                rows.append({**base, "key": step.args["key"], "value": step.args["value"], "result": why})
+    section, free = None, None
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for step in plan.steps:
+            left = deadline - time.perf_counter()
+            base = {"section": step.section, "name": step.name}
+            if step.section != section:  # a section starts on a GPU nothing else holds
+                section, free = step.section, gpu_free_gb()
+            if free is not None:
+                base["gpu_free_gb"] = free
+            if step.args.get("key") and not failed_prereq:
+                why = missing_lever(step.args["key"], step.args["value"]) if _schema_importable(plan) else None
+                if why:
+                    rows.append({**base, "key": step.args["key"], "value": step.args["value"], "result": why})
+                    continue
+            if failed_prereq:
+                rows.append({**base, "result": "skipped: the install or data step failed"})
                 continue
-        if failed_prereq:
-            rows.append({**base, "result": "skipped: the install or data step failed"})
-            continue
-        if left < min(30.0, step.budget_s):
-            rows.append({**base, "result": f"skipped: out of time ({left:.0f} s left of {budget:.0f}); run it with "
-                                           f"--sections {step.section}"})  # fmt: skip
-            continue
-        limit = min(step.budget_s, left)
-        print(f"[{time.perf_counter() - t_start:5.0f}s] {step.section}: {step.name} (limit {limit:.0f} s)", flush=True)
-        res = run_step(step, plan, limit)
-        row = {**base, "seconds": round(res["seconds"], 1), "rc": res["rc"]}
-        try:
-            parsed = PARSERS[step.parse](step, res, ctx) if step.parse else [{"result": "ok"}]
-        except Exception as e:  # a parser that meets an unexpected output is a row too
-            parsed = [{"result": f"could not read the output: {type(e).__name__}: {e}"}]
-        for p in parsed:
-            r = {**row, **p}
-            if res["rc"]:
-                r["result"] = f"FAILED ({res.get('error')})" + (f"; {p['result']}" if p.get("result") not in
-                                                                 ("ok", "no steps logged", None) else "")  # fmt: skip
-                r["log"] = res["logs"][0] if res["logs"] else None
-                r["log_tail"] = res["tails"][res["rcs"].index(res["rc"])][-1500:] if res.get("rcs") and \
-                    res["rc"] in res["rcs"] else (res["tails"][0][-1500:] if res["tails"] else None)  # fmt: skip
-            rows.append(r)
-        if res["rc"] and step.section in ALWAYS:
-            failed_prereq = True
-        if step.args.get("cleanup"):  # the 1B job's checkpoints are 17 GB each; the device's disk is 64 GiB
-            import shutil
+            if left < min(30.0, step.budget_s):
+                rows.append({**base, "result": f"skipped: out of time ({left:.0f} s left of {budget:.0f}); run it "
+                                               f"with --sections {step.section}"})  # fmt: skip
+                continue
+            limit = min(step.budget_s, left)
+            print(f"[{time.perf_counter() - t_start:5.0f}s] {step.section}: {step.name} (limit {limit:.0f} s)",
+                  flush=True)  # fmt: skip
+            res = run_step(step, plan, limit)
+            rows.extend(step_rows(step, res, ctx, base))
+            if res["rc"] and step.args.get("prereq", step.section in ALWAYS):
+                failed_prereq = True
+            if step.args.get("cleanup"):  # the 1B job's checkpoints are 17 GB each; the device's disk is 64 GiB
+                import shutil
 
-            shutil.rmtree(Path(step.args["run"]) / "checkpoints", ignore_errors=True)
-    result = {"gpu": ctx.get("gpu"), "budget_s": budget, "wall_s": round(time.perf_counter() - t_start, 1),
-              "rows": rows}  # fmt: skip
+                shutil.rmtree(Path(step.args["run"]) / "checkpoints", ignore_errors=True)
+            result.update(gpu=ctx.get("gpu"), wall_s=round(time.perf_counter() - t_start, 1))
+            _write(out_json, result)
+        result["complete"] = True
+    except KeyboardInterrupt:
+        rows.append({"section": section or "-", "name": "probe", "result": "interrupted: the rows above finished"})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        result.update(gpu=ctx.get("gpu"), wall_s=round(time.perf_counter() - t_start, 1))
+        _write(out_json, result)
     print_table(result)
     if out_json is not None:
-        out_json.parent.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps(result, indent=1, default=str) + "\n")
-        print(f"\nJSON: {out_json}")
+        print(f"\nJSON: {out_json}; logs: {plan.logs}")
     return result
+
+
+def step_rows(step: Step, res: dict, ctx: dict, base: dict) -> list[dict]:
+    """A finished step's rows: what its parser reads, or its error with the log's tail."""
+    row = {**base, "seconds": round(res["seconds"], 1), "rc": res["rc"]}
+    if res.get("killed"):
+        row["killed_after"] = len(res["killed"])  # processes it left running, now gone
+    try:
+        parsed = PARSERS[step.parse](step, res, ctx) if step.parse else [{"result": "ok"}]
+    except Exception as e:  # a parser that meets an unexpected output is a row too
+        parsed = [{"result": f"could not read the output: {type(e).__name__}: {e}"}]
+    out = []
+    for p in parsed:
+        r = {**row, **p}
+        if res["rc"]:
+            r["result"] = f"FAILED ({res.get('error')})" + (f"; {p['result']}" if p.get("result") not in
+                                                             ("ok", "no steps logged", None) else "")  # fmt: skip
+            r["log"] = res["logs"][0] if res["logs"] else None
+            r["log_tail"] = res["tails"][res["rcs"].index(res["rc"])][-1500:] if res.get("rcs") and \
+                res["rc"] in res["rcs"] else (res["tails"][0][-1500:] if res["tails"] else None)  # fmt: skip
+        out.append(r)
+    return out
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM to the probe: stop like Ctrl-C, so the running step's tree is killed and the JSON written."""
+    raise KeyboardInterrupt
+
+
+def _write(out_json: Path | None, result: dict) -> None:
+    """Atomically: a kill between two steps leaves the previous complete JSON, never half of one."""
+    if out_json is None:
+        return
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_json.with_name(out_json.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    os.replace(tmp, out_json)
 
 
 def _schema_importable(plan: Plan) -> bool:
@@ -603,27 +815,58 @@ def _schema_importable(plan: Plan) -> bool:
 
 
 def print_table(result: dict) -> None:
-    print(
-        f"\n== GPU probe: {result.get('gpu') or 'GPU unknown'}; {result['wall_s']:.0f} s of {result['budget_s']:.0f} =="
-    )
-    print(f"{'section':<10} {'step':<46} {'s':>5}  result")
+    print(f"\n== GPU probe: {result.get('gpu') or 'GPU unknown'}; {result['wall_s']:.0f} s of "
+          f"{result['budget_s']:.0f} ==")  # fmt: skip
+    print(f"{'section':<10} {'step':<46} {'s':>5} {'GPU free':>8}  result")
     for r in result["rows"]:
         secs = f"{r['seconds']:.0f}" if "seconds" in r else "-"
-        print(f"{r['section']:<10} {r['name'][:46]:<46} {secs:>5}  {r['result']}")
+        free = f"{r['gpu_free_gb']:.1f} GB" if r.get("gpu_free_gb") is not None else "-"
+        print(f"{r['section']:<10} {r['name'][:46]:<46} {secs:>5} {free:>8}  {r['result']}")
 
 
-def print_plan(plan: Plan, budget: float) -> None:
-    print(f"GPU probe plan: {len(plan.steps)} steps, {budget:.0f} s in all (sections run in order while time is left)")
+def print_plan(plan: Plan, budget: float, later: list[tuple[list[str], dict, float]] = ()) -> None:
+    """Each step with its limit and the figures it measures; the calls that do not fit this one; last, this
+    call's planned seconds against its budget."""
+    print(f"GPU probe plan: {len(plan.steps)} steps (sections run in order while time is left)")
     print(f"work dir {plan.work}; wheelhouse {plan.wheelhouse}; python {plan.py}")
     for i, st in enumerate(plan.steps, 1):
-        print(
-            f"{i:2d}. [{st.section}] {st.name}  (limit {st.budget_s:.0f} s{', side by side' if len(st.cmds) > 1 else ''})"
-        )
+        print(f"{i:2d}. [{st.section}] {st.name}  (limit {st.budget_s:.0f} s{', side by side' if len(st.cmds) > 1 else ''}"
+              f"{'; measures: ' + st.measures if st.measures else ''})")  # fmt: skip
         for cmd in st.cmds:
             print(f"      $ {shlex.join(cmd)}")
+    if later:
+        print("\ndoes not fit this call; each next call is a bare machine (install and data again):")
+        for n, (secs, lev, total) in enumerate(later, 2):
+            print(f"  call {n}: python bench/gpu_probe.py {call_args(secs, lev)}  (planned {total:.0f} s)")
+    print(f"\nplanned: {plan.total_s:.0f} s of the {budget:.0f} s budget")
 
 
 # ---- workers (run as subprocesses, with the wheelhouse on the path) -------------------------------------------------
+
+REQUIRED = ("deepspeed", "transformers", "tokenizers", "safetensors", "accelerate", "hydra", "omegaconf", "numpy",
+            "psutil")  # fmt: skip
+"""What the sections import besides torch: a Python that imports all of these needs no wheelhouse."""
+
+
+def w_install(wheelhouse: str, site: str) -> None:
+    """Install the wheelhouse into ``site``. Without one: a Python that already imports every requirement (a
+    dev venv, a CPU host checking the probe) runs as it is, and the row says so; anything else is one error line
+    naming the make command that builds the wheelhouse for this Python."""
+    import importlib.util
+
+    wh = Path(wheelhouse)
+    wheels = sorted(str(p) for p in wh.glob("*.whl"))
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--upgrade", "--target", site, *wheels], check=True)  # fmt: skip
+        print(json.dumps({"installed": len(wheels), "from": str(wh)}))
+        return
+    missing = [m for m in REQUIRED if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: {_no_wheelhouse(wh)}; this Python ({sys.executable}) lacks {', '.join(missing)}")
+        raise SystemExit(1)
+    print(json.dumps({"installed": 0, "from": None, "skipped": f"no wheelhouse at {wh}; {sys.executable} already "
+                      "imports every requirement, so nothing is installed"}))  # fmt: skip
 
 
 def w_versions() -> None:
@@ -645,25 +888,92 @@ def w_versions() -> None:
     print(json.dumps(got))
 
 
-def w_data(work: str, seq: str, model: str) -> None:
-    """The byte corpus at the job's length and at 256, and a random-init ``model`` with a BPE tokenizer of its
-    vocabulary trained on the stdlib, saved as a HF directory (bench_generate's ``--model``)."""
+def toolchain_missing(device: str) -> list[str]:
+    """What Triton (CUDA: its launcher is built with a C compiler against Python.h) or Inductor's CPU backend
+    (a C++ compiler and Python.h) needs and this machine lacks, each with the package that provides it."""
+    import shutil
     import sysconfig
+
+    missing = []
+    if not (os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))):
+        missing.append("a C compiler (cc/gcc/clang on PATH, or $CC): apt-get install gcc")
+    if device == "cpu" and not (os.environ.get("CXX") or any(shutil.which(c) for c in ("c++", "g++", "clang++"))):
+        missing.append("a C++ compiler for Inductor's CPU backend (c++/g++/clang++): apt-get install g++")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not header.exists():
+        v = f"{sys.version_info.major}.{sys.version_info.minor}"
+        missing.append(f"Python.h (looked in {header.parent}): apt-get install python{v}-dev (python3-dev)")
+    return missing
+
+
+def w_smoke() -> None:
+    """A ~5 s torch.compile + flex_attention call, checked against masked SDPA, that fails with the missing
+    toolchain by name instead of inside the first training step (Triton builds its launcher on first use).
+    On CUDA forward and backward; on a CPU forward without grad (torch has no compiled CPU flex backward)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    missing = toolchain_missing(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    s = 256
+    t0 = time.perf_counter()
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, 2, s, 64, device=device, dtype=dtype, generator=g) for _ in range(3))
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, s, s, device=device)
+        fn = torch.compile(flex_attention)
+        grad = device == "cuda"
+        for t in (q, k, v):
+            t.requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out = fn(q, k, v, block_mask=mask)
+            if grad:
+                out.float().sum().backward()
+        ref = F.scaled_dot_product_attention(q.detach().float(), k.detach().float(), v.detach().float(),
+                                             is_causal=True)  # fmt: skip
+        diff = float((out.detach().float() - ref).abs().max())
+    except Exception as e:
+        first = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+        print(json.dumps({"ok": False, "device": device, "missing": missing, "exception": first}))
+        why = f"missing {'; '.join(missing)}" if missing else first
+        print(f"error: torch.compile + flex_attention does not build on this {device}: {why}")
+        raise SystemExit(1) from None
+    print(json.dumps({"ok": True, "device": device, "seconds": round(time.perf_counter() - t0, 2),
+                      "max_abs_diff_vs_sdpa": diff, "backward": device == "cuda", "missing": missing}))  # fmt: skip
+
+
+def w_data(work: str, seq: str, model: str) -> None:
+    """The byte corpus at the job's length, cut into documents of at most a third of a row (every row holds
+    at least two boundaries, so every batch is a multi-document one and takes the flex path: no row of one
+    document falls back to SDPA or recompiles), and at 256 for the ZeRO runs; a random-init ``model`` with a
+    BPE tokenizer of its vocabulary trained on the stdlib, saved as a HF directory (bench_generate's
+    ``--model``)."""
+    import sysconfig
+
+    import numpy as np
 
     from data_prep.tokenizer import save_hf, train_bpe
     from ultrascale.config.compose import compose
-    from ultrascale.data.bytecorpus import write_byte_dataset
+    from ultrascale.data.bytecorpus import EOS, write_byte_dataset
+    from ultrascale.data.shards import open_split
     from ultrascale.model.build import build_model
 
-    w = Path(work)
-    for n in sorted({int(seq), 256}):
-        write_byte_dataset(w / f"data{n}", seq_len=n)
+    w, n = Path(work), int(seq)
+    write_byte_dataset(w / f"data{n}", seq_len=n, max_files=4000, max_bytes=n // 3, pattern="**/*.py")
+    if n != 256:
+        write_byte_dataset(w / "data256", seq_len=256)
+    split = open_split(w / f"data{n}", "train", verify=False)
+    ids = split.get(np.arange(len(split)))
+    docs = (ids[:, :-1] == EOS).sum(1) + 1  # documents a row touches
     net = build_model(compose([f"model={model}"]).model, seed=0)
     texts = [p.read_text(errors="ignore") for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:120]]
     tok = train_bpe(texts, vocab_size=int(net.config.vocab_size))
     save_hf(tok, w / f"{model}_random", model_max_length=2048)
     net.save_pretrained(str(w / f"{model}_random"))
-    print(json.dumps({"vocab": tok.get_vocab_size(), "params": sum(p.numel() for p in net.parameters())}))
+    print(json.dumps({"rows": len(ids), "seq": n, "min_docs_per_row": int(docs.min()),
+                      "vocab": tok.get_vocab_size(), "params": sum(p.numel() for p in net.parameters())}))  # fmt: skip
 
 
 def w_predict(run_dir: str) -> None:
@@ -755,28 +1065,25 @@ def w_tokenizer(model_dir: str, data_dir: str) -> None:
     print(json.dumps({"tokenizer": str(dst)}))
 
 
-WORKERS = {"versions": w_versions, "data": w_data, "predict": w_predict, "logits": w_logits, "tokenizer": w_tokenizer}
+WORKERS = {"install": w_install, "versions": w_versions, "smoke": w_smoke, "data": w_data, "predict": w_predict,
+           "logits": w_logits, "tokenizer": w_tokenizer}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    ap.add_argument(
-        "--sections",
-        default=",".join(SECTIONS),
-        help=f"comma-separated, from {', '.join(SECTIONS)} (install and data always run)",
-    )
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated, from {', '.join(SECTIONS)} (install and data always run); what does not "
+                         "fit --budget is left to the next calls the dry run prints")  # fmt: skip
     ap.add_argument("--levers", default="", help="only these LEVERS keys (comma-separated; default all)")
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole probe (470)")
-    ap.add_argument("--wheelhouse", type=Path, default=ROOT / "wheelhouse" / "py3.12")
+    ap.add_argument("--wheelhouse", type=Path, default=default_wheelhouse(),
+                    help=f"default {default_wheelhouse().relative_to(ROOT)}: the running Python's")  # fmt: skip
     ap.add_argument("--work", type=Path, help="scratch dir (default: a fresh temp dir)")
-    ap.add_argument("--json", type=Path, help="default $OUT/gpu_probe.json where $OUT is set")
-    ap.add_argument(
-        "--job",
-        choices=tuple(JOBS),
-        default="gpu",
-        help="gpu (default); tiny: the same sections on the tiny model on a CPU host, to check the probe",
-    )
+    ap.add_argument("--json", type=Path, help="default $OUT/gpu_probe.json where $OUT is set; logs go beside it")
+    ap.add_argument("--job", choices=tuple(JOBS), default="gpu",
+                    help="gpu (default); tiny: the same sections on the tiny model on a CPU host, to check the "
+                         "probe")  # fmt: skip
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -793,13 +1100,17 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             ap.error(f"unknown lever(s) {', '.join(bad)}: choose from {', '.join(LEVERS)}")
         levers = {k: LEVERS[k] for k in keys}
-    work = a.work or Path(tempfile.gettempdir()) / f"gpu_probe-{os.getpid()}"
-    plan = Plan(work.resolve(), a.wheelhouse.resolve(), sections, levers, job=a.job)
+    work = (a.work or Path(tempfile.gettempdir()) / f"gpu_probe-{os.getpid()}").resolve()
+    calls = plan_calls(sections, levers, a.budget, a.job, work)
+    first, first_levers, _ = calls[0]
+    plan = Plan(work, a.wheelhouse.resolve(), first, first_levers, job=a.job)
     if a.dry_run:
-        print_plan(plan, a.budget)
+        print_plan(plan, a.budget, calls[1:])
         return 0
     out_json = a.json or (Path(os.environ["OUT"]) / "gpu_probe.json" if os.environ.get("OUT") else None)
     execute(plan, a.budget, out_json)
+    if len(calls) > 1:
+        print("not in this call (run next): " + "; ".join(call_args(s, lv) for s, lv, _ in calls[1:]))
     return 0
 
 

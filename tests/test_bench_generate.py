@@ -142,3 +142,29 @@ def test_prompts_from_a_file_are_healed_as_humaneval_s_are(bench, tmp_path):
     healed, source = bench.load_prompts(5, f)
     assert healed == ["def f():\n    '''Doc.'''", "x = 1"] and "healed" in source
     assert bench.load_prompts(5, f, heal_prompts=False)[0] == ["def f():\n    '''Doc.'''\n", "x = 1\n\n"]
+
+
+def test_hf_stopping_copies_the_new_tokens_to_the_host_once_a_step_not_once_a_row(tiny, bench):  # noqa: F811
+    """On a GPU each device-to-host copy is a sync: the stopping rule reads the batch's new tokens in one copy a
+    step. Planted: a tensor type that counts its host reads (tolist/numpy/cpu/item), 4 rows over 3 steps."""
+    import torch
+
+    _, tok = tiny
+
+    class Counting(torch.Tensor):
+        reads = 0
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.item):
+                cls.reads += 1
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    prompt = torch.tensor(tok(["def f(x):", "import os", "class A:", "x = 1"], padding=True)["input_ids"])
+    stops = bench._stopping()(prompt.shape[1], ("\nclass",), tok)
+    ids = prompt
+    for t in range(3):
+        ids = torch.cat([ids, torch.full((4, 1), 100 + t)], dim=1)
+        stops(ids.as_subclass(Counting), None)
+    assert Counting.reads == 3
+    assert stops.new == [[100, 101, 102]] * 4

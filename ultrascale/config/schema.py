@@ -350,6 +350,17 @@ class TrainConfig:
     """Evaluate held-out loss every N steps (0 = only at the end)."""
     checkpoint_interval: int = num(50, ge=0)
     """Save a checkpoint every N steps (0 = only at the end)."""
+    final_eval: bool = True
+    """Evaluate after the last step even when ``eval_interval`` does not land on it. False (benchmarks such as
+    bench/gpu_probe.py, which time steps and not the end of a run): only the interval's evals run."""
+    final_save: bool = True
+    """Save after the last step even when ``checkpoint_interval`` does not land on it. False (benchmarks that
+    do not measure the save: a 1B model's is 17 GB): only the interval's saves and a stop's save run."""
+    param_digest: bool = True
+    """At the end of the run, hash every parameter on each rank and check that the data-parallel replicas agree
+    (``replicas_agree`` in summary.json). False: skipped, the summary says ``replicas_agree: null``; for
+    benchmarks, where it is a whole-model device-to-host copy that measures nothing (at world size 1 it
+    compares a replica with itself)."""
     keep_checkpoints: int = num(2, ge=0)
     """Newest complete checkpoints to keep on disk (0 = keep all)."""
     checkpoint_async: bool = True

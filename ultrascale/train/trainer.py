@@ -572,11 +572,11 @@ class Trainer:
 
     def _after_step(self, done: int, last_step: int, res: FitResult) -> None:
         """What is due after a step: the evaluator's run, then the checkpointer's save."""
-        if self.evaluator.due(done, last_step):
+        if self.evaluator.due(done, last_step if self.cfg.train.final_eval else -1):
             with self.stop.unguarded():
                 res.last_eval = self.evaluator.run(done)
             self.metrics.event(done, "eval", **res.last_eval)
-        if self.checkpointer.due(done, last_step):
+        if self.checkpointer.due(done, last_step if self.cfg.train.final_save else -1):
             self.save(done)
 
     def _stop_before_training(self) -> bool:
@@ -655,9 +655,10 @@ class Trainer:
                "topology": self.topo.as_dict(), "total_params": self.info.n_params,
                "trainable_params": self.info.n_params if self.info.n_trainable is None else self.info.n_trainable,
                "finetune": self.decisions.finetune.value}  # fmt: skip
-        agree_, digests, groups = replicas_agree(self.engine.module, self.engine.data_parallel_group)
+        agree_, digests, groups = (replicas_agree(self.engine.module, self.engine.data_parallel_group)
+                                   if self.cfg.train.param_digest else (None, None, None))  # fmt: skip
         out.update(replicas_agree=agree_, param_digests=digests, replica_groups=groups)
-        if not agree_:
+        if agree_ is False:
             log.warning(f"data-parallel replicas hold different parameters: {digests}")
         if self.frozen_digest is not None:
             end = param_digest(self.engine.module, trainable=False)
