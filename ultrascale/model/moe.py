@@ -158,7 +158,8 @@ def shard_report(module: torch.nn.Module, group=None) -> dict:
 
 
 class MoEStats:
-    """Accumulates routing statistics over a step's micro-batches; ``flush`` reduces them over ranks."""
+    """Accumulates routing statistics over the micro-batches since the last logged row; ``flush`` (for a logged row)
+    reduces them over ranks."""
 
     def __init__(self, model, moe_cfg: Any):
         config = model.config

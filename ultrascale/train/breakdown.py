@@ -80,6 +80,8 @@ class StepBreakdown:
 
     def forward(self, fn, *args, **kwargs):
         """Run one forward, timing it (CUDA events read at ``finish``; host clock on CPU)."""
+        if not self.enabled:  # no row carries the forward's time: no events to record, none to read at finish
+            return fn(*args, **kwargs)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -187,11 +187,13 @@ def agree(verdict: Verdict, stop: int = 0, written: int = -1) -> Agreement:
     from ultrascale.device import coll_tensor
 
     mine = coll_tensor([float(code), z, float(stop), float(written)], torch.float64)
-    rows = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
-    tdist.all_gather(rows, mine)
+    gathered = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(gathered, mine)
+    # one device-to-host copy of every rank's record (under NCCL each element read alone is a sync of its own)
+    rows = torch.stack(gathered).tolist()
     best = max(rows, key=lambda r: int(r[0]))  # the lowest rank among ties
     action, reason = divmod(int(best[0]), len(REASONS))
-    zscore = None if math.isnan(float(best[1])) else float(best[1])
+    zscore = None if math.isnan(best[1]) else best[1]
     stops = [int(r[2]) for r in rows if int(r[2])]
     return Agreement(Verdict(ACTIONS[action], REASONS[reason], zscore), stops[0] if stops else 0,
                      min(int(r[3]) for r in rows))  # fmt: skip

@@ -321,11 +321,15 @@ class Trainer:
         applied = self.engine.was_step_applied() and not self.gate.vetoed
         if not applied and not st.verdict.bad:  # DeepSpeed refused a non-finite gradient norm on every rank
             st.verdict = self.stability.nonfinite_grad()
-        gn = self.engine.get_global_grad_norm()
+        # A row that is not logged reads nothing off the device: the gradient norm (a tensor on the GPU under ZeRO),
+        # the memory peak and the routing counts wait for the next logged row (the loss and the agreement, read
+        # every step, are the protocol's: a bad step is judged and vetoed before its update).
+        logged = self._logs(step + 1, st.verdict)
+        gn = self.engine.get_global_grad_norm() if logged else None
         row = {"loss": st.loss, "lr": st.lr, "grad_norm": float(gn) if gn is not None else None,
-               **self.breakdown.finish(read=self._logs(step + 1, st.verdict)), "mem_gb": self.memory.peak_gb(),
-               "epoch": self.batches.epoch(step + self.data_offset + 1), **(self.moe.flush() if self.moe else {}),
-               **self._data_row(step + self.data_offset + 1)}  # fmt: skip
+               **self.breakdown.finish(read=logged), "mem_gb": self.memory.peak_gb() if logged else None,
+               "epoch": self.batches.epoch(step + self.data_offset + 1),
+               **(self.moe.flush() if self.moe and logged else {}), **self._data_row(step + self.data_offset + 1)}  # fmt: skip
         row.update(throughput(self.tokens_per_step, row["step_s"], self.flops_per_token, self.topo.world, self.peak))
         return row, st
 
@@ -686,7 +690,7 @@ class Trainer:
                        eval_perplexity=res.last_eval["eval_perplexity"],
                        tokens_per_s=sum(tps) / len(tps) if tps else res.last["tokens_per_s"],
                        wall_tokens_per_s=self.tokens_per_step * (res.steps_run - 1) / res.loop_s if res.loop_s else None,
-                       mfu=res.last["mfu"], mem_gb=self.memory.run_peak_gb)  # fmt: skip
+                       mfu=res.last["mfu"], mem_gb=max(self.memory.run_peak_gb, self.memory.peak_gb()))  # fmt: skip
         return out
 
     def close(self) -> None:
