@@ -204,7 +204,7 @@ def test_liger_where_importable_on_a_gpu_chunked_elsewhere(monkeypatch):
     here = decide(cfg, topo, hf, "nccl", None, H100)  # liger-kernel is not installed here
     assert here.loss_kernel.value == "chunked" and "pip install liger-kernel" in here.loss_kernel.why
     assert decide(cfg, topo, hf, "gloo", None).loss_kernel.value == "chunked"
-    monkeypatch.setattr(decide_mod, "liger_importable", lambda: True)
+    monkeypatch.setattr(decide_mod, "liger_unusable", lambda gpu: None)
     liger = decide(cfg, topo, hf, "nccl", None, H100)
     assert liger.loss_kernel.value == "liger" and liger.fused_loss.on and liger.fused_loss.value is None
     assert decide(cfg, topo, hf, "gloo", None).loss_kernel.value == "chunked"  # CPU: never liger

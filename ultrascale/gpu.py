@@ -161,6 +161,9 @@ class GpuInfo:
     its reserve is known)."""
     sm_count: int = 0
     """Streaming multiprocessors (0: unknown); tells H100 SXM5 (132) from PCIe (114) and sizes a MIG slice."""
+    index: int | None = None
+    """The CUDA device this was read from on this machine (:func:`detect`); None for a planned cluster's GPU. What
+    is tried on the device itself (liger-kernel's trial row) runs there, and only where it is set."""
 
     @property
     def memory_gib(self) -> float:
@@ -210,7 +213,8 @@ class GpuInfo:
 
 def detect(device: int | None = None) -> GpuInfo | None:
     """This process's GPU (``torch.cuda.current_device()`` unless ``device``), or None without CUDA. Not cached:
-    free memory changes as a run allocates, and the decisions read it once at start."""
+    free memory changes as a run allocates, and the decisions read it once at start. Before ``set_device`` the
+    current device is GPU 0 on every rank: a rank's validation passes its ``LOCAL_RANK``."""
     import torch
 
     if not torch.cuda.is_available():
@@ -223,7 +227,7 @@ def detect(device: int | None = None) -> GpuInfo | None:
         free = None
     return GpuInfo(name=str(p.name), memory_bytes=int(p.total_memory), capability=(int(p.major), int(p.minor)),
                    count=torch.cuda.device_count(), free_bytes=None if free is None else int(free),
-                   sm_count=int(getattr(p, "multi_processor_count", 0)))  # fmt: skip
+                   sm_count=int(getattr(p, "multi_processor_count", 0)), index=int(idx))  # fmt: skip
 
 
 def describe(gpu: GpuInfo | None = None) -> str:

@@ -97,8 +97,8 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
     or a CPU whose features are unknown (the levers then keep their measured-elsewhere defaults and say so).
     ``gpu``: the GPU of an ``nccl`` run (:func:`ultrascale.gpu.detect`, or a planned cluster's
     :meth:`~ultrascale.gpu.GpuInfo.from_cluster`); the GPU levers are pure functions of it, and ``gpu=None``
-    keeps their GPU-less defaults. Which loss kernels are importable is the one thing read from the
-    environment (only for a GPU)."""
+    keeps their GPU-less defaults. Whether liger-kernel runs is the one thing read from the environment (only for
+    a GPU, and only with ``train.loss_kernel`` auto or liger: :func:`liger_unusable`)."""
     from ultrascale.model.moe import num_experts
 
     stage = cfg.zero.stage
@@ -108,7 +108,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
     attention = _attention(cfg, topo, hf_config, attn, backend, cpu, gpu)
     doc = _document_masking(cfg, topo, attn, flex=attention.value == "flex")
     fused = _fused_loss(cfg, topo, hf_config, backend, cpu, gpu)
-    kernel = _loss_kernel(cfg, fused, gpu, liger_importable() if gpu is not None else False)
+    kernel = _loss_kernel(cfg, fused, gpu)
     if kernel.value == "liger":
         fused = Choice(True, "fused linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)", None)
     return Decisions(
@@ -449,11 +449,14 @@ allocator's slack), on top of the planner's own fragmentation term."""
 """Cheapest (most memory) first: ``auto`` takes the first whose predicted peak fits."""
 
 
-def liger_importable() -> bool:
-    """liger-kernel is installed (its Triton kernels need CUDA; it is not in requirements.txt)."""
-    from ultrascale.model.loss import _importable
+def liger_unusable(gpu: GpuInfo) -> str | None:
+    """Why liger-kernel cannot run for ``gpu`` (None: it can): not installed, its import fails, or (for a GPU of
+    this machine, ``gpu.index`` set) its fused linear cross-entropy fails a one-row trial there. Read from the
+    environment (once per process: :func:`ultrascale.model.loss.kernel_unusable`); a planned cluster's GPU gets
+    the import check only."""
+    from ultrascale.model.loss import kernel_unusable
 
-    return _importable("liger_kernel")
+    return kernel_unusable("liger", None if gpu.index is None else f"cuda:{gpu.index}")
 
 
 def gpu_loss_chunk(gpu: GpuInfo, vocab: int) -> tuple[int, str]:
@@ -469,9 +472,9 @@ def gpu_loss_chunk(gpu: GpuInfo, vocab: int) -> tuple[int, str]:
                    f"chunk's fp32 logits at vocab {vocab:,}{capped}")  # fmt: skip
 
 
-def _loss_kernel(cfg: Any, fused: Choice, gpu: GpuInfo | None, liger: bool) -> Choice:
-    """``train.loss_kernel``: liger-kernel's fused linear cross-entropy where it is importable on a GPU (``auto``)
-    or asked for; our chunked one otherwise."""
+def _loss_kernel(cfg: Any, fused: Choice, gpu: GpuInfo | None) -> Choice:
+    """``train.loss_kernel``: liger-kernel's fused linear cross-entropy where it runs on a GPU (``auto``) or is
+    asked for; our chunked one otherwise, with liger's reason (:func:`liger_unusable`, asked only here)."""
     want = str(cfg.train.loss_kernel)
     if not fused.on:
         return Choice(False, "off (no fused loss)", None)
@@ -481,13 +484,12 @@ def _loss_kernel(cfg: Any, fused: Choice, gpu: GpuInfo | None, liger: bool) -> C
         if want == "liger":  # a planned cluster without a GPU description: as configured (validate refuses on CPU)
             return Choice(True, "liger-kernel's Triton fused linear cross-entropy (train.loss_kernel=liger)", "liger")
         return Choice(True, "chunked (auto: liger-kernel runs on CUDA only)", "chunked")
-    if liger:
+    why = liger_unusable(gpu)
+    if why is None:
         return Choice(True, f"liger-kernel's Triton fused linear cross-entropy (train.loss_kernel={want})", "liger")
-    if want == "liger":  # validate turns this into the error naming the package
-        return Choice(False, "train.loss_kernel=liger but liger-kernel is not importable: pip install liger-kernel",
-                      None)  # fmt: skip
-    return Choice(True, "chunked (auto: liger-kernel is not installed; pip install liger-kernel for its kernel)",
-                  "chunked")  # fmt: skip
+    if want == "liger":  # validate turns this into the one error line
+        return Choice(False, f"train.loss_kernel=liger cannot run: {why}", None)
+    return Choice(True, f"chunked (auto: {why})", "chunked")
 
 
 def selective_unavailable(topo: Topology) -> str | None:

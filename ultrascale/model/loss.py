@@ -13,7 +13,8 @@ The cost: the head's gradient (``V x h x 4`` bytes) is held from the forward to 
 its class, parameters or behaviour without labels (generation and logit-wanting eval are untouched).
 
 GPU: with ``impl="auto"`` on a CUDA tensor the Triton kernels of ``liger-kernel`` or ``cut-cross-entropy`` are
-used when importable (they are not in requirements.txt: both need Triton and CUDA). Those paths are written to
+used where they import and run a trial row on that GPU (``kernel_unusable``; they are not in requirements.txt:
+both need Triton and CUDA). Those paths are written to
 the libraries' documented APIs but are **not exercised on the CPU-only machine this module was developed and
 tested on**; the chunked path is, and is what ``auto`` always picks on CPU.
 """
@@ -151,6 +152,9 @@ def _cce(hidden, weight, labels, ignore_index: int, reduction: str) -> torch.Ten
 
 
 _GPU_PACKAGES = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
+_KERNELS = {"liger": (_liger, "liger_kernel.transformers.functional"), "cce": (_cce, "cut_cross_entropy")}
+"""Each GPU kernel's call and the module that call imports (what must import for it to run)."""
+_VERDICTS: dict[tuple[str, str], str | None] = {}
 
 
 def _importable(module: str) -> bool:
@@ -159,15 +163,64 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def kernel_unusable(impl: str, device: torch.device | str | None = None) -> str | None:
+    """Why ``impl``'s (``liger``/``cce``) kernel cannot run in this process, or None where it can.
+
+    Installed is not enough: a liger-kernel built for another Triton is found by ``find_spec``, then fails at its
+    import or at its first kernel launch, which was step 1. So the module the loss calls is really imported and,
+    given a CUDA ``device``, a one-row forward and backward runs there (Triton compiles its kernels then). The
+    verdict is kept per process and device: a failed import is retried by Python on every ``import``, and the
+    trial launch costs a compile."""
+    key = (impl, "" if device is None else str(device))
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _try_kernel(impl, None if device is None else torch.device(device))
+    return _VERDICTS[key]
+
+
+def _try_kernel(impl: str, device: torch.device | None) -> str | None:
+    import contextlib
+    import importlib
+
+    module, package = _GPU_PACKAGES[impl]
+    call, kernel_module = _KERNELS[impl]
+    if not _importable(module):
+        return f"{package} is not installed (pip install {package})"
+    try:
+        importlib.import_module(kernel_module)
+    except Exception as e:  # any failure of a third-party import is a reason not to use it
+        return f"{package} does not import here: {_first_line(e)}"
+    if device is None:
+        return None
+    try:
+        cuda = device.type == "cuda"
+        dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+        with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+            hidden = torch.randn(1, 64, device=device, dtype=dtype, requires_grad=True)
+            weight = torch.randn(128, 64, device=device, dtype=dtype, requires_grad=True)
+            call(hidden, weight, torch.tensor([3], device=device), IGNORE_INDEX, "mean").backward()
+            if cuda:
+                torch.cuda.synchronize(device)
+    except Exception as e:  # a kernel that cannot compile or launch here, whatever it raises
+        return f"{package}'s kernel fails on {device}: {_first_line(e)}"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception as one line (Triton's compile errors run to pages)."""
+    line = next((x for x in str(e).splitlines() if x.strip()), "")
+    return f"{type(e).__name__}: {line[:300]}"
+
+
 def resolve_impl(impl: str, device: torch.device | str) -> str:
-    """What ``impl`` means on ``device``: ``auto`` is liger, then cce, on CUDA when installed; chunked otherwise."""
+    """What ``impl`` means on ``device``: ``auto`` is liger, then cce, on CUDA where it runs
+    (:func:`kernel_unusable`); chunked otherwise."""
     device = torch.device(device)
     if impl not in _IMPLS:
         raise ValueError(f"linear_cross_entropy: impl={impl!r} is not one of {', '.join(_IMPLS)}")
     if impl == "auto":
         if device.type == "cuda":
-            for name, (module, _) in _GPU_PACKAGES.items():
-                if _importable(module):
+            for name in _GPU_PACKAGES:
+                if kernel_unusable(name, device) is None:
                     return name
         return "chunked"
     if impl in _GPU_PACKAGES:
@@ -177,6 +230,9 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
                              "use impl='chunked' or 'auto'")  # fmt: skip
         if not _importable(module):
             raise ValueError(f"linear_cross_entropy: impl={impl!r} needs `pip install {package}` (CUDA + Triton)")
+        why = kernel_unusable(impl, device)
+        if why:
+            raise ValueError(f"linear_cross_entropy: impl={impl!r} cannot run: {why}; use impl='chunked' or 'auto'")
     return impl
 
 
@@ -349,6 +405,8 @@ def install_fused_loss(model, chunk_tokens: int | None = None, impl: str = "auto
     if impl in _GPU_PACKAGES and not _importable(_GPU_PACKAGES[impl][0]):
         raise ValueError(f"install_fused_loss: impl={impl!r} needs `pip install {_GPU_PACKAGES[impl][1]}` (CUDA + "
                          "Triton), which this environment lacks")  # fmt: skip
+    if impl in _GPU_PACKAGES and kernel_unusable(impl):
+        raise ValueError(f"install_fused_loss: impl={impl!r} cannot run: {kernel_unusable(impl)}")
     if chunk_tokens is not None and int(chunk_tokens) < 1:
         raise ValueError(f"install_fused_loss: chunk_tokens={chunk_tokens} must be >= 1 (or None for the default)")
     current = model.__dict__.get("forward")
