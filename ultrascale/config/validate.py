@@ -150,9 +150,10 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
 
         backend = detect_backend()
         if backend == "nccl" and gpu is None:
+            from ultrascale.dist import local_rank
             from ultrascale.gpu import detect as detect_gpu
 
-            gpu = detect_gpu()
+            gpu = detect_gpu(local_rank())  # this rank's GPU: before set_device every rank's current one is GPU 0
     zq = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if cfg.zero[k]]
     if zq and backend == "gloo":
         raise ConfigError(
@@ -190,6 +191,32 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
             "lower data.seq_len or raise model.config.max_position_embeddings"
         )
     return d
+
+
+def agree_across_ranks(d: Decisions) -> Decisions:
+    """Rank 0's decisions, on every rank (collective: every rank calls it once the process group exists).
+
+    :func:`validate` runs before the process group (so a bad config is one error line before anything starts),
+    each rank alone, and a GPU rank decides from what its own machine says: its GPU's free memory (the fused
+    loss's chunk, ``auto`` activation checkpointing), whether liger-kernel runs there. Those readings differ
+    between ranks (a neighbour's CUDA context, another node), and ranks running different recompute plans or
+    chunks hang in ZeRO-3's gathers or train different models. So rank 0's record is broadcast and kept; a
+    rank whose own differed says which decisions it gave up. ``hf_config`` stays each rank's own build of the
+    same config."""
+    from dataclasses import fields, replace
+
+    from ultrascale import dist
+
+    mine = {f.name: getattr(d, f.name) for f in fields(d) if f.name != "hf_config"}
+    theirs = dist.broadcast_object(mine)
+    if theirs is mine:
+        return d
+    differ = [k for k, v in mine.items() if k != "gpu" and v != theirs[k]]
+    if differ:
+        dist.log.warning(f"rank {dist.rank()} decided {', '.join(differ)} differently from rank 0 (its own GPU or "
+                         f"environment read otherwise); rank 0's decisions are kept: "
+                         + "; ".join(f"{k}: {getattr(theirs[k], 'why', theirs[k])}" for k in differ))  # fmt: skip
+    return replace(d, **theirs)
 
 
 def _attention_rules(cfg: DictConfig, topo: Topology, hf: Any) -> None:

@@ -60,13 +60,14 @@ def _probe(out: str, overrides: list[str]) -> None:
     from ultrascale import hostmem
     from ultrascale.config.compose import compose
     from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
+    from ultrascale.config.validate import agree_across_ranks, validate
     from ultrascale.train.engine import build_engine
 
     dist.configure_env()
     cfg = compose(overrides)
     d = validate(cfg, dist.world_size())
     dist.init_distributed()
+    d = agree_across_ranks(d)
     engine, info = build_engine(OmegaConf.to_object(cfg), d, build_ds_config(cfg, d))
     one_step(engine, d, cfg.data.micro_batch, cfg.data.seq_len, d.hf_config.vocab_size)
     hostmem.trim()  # the live tensors, not the free heap pages glibc keeps for later

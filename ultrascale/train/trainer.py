@@ -36,6 +36,7 @@ from ultrascale.config.compose import resolve_path
 from ultrascale.config.decide import Decisions
 from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.schema import RootConfig
+from ultrascale.config.validate import agree_across_ranks
 from ultrascale.data import sources as data_sources
 from ultrascale.data.loader import TRACE_ENV, Batch, StepBatches
 from ultrascale.data.prepare import check_prepared, ensure_prepared
@@ -776,6 +777,7 @@ def run(cfg: DictConfig, d: Decisions) -> dict | None:
     out = resolve_path(cfg.output_dir)
     found = preflight(cfg, d)  # read-only, on every rank: nothing is written for a run that cannot start
     dist.init_distributed()
+    d = agree_across_ranks(d)  # each rank decided from its own GPU; every rank runs rank 0's decisions
     stop = StopRequest(dist.rank(), out / STOP_REQUEST).install()  # from here a signal is a stop, not a kill
     typed: Any = OmegaConf.to_object(cfg)  # typed settings from here on: components get their sub-configs
     trainer = Trainer(typed, d, out, OmegaConf.to_container(cfg, resolve=True), found, stop)
