@@ -6,8 +6,9 @@ activation_checkpoint.py``, ``selective_ac_option="op"``), on ``torch.utils.chec
 of the attention kernel are kept from the forward (they cost FLOPs to recompute) and everything else (norms,
 RoPE, the MLP's activation and product, residual adds, dtype casts) is recomputed in the backward (cheap,
 memory-bound kernels). Per token and layer that keeps the layer input, q/k/v, the attention output and its
-log-sum-exp, and the o/gate/up/down projections' outputs: about half of what an unchecked layer saves on a
-Llama-shaped model, for a recompute of a few elementwise kernels instead of a whole forward.
+log-sum-exp (SDPA's, flash-attn's or FlexAttention's), and the o/gate/up/down projections' outputs: about half of
+what an unchecked layer saves on a Llama-shaped model, for a recompute of a few elementwise kernels instead of a
+whole forward.
 
 torchtitan's classic policy also recomputes every second matmul to save more memory; here every matmul output is
 kept, because ``auto`` already falls back to full checkpointing when selective does not fit
@@ -19,35 +20,65 @@ which takes it only with ``use_reentrant=False``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
+
+def _aten(*names: str) -> set:
+    """The ``aten`` ops of ``names`` (``op.overload``) that this torch has."""
+    out = set()
+    for name in names:
+        op, overload = name.split(".")
+        packet = getattr(torch.ops.aten, op, None)
+        if packet is not None and overload in packet.overloads():
+            out.add(getattr(packet, overload))
+    return out
+
+
 SAVE_OPS = frozenset(
     {
-        "aten.mm.default",
-        "aten.addmm.default",
-        "aten._grouped_mm.default",
-        "aten._scaled_dot_product_flash_attention.default",
-        "aten._scaled_dot_product_efficient_attention.default",
-        "aten._scaled_dot_product_cudnn_attention.default",
-        "aten._scaled_dot_product_flash_attention_for_cpu.default",
-        "flash_attn._flash_attn_forward.default",
-        "flash_attn._flash_attn_varlen_forward.default",
+        *_aten(
+            "mm.default",
+            "addmm.default",
+            "_grouped_mm.default",
+            "_scaled_dot_product_flash_attention.default",
+            "_scaled_dot_product_efficient_attention.default",
+            "_scaled_dot_product_cudnn_attention.default",
+            "_scaled_dot_product_flash_attention_for_cpu.default",
+        ),
+        torch.ops.higher_order.flex_attention,
     }
 )
-"""Ops (by name, so flash-attn's count wherever it is installed) whose outputs selective checkpointing keeps:
-the matmuls, including ``nn.Linear`` with a bias and the MoE experts' grouped GEMMs, and the fused attention
-kernels, whose outputs include the log-sum-exp their backward needs."""
+"""Ops whose outputs selective checkpointing keeps: the matmuls, including ``nn.Linear`` with a bias and the MoE
+experts' grouped GEMMs, and the fused attention kernels, whose outputs include the log-sum-exp their backward
+needs; FlexAttention is a higher-order op (``torch.ops.higher_order.flex_attention``: output, log-sum-exp, row
+maxima), which recomputed would run its forward again in every backward. The policy compares these op objects,
+never their printed names (a name it does not spell exactly is silently recomputed)."""
+FLASH_ATTN_OPS = ("_flash_attn_forward", "_flash_attn_varlen_forward")
+"""flash-attn's forward ops (``torch.ops.flash_attn``), kept as well once the package has registered them."""
+_SAVED: list = [SAVE_OPS, False]
+"""(the ops kept, flash-attn's found): flash-attn may load after this module (with the model), so it is looked up
+once it is in ``sys.modules``."""
+
+
+def save_ops() -> frozenset:
+    """:data:`SAVE_OPS`, plus flash-attn's forward ops where flash-attn is loaded."""
+    if not _SAVED[1] and "flash_attn" in sys.modules:
+        flash = {getattr(torch.ops.flash_attn, n).default for n in FLASH_ATTN_OPS if hasattr(torch.ops.flash_attn, n)}
+        if flash:
+            _SAVED[:] = [SAVE_OPS | flash, True]
+    return _SAVED[0]
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
     """Keep what costs FLOPs to recompute; recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if str(func) in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if func in save_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_context(policy: Callable = selective_policy) -> Any:

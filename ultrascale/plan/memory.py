@@ -299,7 +299,8 @@ def activation_bytes_per_token_layer(arch: Arch, lay: Layout, mode: str | bool) 
 
 def _selective_matmul_bytes(arch: Arch, lay: Layout, e: int, h: int, h_q: int, kv: int) -> float:
     """What per-op selective checkpointing keeps of a layer besides its input: the matmuls' and the attention
-    kernel's outputs (``ultrascale.model.recompute.SAVE_OPS``), per token."""
+    kernel's outputs (``ultrascale.model.recompute.SAVE_OPS``: SDPA's, flash-attn's and FlexAttention's), per
+    token. FlexAttention also keeps its fp32 row maxima, 4 bytes a head, not counted (under 1 % of a layer)."""
     attn = e * (h_q + 2 * kv) + e * h  # q, k, v projections and o_proj
     if lay.attn != "eager":  # the fused kernel's output and fp32 log-sum-exp; eager's bmm are recomputed
         attn += e * h_q + 4 * arch.heads
