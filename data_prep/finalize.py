@@ -20,6 +20,7 @@ from data_prep.tokenizer import EOS, SPECIAL_TOKENS, load_dir
 from data_prep.tokens import pack_units
 from data_prep.work import STAGES, Ctx, add_stats, crash_hook, stage_stats
 from ultrascale.data.shards import write_manifest
+from ultrascale.data.tokcheck import VOCAB_KEY, vocab_sha256
 from ultrascale.jsonio import read_json, write_jsonl
 
 DOC_STAGES = ("license", "exact_dedup", "near_dedup", "pii", "decontam")
@@ -157,6 +158,7 @@ def finalize_unit(ctx: Ctx, unit: int) -> dict:
         "seed": cfg.seed,
         "buckets": B,
         "special_tokens": {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
+        VOCAB_KEY: vocab_sha256(work.out / "tokenizer"),
         "fim": {
             "applied": "prep_time",
             "rate": cfg.fim.rate,

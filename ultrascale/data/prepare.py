@@ -19,6 +19,7 @@ from ultrascale.config.compose import resolve_path
 from ultrascale.config.schema import DataConfig
 from ultrascale.data.shards import MANIFEST, load_manifest, open_split
 from ultrascale.data.sources import check_agree, is_mixture, sources
+from ultrascale.data.tokcheck import check_tokenizer, prep_command, read_vocab
 from ultrascale.errors import DataError, UltrascaleError
 
 log = logging.getLogger("ultrascale")
@@ -30,8 +31,14 @@ def is_builtin_corpus(path: str | Path) -> bool:
     return resolve_path(path) == resolve_path(BUILTIN_CORPUS)
 
 
-def _not_prepared(key: str, path: Path, seq_len: int) -> str:
+def _not_prepared(key: str, path: Path, seq_len: int, model_dir: Path | None = None) -> str:
     what = "does not exist" if not path.exists() else f"has no {MANIFEST}"
+    if _has_tokenizer(model_dir):  # a fresh BPE's ids would mean other tokens to a pretrained model
+        return (
+            f"{key}={path} {what}: check the path, or prepare it with model.pretrained_path's own tokenizer: "
+            f"`{prep_command(path, model_dir, seq_len)}` (which reads this Python's stdlib; add "
+            "input=<your source dir> for your own code)"
+        )
     return (
         f"{key}={path} {what}: check the path, or prepare it with "
         f"`python -m data_prep input=<your source dir> output_dir={path} pack.seq_len={seq_len}` "
@@ -71,29 +78,39 @@ def _ensure_one(data: DictConfig, key: str, path: Path) -> str | None:
     return error
 
 
-def check_prepared(data: DictConfig, model_vocab: int, dry_run: bool = False) -> str:
-    """Every source checked (:func:`check_one`), then that they share one tokenizer; one line per source."""
+def _has_tokenizer(model_dir: Path | None) -> bool:
+    return model_dir is not None and read_vocab(model_dir) is not None
+
+
+def check_prepared(data: DictConfig, model_vocab: int, dry_run: bool = False, model_dir: Path | None = None) -> str:
+    """Every source checked (:func:`check_one`), then that they share one tokenizer; one line per source.
+    ``model_dir``: the pretrained model (``model.pretrained_path``, resolved), whose tokenizer the data must have."""
     lines = [
-        (f"{s.name}: " if is_mixture(data) else "") + check_one(data, _key(data, s.name), s.path, model_vocab, dry_run)
+        (f"{s.name}: " if is_mixture(data) else "")
+        + check_one(data, _key(data, s.name), s.path, model_vocab, dry_run, model_dir)
         for s in sources(data)
     ]
     check_agree(data)
     return "; ".join(lines)
 
 
-def check_one(data: DictConfig, key: str, path: Path, model_vocab: int, dry_run: bool = False) -> str:
+def check_one(
+    data: DictConfig, key: str, path: Path, model_vocab: int, dry_run: bool = False, model_dir: Path | None = None
+) -> str:
     """Read-only: does the source at ``path`` (config key ``key``) fit this run (or will it be prepared)? One line
     saying what it holds.
 
     Run before anything is written (and again after on-demand preparation), so a missing, corrupt or
     mismatched dataset fails with its file named, not after the run directory and checkpoints exist. With
-    ``data.verify_checksums`` every shard is hashed here, once. A ``dry_run`` only notes a missing corpus.
+    ``data.verify_checksums`` every shard is hashed here, once. A ``dry_run`` only notes a missing corpus. With a
+    pretrained ``model_dir``, the data must be tokenized by its tokenizer (:func:`check_tokenizer`).
     """
     if not (path / MANIFEST).exists():
-        if not is_builtin_corpus(path):
+        if not is_builtin_corpus(path) or _has_tokenizer(model_dir):
+            # the built-in corpus is prepared with a fresh BPE, which a pretrained model does not read
             if dry_run:  # a dry run plans for hardware (and a corpus) this machine may not have
-                return f"not here: a real run stops with: {_not_prepared(key, path, int(data.seq_len))}"
-            raise DataError(_not_prepared(key, path, int(data.seq_len)))
+                return f"not here: a real run stops with: {_not_prepared(key, path, int(data.seq_len), model_dir)}"
+            raise DataError(_not_prepared(key, path, int(data.seq_len), model_dir))
         if not data.prepare_if_missing:
             raise DataError(
                 f"{key}={path} has no {MANIFEST}: run `python -m data_prep output_dir={path}` first "
@@ -112,6 +129,7 @@ def check_one(data: DictConfig, key: str, path: Path, model_vocab: int, dry_run:
             f"{path} was tokenized with {vocab} tokens but model.config.vocab_size={model_vocab}: set "
             f"model.config.vocab_size={vocab} (or larger) or prepare the data with a smaller tokenizer"
         )
+    check_tokenizer(path, key, model_dir, "model.pretrained_path")
     n = {s: len(open_split(path, s, verify=data.verify_checksums)) for s in ("train", "validation")}
     checked = ", every shard's sha256 checked" if data.verify_checksums else ""
     return (

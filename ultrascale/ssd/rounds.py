@@ -33,6 +33,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ultrascale.config.compose import resolve_path
+from ultrascale.data.tokcheck import check_tokenizer
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.jsonio import read_json, read_jsonl, write_json, write_jsonl
 from ultrascale.ssd.config import STAGES, Stage
@@ -248,6 +249,8 @@ class SSDRun:
         args = train_overrides(
             self.cfg.finetune, rnd.input_model, rnd.path("sft_data"), run_dir, steps, self.cfg.sft.seq_len
         )
+        # in-process and before train.py's ranks start: the same refusal train.py's preflight makes, cheaper
+        check_tokenizer(rnd.path("sft_data"), "sft_data", rnd.input_model, f"round {rnd.index}'s input model")
         if finished(run_dir, steps):
             log.info(f"ssd: {run_dir} already holds step {steps}: not relaunching")
         else:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ultrascale.data.shards import write_samples
+from ultrascale.data.tokcheck import VOCAB_KEY, vocab_sha256
 from ultrascale.errors import DataError
 
 HEALED = "healed (the prompt's trailing newlines start the completion)"
@@ -163,7 +164,7 @@ def write_packed(
         vocab_size=len(tokenizer),
         eos_token_id=pad,
         tokenizer="tokenizer",
-        extra={key: stats},
+        extra={key: stats, VOCAB_KEY: vocab_sha256(tmp / "tokenizer")},
         loss_masks={"train": [train[1]], "validation": [val[1]]},
     )
     shutil.rmtree(out, ignore_errors=True)

@@ -20,6 +20,7 @@ from ultrascale.config.length import on_resume
 from ultrascale.data.prepare import check_prepared
 from ultrascale.data.shards import MANIFEST, load_manifest
 from ultrascale.data.sources import primary_path, sources
+from ultrascale.data.tokcheck import pretrained_dir
 from ultrascale.errors import DataError
 from ultrascale.model.build import build_hf_config
 from ultrascale.train import checkpoint
@@ -48,7 +49,8 @@ def preflight(cfg: DictConfig, d: Decisions) -> Preflight:
     ``config.yaml`` and ``ds_config.json`` still describe the run that made the checkpoint."""
     hf = build_hf_config(cfg.model)  # a missing model.pretrained_path fails here
     data_checked = all((s.path / MANIFEST).exists() for s in sources(cfg.data))
-    found = {"data": check_prepared(cfg.data, hf.vocab_size, dry_run=bool(cfg.get("dry_run", False)))}
+    dry = bool(cfg.get("dry_run", False))
+    found = {"data": check_prepared(cfg.data, hf.vocab_size, dry_run=dry, model_dir=pretrained_dir(cfg.model))}
     if cfg.model.pretrained_path:
         found["weights"] = f"from {cfg.model.pretrained_path}"
     ckpt_dir = resolve_path(cfg.output_dir) / "checkpoints"

@@ -1,0 +1,160 @@
+"""A pretrained model never meets prepared data of another tokenizer (issue 48 part 4).
+
+``recipe=smollm2_135m_lora data.path=data/stdlib`` used to train SmolLM2 on the project's own BPE ids without a
+word. The data here is real: data prep's own BPE on stdlib files, and SmolLM2's tokenizer (``smollm2_data``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, TEST_ENV
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory) -> Path:
+    """20 stdlib files through data prep with its own freshly trained 512-token BPE, 64-token samples."""
+    from data_prep.api import prepare
+
+    out = tmp_path_factory.mktemp("bpe") / "data"
+    prepare(str(out), seq_len=64, vocab_size=512, max_files=20)
+    return out
+
+
+def _swapped_tokenizer(smollm2: Path, out: Path) -> Path:
+    """SmolLM2's tokenizer with two ordinary tokens' ids swapped: the same size and special-token ids, another
+    vocabulary (only the hash tells them apart)."""
+    shutil.copytree(smollm2, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    tok = json.loads((out / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = "def", "class"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    return out
+
+
+def _dataset(out: Path, tok_dir: Path, vocab_size: int, special: dict | None, with_hash: bool) -> Path:
+    import numpy as np
+
+    from ultrascale.data.shards import write_samples
+    from ultrascale.data.tokcheck import VOCAB_KEY, vocab_sha256
+
+    shutil.copytree(tok_dir, out / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors"))
+    ids = np.arange(64 * 4).reshape(4, 64) % 1000
+    extra = {"special_tokens": special} if special else {}
+    if with_hash:
+        extra[VOCAB_KEY] = vocab_sha256(out / "tokenizer")
+    write_samples(out, {"train": [ids], "validation": [ids]}, seq_len=64, vocab_size=vocab_size, eos_token_id=0,
+                  tokenizer="tokenizer", extra=extra)  # fmt: skip
+    return out
+
+
+def test_data_prep_records_the_vocabulary_hash_both_sides_compute_alike(bpe_data, smollm2_data, smollm2_135m):
+    from ultrascale.data.tokcheck import VOCAB_KEY, vocab_sha256
+
+    bpe, smol = (json.loads((d / "manifest.json").read_text()) for d in (bpe_data, smollm2_data))
+    assert bpe[VOCAB_KEY] == vocab_sha256(bpe_data / "tokenizer")
+    assert smol[VOCAB_KEY] == vocab_sha256(smollm2_135m)  # the model's own directory: the same vocabulary
+    assert bpe[VOCAB_KEY] != smol[VOCAB_KEY]
+
+
+def test_the_models_own_tokenizer_passes(smollm2_data, smollm2_135m):
+    from ultrascale.config.compose import compose
+    from ultrascale.data.prepare import check_prepared
+    from ultrascale.data.tokcheck import check_tokenizer, pretrained_dir
+
+    check_tokenizer(smollm2_data, "data.path", smollm2_135m, "model.pretrained_path")
+    cfg = compose(["recipe=smollm2_135m_lora", f"model.pretrained_path={smollm2_135m}", f"data.path={smollm2_data}",
+                   "data.seq_len=64"])  # fmt: skip
+    assert "train /" in check_prepared(cfg.data, 49152, model_dir=pretrained_dir(cfg.model))
+
+
+def test_train_refuses_another_tokenizers_data_in_one_line_and_writes_nothing(bpe_data, smollm2_135m, tmp_path):
+    """The issue's command, on one rank: the refusal comes from the preflight, before the run directory exists."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=smollm2_135m_lora", f"model.pretrained_path={smollm2_135m}",
+           f"data.path={bpe_data}", "data.seq_len=64", "train.steps=2", f"output_dir={out}"]  # fmt: skip
+    # 120 s is a hang guard: without the check this trains (and writes a checkpoint)
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, **TEST_ENV}, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr[-3000:]
+    line = errors[0]
+    assert f"data.path={bpe_data}" in line and f"by {bpe_data / 'tokenizer'}," in line, line
+    assert f"model.pretrained_path={smollm2_135m}" in line and "512 vs 49,152 tokens" in line, line
+    assert f"tokenizer.path={smollm2_135m} fim.rate=0 pack.seq_len=64" in line, line
+    assert not out.exists(), sorted(p.name for p in out.rglob("*"))
+
+
+def test_a_vocabulary_of_the_same_size_and_special_ids_is_told_apart_by_its_hash(smollm2_135m, tmp_path):
+    from ultrascale.data.tokcheck import check_tokenizer
+    from ultrascale.errors import DataError
+
+    swapped = _swapped_tokenizer(smollm2_135m, tmp_path / "swapped")
+    data = _dataset(tmp_path / "data", swapped, 49152, {"<|endoftext|>": 0}, with_hash=True)
+    with pytest.raises(DataError, match=r"49,152 vs 49,152 tokens, vocabulary sha256 \w{12} vs \w{12}"):
+        check_tokenizer(data, "data.path", smollm2_135m, "model.pretrained_path")
+
+
+def test_a_manifest_without_the_hash_falls_back_to_size_and_special_ids(smollm2_135m, tiny_data, tmp_path):
+    """Manifests from before the hash stay readable: what they record (size, special-token ids) is compared."""
+    from ultrascale.data.tokcheck import check_tokenizer
+    from ultrascale.errors import DataError
+
+    swapped = _swapped_tokenizer(smollm2_135m, tmp_path / "swapped")
+    same = _dataset(tmp_path / "same", swapped, 49152, {"<|endoftext|>": 0, "<fim_prefix>": None}, with_hash=False)
+    check_tokenizer(same, "data.path", smollm2_135m, "model.pretrained_path")  # all the old manifest can tell
+    moved = _dataset(tmp_path / "moved", swapped, 49152, {"<|endoftext|>": 7}, with_hash=False)
+    with pytest.raises(DataError, match=r"<\|endoftext\|> is id 7 vs 0"):
+        check_tokenizer(moved, "data.path", smollm2_135m, "model.pretrained_path")
+    with pytest.raises(DataError, match=r"257 vs 49,152 tokens"):  # byte-level data: no tokenizer, no hash
+        check_tokenizer(tiny_data, "data.path", smollm2_135m, "model.pretrained_path")
+
+
+def test_eval_perplexity_refuses_another_tokenizers_data_before_loading_the_model(bpe_data, smollm2_135m):
+    from ultrascale.config.compose import compose
+    from ultrascale.data.tokcheck import shown
+    from ultrascale.errors import DataError
+    from ultrascale.eval.config import register_eval_configs
+    from ultrascale.eval.run import run
+
+    register_eval_configs()
+    cfg = compose([f"model_dir={smollm2_135m}", "tasks=[perplexity]", f"perplexity.data_path={bpe_data}",
+                   "output_dir=/nonexistent/never"], config_name="eval")  # fmt: skip
+    want = rf"perplexity.data_path={re.escape(shown(bpe_data))} .* not by model_dir={re.escape(shown(smollm2_135m))}'s"
+    with pytest.raises(DataError, match=want):
+        run(cfg)
+
+
+def test_missing_data_for_a_pretrained_recipe_names_the_command_with_its_tokenizer(smollm2_135m, tmp_path,
+                                                                                     monkeypatch):  # fmt: skip
+    """Without its data a pretrained recipe used to suggest `python -m data_prep input=...`, which trains a fresh
+    BPE that the model cannot read; it gives data prep with the model's tokenizer (as the recipe's Setup does)."""
+    from ultrascale.config.compose import compose
+    from ultrascale.data.prepare import check_prepared
+    from ultrascale.data.tokcheck import pretrained_dir
+    from ultrascale.errors import DataError
+
+    monkeypatch.chdir(ROOT)  # where the recipe's relative model.pretrained_path is typed
+    missing = tmp_path / "stdlib_smollm2"
+    cfg = compose(["recipe=smollm2_135m_lora", f"data.path={missing}"])
+    assert pretrained_dir(cfg.model) == smollm2_135m.resolve()
+    with pytest.raises(DataError) as e:
+        check_prepared(cfg.data, 49152, model_dir=pretrained_dir(cfg.model))
+    msg = str(e.value)
+    assert f"`python -m data_prep output_dir={missing} tokenizer.path=models/smollm2-135m fim.rate=0 " \
+           "pack.seq_len=256`" in msg, msg  # fmt: skip
+    assert "input=<your source dir> output_dir=" not in msg, msg
+    # a model trained from scratch still gets the generic command
+    fresh = compose([f"data.path={missing}"])
+    with pytest.raises(DataError, match=r"python -m data_prep input=<your source dir> output_dir="):
+        check_prepared(fresh.data, 4096, model_dir=pretrained_dir(fresh.model))
