@@ -106,6 +106,67 @@ def requirements(with_wandb: bool) -> list[str]:
     return keep + list(GPU_EXTRAS)
 
 
+def resolve_installed(pins: list[str]) -> tuple[dict[str, str], list[str]]:
+    """What ``pins`` resolve to from this interpreter's installed distributions alone (their metadata, followed
+    through ``Requires-Dist`` with markers and extras, as pip would): ``({name: version}, problems)``. No
+    registry, so it runs in every test session; a problem is a pin or dependency that is not installed (a
+    misspelt name, a package the venv lacks) or installed at a version the pin or its parent does not accept."""
+    from importlib import metadata
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    env = default_environment()
+    found: dict[str, str] = {}
+    done: set[tuple[str, str]] = set()
+    problems: list[str] = []
+    todo = [(Requirement(p), "requirements.txt") for p in pins]
+    while todo:
+        req, parent = todo.pop()
+        name = norm(req.name)
+        if NEVER.match(name):
+            continue
+        try:
+            dist = metadata.distribution(req.name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{req} ({parent}) is not installed in {sys.prefix}: misspelt, or missing from the venv")
+            continue
+        if not req.specifier.contains(dist.version, prereleases=True):
+            problems.append(f"{req} ({parent}): {sys.prefix} has {dist.version}")
+        found[name] = dist.version
+        for extra in ("", *sorted(req.extras)):
+            if (name, extra) in done:
+                continue
+            done.add((name, extra))
+            for r in map(Requirement, dist.requires or []):
+                if r.marker is None or r.marker.evaluate({**env, "extra": extra}):
+                    todo.append((r, f"needed by {name}"))
+    return found, problems
+
+
+def list_problems(pins: list[str] | None = None) -> list[str]:
+    """The wheelhouse's list checked against this venv, which ``make setup`` installs from the same pins: every
+    pin and dependency installed at a version it accepts, and every module ``--check`` imports provided by a
+    distribution the list reaches. ``GPU_EXTRAS`` are not in a CPU venv and are left to the build."""
+    from importlib import metadata
+
+    pins = [p for p in requirements(with_wandb=True) if p not in GPU_EXTRAS] if pins is None else pins
+    found, problems = resolve_installed(pins)
+    gpu_only = {norm(re.split(r"[=<>!~\[ ]", p, maxsplit=1)[0]) for p in GPU_EXTRAS}
+    providers = metadata.packages_distributions()
+    for module in (*IMPORTS, *TORCH_IMPORTS):
+        top = module.split(".")[0]
+        if norm(top) in gpu_only:
+            continue
+        dists = sorted({norm(d) for d in providers.get(top, [])})
+        if not set(dists) & set(found):
+            source = ", ".join(dists) or "no installed distribution"
+            problems.append(
+                f"module {top} (imported on the node) comes from {source}, which no pin of the list reaches"
+            )
+    return problems
+
+
 def _pip(py: str, *args: str, env: dict | None = None) -> None:
     cmd = [py, "-m", "pip", *args]
     proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True)

