@@ -193,8 +193,8 @@ def _try_kernel(impl: str, device: torch.device | None) -> str | None:
         return None
     try:
         cuda = device.type == "cuda"
-        dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
-        with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+        with torch.cuda.device(device) if cuda else contextlib.nullcontext():  # not GPU 0's context: this rank's
+            dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
             hidden = torch.randn(1, 64, device=device, dtype=dtype, requires_grad=True)
             weight = torch.randn(128, 64, device=device, dtype=dtype, requires_grad=True)
             call(hidden, weight, torch.tensor([3], device=device), IGNORE_INDEX, "mean").backward()
