@@ -7,6 +7,7 @@ fill-in-the-middle on held-out files.
     python eval.py model_dir=exports/demo perplexity.data_path=data/stdlib
     python eval.py model_dir=DIR tasks=[humaneval] humaneval.temperature=0.8 humaneval.n_samples=20 humaneval.k=[1,10]
     python eval.py model_dir=DIR tasks=[fim] fim.data=data/stdlib fim.modes=[psm,spm]   # FIM on held-out files
+    python eval.py model_dir=DIR tasks=[infill] infill.benchmark=single-line infill.mode=psm   # HumanEval-Infilling
 
 Writes <output_dir>/eval_results.json (default <run_dir>/eval/<tag>) and logs to the run's wandb.
 HumanEval executes model-written code in a kernel sandbox (ultrascale/eval/sandbox.py): it needs root.

@@ -153,7 +153,7 @@ def test_eval_config_typos_and_bad_combinations_fail_with_the_key():
         check(_eval_cfg([]))
     with pytest.raises(ConfigError, match="n_samples"):
         check(_eval_cfg(["model_dir=x", "humaneval.k=[1,10]", "humaneval.n_samples=5", "humaneval.temperature=0.8"]))
-    with pytest.raises(ConfigError, match=r"tasks.*'mmlu' is not one of \[perplexity, humaneval, fim\]"):
+    with pytest.raises(ConfigError, match=r"tasks.*'mmlu' is not one of \[perplexity, humaneval, fim, infill\]"):
         check(_eval_cfg(["model_dir=x", "tasks=[mmlu]"]))
     with pytest.raises(ConfigError, match=r"dtype='fp8' is not one of \[fp32, bf16, fp16\]"):
         _eval_cfg(["model_dir=x", "dtype=fp8"])

@@ -15,12 +15,14 @@ from hydra.core.config_store import ConfigStore
 from ultrascale.config.fields import num
 from ultrascale.config.schema import Autocast, Precision
 from ultrascale.errors import ConfigError
+from ultrascale.eval.infill import InfillBenchmark
 
 
 class Task(StrEnum):
     perplexity = "perplexity"
     humaneval = "humaneval"
     fim = "fim"
+    infill = "infill"
 
 
 TASKS = tuple(Task)
@@ -121,6 +123,41 @@ class FimConfig:
 
 
 @dataclass
+class InfillConfig:
+    """``tasks=[infill]``: HumanEval-Infilling (``ultrascale/eval/infill.py``), scored by execution in the sandbox."""
+
+    benchmark: InfillBenchmark = InfillBenchmark["single-line"]
+    """``single-line`` (1,033 tasks), ``multi-line`` (5,815): the FIM paper's sets; ``random-span`` (1,640): ours."""
+    mode: FimMode = FimMode.psm
+    """``psm``, ``spm`` (the tokenizer's FIM tokens, data prep's layout) or ``l2r`` (the prompt alone, the suffix
+    appended: the left-to-right baseline)."""
+    limit: int | None = num(None, ge=1)
+    """Evaluate the first N tasks (the reference's order: problem by problem), so subsets compare."""
+    n_samples: int = num(1, ge=1)
+    """Completions per task; pass@k needs n_samples >= k."""
+    temperature: float = num(0.0, ge=0)
+    """0 = greedy (pass@1); pass@k with k > 1 needs sampling, e.g. 0.8 with n_samples=20."""
+    top_p: float = num(0.95, gt=0, le=1)
+    """Nucleus sampling cutoff (sampling only)."""
+    k: list[int] = num(default_factory=lambda: [1], ge=1)
+    """The k values to report pass@k for; each must be <= n_samples."""
+    max_new_tokens: int = num(128, ge=1)
+    """Generation budget per middle (EOS, a single line's newline, a top-level statement in l2r end it sooner)."""
+    batch_size: int = num(16, ge=1)
+    """Rows the sampler keeps in flight."""
+    seed: int = num(1234, ge=0)
+    """Seeds sampling."""
+    span_seed: int = num(0, ge=0)
+    """``random-span`` only: the seed its spans are drawn with (``python -m ultrascale.eval.infill write --seed``)."""
+    timeout_s: float = num(10.0, gt=0)
+    """Wall-clock limit per test program in the sandbox."""
+    memory_mb: int = num(1024, ge=16)
+    """Address-space limit per test program."""
+    workers: int = num(2, ge=1)
+    """Test programs run at once (each in its own sandbox)."""
+
+
+@dataclass
 class EvalConfig:
     run_dir: str | None = None
     """A training run directory (config.yaml + checkpoints/): evaluates its checkpoint ``step``."""
@@ -131,7 +168,7 @@ class EvalConfig:
     tokenizer_dir: str | None = None
     """Tokenizer directory; defaults to model_dir, or to the run's prepared-data tokenizer."""
     tasks: list[Task] = field(default_factory=lambda: list(TASKS))
-    """Which evaluations to run: any of ``perplexity``, ``humaneval``, ``fim``."""
+    """Which evaluations to run: any of ``perplexity``, ``humaneval``, ``fim``, ``infill``."""
     output_dir: str | None = None
     """Where eval_results.json goes; defaults to ``<run_dir>/eval/<tag>`` or ``<model_dir>/eval``."""
     dtype: Precision = Precision.fp32
@@ -144,27 +181,33 @@ class EvalConfig:
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
     humaneval: HumanEvalConfig = field(default_factory=HumanEvalConfig)
     fim: FimConfig = field(default_factory=FimConfig)
+    infill: InfillConfig = field(default_factory=InfillConfig)
 
 
 def check(cfg: Any) -> None:
     """The rules between eval's keys, each failing with the key, the value and the fix."""
     if bool(cfg.run_dir) == bool(cfg.model_dir):
         raise ConfigError("give exactly one of run_dir=DIR (a training run) or model_dir=DIR (an HF model directory)")
-    he = cfg.humaneval
-    if "humaneval" in cfg.tasks:
-        if he.temperature <= 0 and he.n_samples != 1:
-            raise ConfigError(
-                f"humaneval.n_samples={he.n_samples} with temperature=0: greedy samples are identical; "
-                "set humaneval.temperature=0.8 (sampling) or n_samples=1"
-            )
-        too_big = [k for k in he.k if k > he.n_samples]
-        if too_big:
-            raise ConfigError(f"humaneval.k={list(he.k)} needs n_samples >= {max(too_big)}: raise humaneval.n_samples")
+    for task in ("humaneval", "infill"):
+        if task in cfg.tasks:
+            _check_sampling(task, cfg[task])
     if "perplexity" in cfg.tasks and cfg.model_dir and not cfg.perplexity.data_path:
         raise ConfigError("perplexity with model_dir= needs perplexity.data_path=DIR (a prepared dataset)")
     if "fim" in cfg.tasks and cfg.model_dir and not cfg.fim.data:
         raise ConfigError("fim with model_dir= needs fim.data=DIR (a prepared dataset: its validation repositories' "
                           "files are the held-out files)")  # fmt: skip
+
+
+def _check_sampling(key: str, node: Any) -> None:
+    """pass@k's rules for a task that samples ``n_samples`` completions (``humaneval``, ``infill``)."""
+    if node.temperature <= 0 and node.n_samples != 1:
+        raise ConfigError(
+            f"{key}.n_samples={node.n_samples} with temperature=0: greedy samples are identical; "
+            f"set {key}.temperature=0.8 (sampling) or n_samples=1"
+        )
+    too_big = [k for k in node.k if k > node.n_samples]
+    if too_big:
+        raise ConfigError(f"{key}.k={list(node.k)} needs n_samples >= {max(too_big)}: raise {key}.n_samples")
 
 
 def register_eval_configs() -> None:

@@ -73,6 +73,12 @@ def table(results: dict) -> str:
                   f"{fim[k.replace('exact_match', 'edit_similarity')]:.4f}, n={fim[k.replace('exact_match', 'n')]})")
                  for k, v in fim.items() if k.endswith("/exact_match")]  # fmt: skip
         rows.append(("fim held-out files", f"{fim['files']} files, {fim['spans']} spans"))
+    inf = results["tasks"].get("infill")
+    if inf:
+        rows += [(f"infill {k}", f"{v:.4f}") for k, v in inf.items() if k.startswith("pass@")]
+        rows.append(("infill exact match", f"{inf['exact_match']:.4f}"))
+        rows.append(("infill tasks", f"{inf['benchmark']} {inf['mode']}: {inf['tasks']} of {inf['of']} x "
+                     f"{inf['n_samples']} sample(s), T={inf['temperature']}"))  # fmt: skip
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
@@ -82,7 +88,6 @@ def run(cfg: DictConfig) -> dict:
     from transformers import AutoTokenizer
 
     from ultrascale.data.shards import load_manifest
-    from ultrascale.data.tokcheck import check_tokenizer
     from ultrascale.eval import humaneval
     from ultrascale.eval.perplexity import perplexity
     from ultrascale.eval.sandbox import Limits, check_available
@@ -95,7 +100,7 @@ def run(cfg: DictConfig) -> dict:
 
         run_data = primary_path(OmegaConf.load(resolve_path(cfg.run_dir) / "config.yaml").data) if cfg.run_dir else None
         fim_docs = fim.held_out_documents(str(cfg.fim.data or run_data), cfg.fim.input)
-    if "humaneval" in cfg.tasks:
+    if "humaneval" in cfg.tasks or "infill" in cfg.tasks:
         check_available()  # a machine that cannot sandbox says so before any model is exported or loaded
     results: dict = {"tasks": {}}
     with ExitStack() as stack:
@@ -117,15 +122,15 @@ def run(cfg: DictConfig) -> dict:
             results["model"] = str(model_dir)
             out_dir = resolve_path(cfg.output_dir) if cfg.output_dir else model_dir / "eval"
             tok_dir = cfg.tokenizer_dir or model_dir
-        if "perplexity" in cfg.tasks:  # the data's ids must be the model's tokens: checked before it loads
-            model_key = "tokenizer_dir" if cfg.tokenizer_dir else ("model_dir" if cfg.model_dir else "run_dir's export")
-            data_key = "perplexity.data_path" if cfg.perplexity.data_path else "data.path of run_dir"
-            check_tokenizer(data_path, data_key, resolve_path(tok_dir), model_key)
         model = load_pretrained(model_dir, str(cfg.dtype), str(cfg.device))
         log.info(f"eval: {model_dir} on {model.device} ({cfg.dtype})")
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
         if "fim" in cfg.tasks and any(str(m) != "l2r" for m in cfg.fim.modes):
             fim.fim_tokens(tokenizer, str(results["model"]))  # a model without them: one line before any task runs
+        if "infill" in cfg.tasks and str(cfg.infill.mode) != "l2r":
+            from ultrascale.eval.fim import fim_tokens
+
+            fim_tokens(tokenizer, str(results["model"]))
         if "perplexity" in cfg.tasks:
             load_manifest(data_path)  # fail with the data error before loading anything heavier
             p = cfg.perplexity
@@ -164,11 +169,24 @@ def run(cfg: DictConfig) -> dict:
                                batch_size=f.batch_size, model_name=str(results["model"]), progress=True)  # fmt: skip
             fim_samples = res.pop("samples")
             results["tasks"]["fim"] = res
+        if "infill" in cfg.tasks:
+            from ultrascale.eval import infill
+
+            i = cfg.infill
+            res = infill.evaluate(model, tokenizer, benchmark=str(i.benchmark), mode=str(i.mode), limit=i.limit,
+                                  n_samples=i.n_samples, temperature=i.temperature, top_p=i.top_p, ks=list(i.k),
+                                  max_new_tokens=i.max_new_tokens, batch_size=i.batch_size, seed=i.seed,
+                                  span_seed=i.span_seed, limits=Limits(timeout_s=i.timeout_s, memory_mb=i.memory_mb),
+                                  workers=i.workers, model_name=str(results["model"]), progress=True)  # fmt: skip
+            infill_samples = res.pop("samples")
+            results["tasks"]["infill"] = res
     out_dir.mkdir(parents=True, exist_ok=True)
     if "humaneval" in cfg.tasks:
         write_jsonl(out_dir / "humaneval_samples.jsonl", samples)
     if "fim" in cfg.tasks:
         write_jsonl(out_dir / "fim_samples.jsonl", fim_samples)
+    if "infill" in cfg.tasks:  # {task_id, completion, ...}: what `python -m ultrascale.eval.infill score` reads
+        write_jsonl(out_dir / "infill_samples.jsonl", infill_samples)
     results["config"] = OmegaConf.to_container(cfg, resolve=True)
     write_json(out_dir / "eval_results.json", results)
     print(table(results) + f"\nwrote {out_dir / 'eval_results.json'}", flush=True)
