@@ -61,7 +61,7 @@ def micro(gb: float, modes: tuple[str, ...] = ("pinned", "pageable")) -> list[di
     """First (allocating) and later (reusing) staging copies of a ``gb`` GB state per mode, in GB/s."""
     import torch
 
-    from ultrascale.train.ckpt_writer import Staging, snapshot
+    from ultrascale.train.ckpt_writer import Staging
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     state = micro_state(gb, device)
@@ -74,7 +74,7 @@ def micro(gb: float, modes: tuple[str, ...] = ("pinned", "pageable")) -> list[di
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            snap = snapshot(state, copy=st.copier("state.pt"))
+            snap = st.stage("state.pt", state)
             st.sync()
             times.append(time.perf_counter() - t0)
         assert torch.equal(snap["flat"][0][:1000].cpu(), state["flat"][0][:1000].cpu())  # the copy landed

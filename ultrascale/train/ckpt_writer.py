@@ -7,13 +7,15 @@ CheckpointEngine` of our own into the engine (the interface DeepSpeed hands ever
 stage, the pipeline engine's layer files and MoE expert files alike):
 
 - ``save()`` copies the state dict's tensors into host staging buffers (:class:`Staging`), so the training step
-  that follows may change the live tensors. The buffers are allocated at the first save and reused by every
-  later one: copying into memory already touched is a memcpy (0.09 s for 0.8 GB here), while a fresh
+  that follows may change the live tensors. The buffers are allocated once (on CUDA after the first step, see
+  :meth:`ultrascale.train.checkpoint.Checkpointer.prestage`; elsewhere by the first save) and reused by every
+  later save: copying into memory already touched is a memcpy (0.09 s for 0.8 GB here), while a fresh
   allocation pays a page fault per 4 KiB under memory pressure (3-7 s for SmolLM2-135M's 0.8 GB optimizer shard
   on this 2-core box: slower than the synchronous save it was meant to hide). On CUDA they are pinned
-  (``train.checkpoint_staging``): the copies run as non-blocking device-to-host DMA on a side stream at the
-  link's speed, with one synchronisation per checkpoint, where a copy into pageable memory goes through the
-  driver's bounce buffer one chunk at a time (the first GPU run: 17 GB at ~1.9 GB/s, a 9.2 s stall);
+  (``train.checkpoint_staging``; one page-locked slab, :class:`_Slab`): the copies run as non-blocking
+  device-to-host DMA on a side stream at the link's speed, with one synchronisation per checkpoint, where a copy
+  into pageable memory goes through the driver's bounce buffer one chunk at a time (the first GPU run: 17 GB at
+  ~1.9 GB/s, a 9.2 s stall);
 - one background thread per rank ``torch.save``\\ s the queue to disk and fsyncs each file;
 - the trainer learns which checkpoint every rank has finished through the all-gather it makes each step anyway,
   and only then does rank 0 write the file list and move ``latest`` (:class:`ultrascale.train.checkpoint.
@@ -26,8 +28,12 @@ flight at a time (a save waits for the previous one to be written, so the buffer
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
 import logging
+import math
+import mmap
 import os
 import queue
 import threading
@@ -37,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
@@ -91,85 +98,237 @@ def staging_mode(requested: str, cuda: bool | None = None) -> str:
     return "pinned" if requested in ("auto", "pinned") and cuda else "pageable"
 
 
-def _pin(buf: torch.Tensor) -> torch.Tensor:
-    """Page-lock ``buf`` in place for DMA (exactly its size: torch's pinned allocator rounds every block up to a
-    power of two, ~1.5x the host memory for a checkpoint of a few large flat tensors). Its pages are touched
-    first by a multi-threaded fill, so the driver's single-threaded registration only locks them. Falls back to
-    torch's pinned allocator if the driver refuses."""
-    nbytes = buf.numel() * buf.element_size()
-    if nbytes == 0:
-        return buf
-    buf.view(-1).view(torch.uint8).zero_()
+PAGE = mmap.PAGESIZE
+VIEW_ALIGN = 512
+"""Where each pinned buffer starts inside its slab: a multiple of 512 bytes (a DMA engine's preferred alignment and
+a multiple of every dtype's size), so at most 511 bytes of padding a buffer; the padding is never written."""
+PIN_MIN_BYTES = 64 * 1024
+"""Device tensors below 64 KiB are staged into ordinary memory, unpinned: norms, biases, Adam's step counters,
+O(layers) of them. Their copy is bound by its fixed ~10 us latency, not by bandwidth (64 KiB through the driver's
+bounce buffer at ~2 GB/s is ~30 us, pinned ~3 us), so pinning them would save well under a millisecond a
+checkpoint while every one of them would sit in the slab's layout. Projections (SmolLM2-135M's smallest, k/v
+in bf16, is 221 KB; Llama-3.2-1B's 2 MiB) and the flat optimizer partitions are all above it."""
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+_REGISTER_FAILED: list[str] = []
+"""The first failed page-lock's message: said once a process."""
+
+
+def _libcudart(name: str) -> Callable[[], int] | None:
+    """``name`` from the libcudart this process has loaded (torch's ``cudart()`` binds no ``cudaGetLastError``):
+    found in ``/proc/self/maps`` so ctypes opens that same library, whose per-thread error slot torch reads."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "libcudart.so" in ln})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = getattr(ctypes.CDLL(path), name)
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+def _clear_last_error(cudart: Any) -> bool:
+    """Reset CUDA's last-error slot after a failed runtime call we handled: a failed ``cudaHostRegister`` leaves
+    its error there, and torch's next kernel-launch check (``cudaGetLastError``) raises it as if that kernel had
+    failed. Returns whether it could."""
+    get = getattr(cudart, "cudaGetLastError", None) or _libcudart("cudaGetLastError")
+    if get is None:
+        return False
+    get()
+    return True
+
+
+def _page_lock(ptr: int, nbytes: int, owner: Any) -> bool:
+    """``cudaHostRegister`` the page-aligned range ``[ptr, ptr + nbytes)``, unregistered when ``owner`` is
+    collected (after every view of it). On failure: CUDA's last error cleared, one warning, False (the caller
+    stages into the same memory unpinned: the copies then go through the driver's bounce buffer)."""
     cudart = torch.cuda.cudart()
-    ptr = buf.data_ptr()
-    if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:
-        log.warning(f"checkpoint staging: cudaHostRegister of {nbytes / 1e9:.2f} GB failed; torch's pinned allocator")
-        return torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
-    weakref.finalize(buf, cudart.cudaHostUnregister, ptr)
-    return buf
+    err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+    if err == 0:
+        weakref.finalize(owner, cudart.cudaHostUnregister, ptr).atexit = False  # exit releases it with the context
+        return True
+    cleared = _clear_last_error(cudart)
+    if not _REGISTER_FAILED:
+        _REGISTER_FAILED.append(f"error {err}")
+        log.warning(f"checkpoint staging: cudaHostRegister of {nbytes / 1e9:.2f} GB failed (CUDA error {err}); "
+                    "staging into the same memory unpinned (slower copies), "
+                    + ("CUDA's last error cleared" if cleared else "CUDA's last error could not be cleared"))  # fmt: skip
+    return False
 
 
-class Staging:
-    """Host buffers for a checkpoint's tensors, allocated at the first save and reused by every later one.
+class _Slab:
+    """One block of host memory that every pinned staging buffer is carved from, page-locked by ONE
+    ``cudaHostRegister``. A register per tensor failed on the second small one: small tensors share heap pages,
+    and a page already registered answers "already registered" (712), an error torch's next kernel launch then
+    raised. The block is an anonymous mmap (page-aligned, its size a whole number of pages, no page shared with
+    any other allocation). Each buffer is a separate tensor over its own bytes, not a view of one big tensor:
+    ``torch.save`` writes a view's whole storage, and refuses one storage read as two dtypes."""
 
-    A buffer is keyed by its file's name and the tensor's place in that file's state dict (every save of a run
-    writes the same files with the same tensors); it is reallocated only when that tensor's shape or dtype
-    changes. ``pinned`` (CUDA): buffers for device tensors are page-locked and filled by non-blocking copies on
-    a side stream, which ``sync()`` waits for once per checkpoint; host tensors (offloaded state) get ordinary
-    buffers, as pinning does nothing for a host-to-host copy. ``pageable``: ordinary buffers, blocking copies.
-    """
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = _round_up(max(nbytes, 1), PAGE)
+        self._array = np.frombuffer(mmap.mmap(-1, self.nbytes), dtype=np.uint8)
+        whole = torch.from_numpy(self._array)
+        self.ptr = whole.data_ptr()
+        whole.zero_()  # touched by torch's threads, so the driver's single-threaded registration only locks pages
+        self.pinned = _page_lock(self.ptr, self.nbytes, self._array)
 
-    def __init__(self, mode: str = "auto") -> None:
-        self.mode = staging_mode(mode)
-        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
-        self.allocations = 0
-        """Buffers allocated so far (a save that allocates nothing leaves it unchanged)."""
-        self.allocate_s = 0.0
-        """Seconds spent allocating (and pinning) buffers, all saves together."""
+    def view(self, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return torch.from_numpy(self._array[offset : offset + n]).view(dtype).view(shape)
+
+
+class _SideStream:
+    """Device-to-host copies on a side stream: the first copy of each file waits for the work queued before the
+    save (the state is final then), and ``sync`` waits for all of them, once per checkpoint."""
+
+    def __init__(self) -> None:
         self._stream: Any = None
         self._fence = False
         self._copying = False
 
-    @property
-    def nbytes(self) -> int:
-        """Host bytes the staging buffers hold."""
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+    def fence(self) -> None:
+        """The next file's state dict was computed by work queued after the previous file's copies."""
+        self._fence = True
 
-    def copier(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The ``copy`` for :func:`snapshot` of the file ``name``: fills that file's buffers in state-dict order."""
-        order = itertools.count()
-        self._fence = True  # this file's state dict was computed by work queued after the last file's copies
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            key = (name, next(order))
-            pinned = self.mode == "pinned" and t.is_cuda
-            buf = self.buffers.get(key)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                t0 = time.perf_counter()
-                buf = torch.empty(t.shape, dtype=t.dtype)
-                buf = _pin(buf) if pinned else buf
-                self.buffers[key] = buf
-                self.allocations += 1
-                self.allocate_s += time.perf_counter() - t0
-            if not pinned:
-                return buf.copy_(t)
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=t.device)
-            if self._fence:  # the state is final once the work queued before this save() has run
-                self._stream.wait_stream(torch.cuda.current_stream(t.device))
-                self._fence, self._copying = False, True
-            with torch.cuda.stream(self._stream):
-                buf.copy_(t, non_blocking=True)
-            t.record_stream(self._stream)  # a temporary of DeepSpeed's state dict is not reused before it is read
-            return buf
-
-        return copy
+    def copy(self, buf: torch.Tensor, t: torch.Tensor, non_blocking: bool) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=t.device)
+        if self._fence:
+            self._stream.wait_stream(torch.cuda.current_stream(t.device))
+            self._fence, self._copying = False, True
+        with torch.cuda.stream(self._stream):
+            buf.copy_(t, non_blocking=non_blocking)
+        t.record_stream(self._stream)  # a temporary of DeepSpeed's state dict is not reused before it is read
 
     def sync(self) -> None:
-        """Wait for the copies queued since the last call (the one synchronisation of a pinned checkpoint)."""
         if self._copying:
             self._stream.synchronize()
             self._copying = False
+
+
+class Staging:
+    """Host buffers for a checkpoint's tensors, allocated before (or at) the first save and reused by every later
+    one.
+
+    A buffer is keyed by its file's name and the tensor's place in that file's state dict (every save of a run
+    writes the same files with the same tensors); it is reallocated only when that tensor's shape or dtype
+    changes. ``pinned`` (CUDA): device tensors of at least :data:`PIN_MIN_BYTES` are staged into one page-locked
+    slab (:class:`_Slab`) for every file, carved at :data:`VIEW_ALIGN` offsets and filled by non-blocking copies
+    on a side stream, which ``sync()`` waits for once per checkpoint; a changed layout re-carves a new slab (the
+    old one is unregistered once the snapshots that hold it are written). Smaller device tensors and host
+    tensors (offloaded state: pinning does nothing for a host-to-host copy) get ordinary buffers. ``pageable``:
+    ordinary buffers, blocking copies.
+
+    Whether a tensor is on the device (``on_device``) and how it is copied there (``dma``) are attributes, so a
+    CPU test can plant CUDA-ness and run the pinned layout.
+    """
+
+    def __init__(self, mode: str = "auto", cuda: bool | None = None) -> None:
+        self.mode = staging_mode(mode, cuda)
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self.allocations = 0
+        """Allocations so far (a slab counts once, an ordinary buffer once); a save that allocates nothing leaves
+        it unchanged."""
+        self.allocate_s = 0.0
+        """Seconds spent allocating (and pinning) buffers, all saves together."""
+        self.on_device: Callable[[torch.Tensor], bool] = _is_cuda
+        self.dma: Any = _SideStream()
+        self.slab: _Slab | None = None
+        self._layout: dict[tuple[str, int], tuple[int, tuple, torch.dtype]] = {}
+        """The current slab's buffers: key -> (offset, shape, dtype)."""
+        self._wanted: dict[tuple[str, int], tuple[tuple, torch.dtype]] = {}
+        """The pinned buffers the files saved so far need: key -> (shape, dtype)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the staging buffers hold."""
+        return sum(_nbytes(b) for b in self.buffers.values())
+
+    def _pins(self, t: torch.Tensor) -> bool:
+        return self.mode == "pinned" and self.on_device(t) and _nbytes(t) >= PIN_MIN_BYTES
+
+    def reserve(self, name: str, state_dict: Any, carve: bool = True) -> None:
+        """Make the buffers of the file ``name`` fit ``state_dict`` (nothing to do once they do): walked once
+        without copying, so a slab is carved for the whole file, not grown tensor by tensor. ``carve=False``
+        leaves the slab to :meth:`carve`, so a dry run of several files carves one slab for all of them."""
+        t0, before = time.perf_counter(), self.allocations
+        tensors: list[torch.Tensor] = []
+        snapshot(state_dict, copy=lambda t: tensors.append(t) or t)
+        pinned: dict[tuple[str, int], tuple[tuple, torch.dtype]] = {}
+        for i, t in enumerate(tensors):
+            key = (name, i)
+            if self._pins(t):
+                pinned[key] = (tuple(t.shape), t.dtype)
+                continue
+            buf = self.buffers.get(key)
+            if buf is None or key in self._layout or buf.shape != t.shape or buf.dtype != t.dtype:
+                self._layout.pop(key, None)
+                self.buffers[key] = torch.empty(t.shape, dtype=t.dtype)
+                self.allocations += 1
+        self._wanted = {**{k: v for k, v in self._wanted.items() if k[0] != name}, **pinned}
+        if self.allocations != before:
+            self.allocate_s += time.perf_counter() - t0
+        if carve:
+            self.carve()
+
+    def carve(self) -> None:
+        """A new slab when the pinned layout the files want differs from the current slab's, each buffer at a
+        :data:`VIEW_ALIGN` offset. The old slab's buffers stay valid for the snapshots that hold them; it is
+        unregistered and unmapped once those are written and dropped."""
+        if self._wanted == {k: (shape, dtype) for k, (_, shape, dtype) in self._layout.items()}:
+            return
+        t0 = time.perf_counter()
+        layout, end = {}, 0
+        for key, (shape, dtype) in self._wanted.items():
+            layout[key] = (end, shape, dtype)
+            end = _round_up(end + math.prod(shape) * torch.empty((), dtype=dtype).element_size(), VIEW_ALIGN)
+        for key in self._layout.keys() - layout.keys():  # gone from the files: nothing keeps the old slab for it
+            del self.buffers[key]
+        self.slab = _Slab(end) if layout else None
+        for key, (offset, shape, dtype) in layout.items():
+            self.buffers[key] = self.slab.view(offset, shape, dtype)
+        self._layout = layout
+        self.allocations += 1 if layout else 0
+        self.allocate_s += time.perf_counter() - t0
+
+    def stage(self, name: str, state_dict: Any) -> Any:
+        """A snapshot of ``state_dict`` (the file ``name``) in this staging's buffers: copied now, or on CUDA
+        queued to land by :meth:`sync`."""
+        self.reserve(name, state_dict)
+        order = itertools.count()
+        self.dma.fence()
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            key = (name, next(order))
+            buf = self.buffers[key]
+            if self.mode == "pinned" and self.on_device(t):
+                self.dma.copy(buf, t, non_blocking=key in self._layout and self.slab.pinned)
+            else:
+                buf.copy_(t)
+            return buf
+
+        return snapshot(state_dict, copy=copy)
+
+    def sync(self) -> None:
+        """Wait for the copies queued since the last call (the one synchronisation of a pinned checkpoint)."""
+        self.dma.sync()
 
 
 class BackgroundWriter(CheckpointEngine):
@@ -188,6 +347,7 @@ class BackgroundWriter(CheckpointEngine):
         self.staging = Staging(staging)
         self._held: list[tuple] = []
         """Jobs whose copies may still be in flight: queued for the thread once :meth:`mark` has synchronised."""
+        self._layout_only = False
         self._done = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="ckpt-writer", daemon=True)
         self._thread.start()
@@ -197,8 +357,11 @@ class BackgroundWriter(CheckpointEngine):
         self.raise_if_failed()
 
     def save(self, state_dict: Any, path: str) -> None:
+        if self._layout_only:
+            self.staging.reserve(Path(path).name, state_dict, carve=False)
+            return
         t0 = time.perf_counter()
-        self._held.append(("file", path, snapshot(state_dict, copy=self.staging.copier(Path(path).name)), 0.0))
+        self._held.append(("file", path, self.staging.stage(Path(path).name, state_dict), 0.0))
         self.snapshot_s += time.perf_counter() - t0
 
     def load(self, path: str, map_location=None) -> Any:
@@ -211,6 +374,18 @@ class BackgroundWriter(CheckpointEngine):
         return False  # the snapshot copies each tensor on its own; DeepSpeed need not clone first
 
     # ---- ours ----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def layout_only(self):
+        """DeepSpeed's saves inside this only fit the staging buffers to their files (:meth:`Staging.reserve`):
+        nothing is copied, queued or written. A dry run of a checkpoint, so its buffers exist before the first
+        real one (:meth:`ultrascale.train.checkpoint.Checkpointer.prestage`)."""
+        self._layout_only = True
+        try:
+            yield
+        finally:
+            self._layout_only = False
+        self.staging.carve()
+
     def put(self, path: str, obj: Any) -> None:
         """Queue one more file (already a private object, e.g. this rank's RNG state)."""
         self._held.append(("file", path, obj, 0.0))
