@@ -228,10 +228,21 @@ _THREADS = (
 )
 
 
-def _threads(env: dict[str, str], parent_env: dict[str, str]) -> int:
-    """cpu_threads() in a rank on the planted CPU whose parent (a stand-in launcher) was started with ``parent_env``
-    and set ``env`` for the rank, as torchrun and the deepspeed launcher do."""
-    child = f"import os, subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', {_THREADS!r}], env={{**os.environ, **{env!r}}}).returncode)"
+# A GPU rank on the same planted CPU: init_distributed with the backend planted as nccl and the process group as
+# already joined; torch.cuda.set_device is a recorder that must be called once, with LOCAL_RANK.
+_NCCL_THREADS = (
+    "import os, torch, torch.distributed as td, ultrascale.cpu as c, ultrascale.dist as d; "
+    "c.detect = lambda: c.CpuInfo(cpus=16, threads_per_core=2); d.select_accelerator = lambda: 'nccl'; "
+    "td.is_initialized = lambda: True; calls = []; torch.cuda.set_device = calls.append; "
+    "assert d.init_distributed() == 'nccl' and calls == [int(os.environ['LOCAL_RANK'])], calls; "
+    "print(torch.get_num_threads())"
+)
+
+
+def _threads(env: dict[str, str], parent_env: dict[str, str], script: str = _THREADS) -> int:
+    """cpu_threads() (or what ``script`` prints) in a rank on the planted CPU whose parent (a stand-in launcher)
+    was started with ``parent_env`` and set ``env`` for the rank, as torchrun and the deepspeed launcher do."""
+    child = f"import os, subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', {script!r}], env={{**os.environ, **{env!r}}}).returncode)"
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")}
     out = subprocess.run([sys.executable, "-c", child], env={**base, **parent_env}, cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
     return int(out.stdout.strip())
@@ -246,6 +257,14 @@ def test_every_launcher_gives_each_rank_its_share_of_the_cores():
     assert _threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"},
                     {"OMP_NUM_THREADS": "1"}) == 1  # fmt: skip
     assert _threads({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, {"OMP_NUM_THREADS": "3"}) == 3
+
+
+def test_a_gpu_rank_gets_its_share_of_the_cores_too():
+    """torchrun's OMP_NUM_THREADS=1 left a GPU rank's host work (the 1B init, the bf16 cast, checkpoint staging)
+    on one core: an nccl rank takes its share like a CPU rank, and a user's own setting still wins."""
+    torchrun = {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}
+    assert _threads(torchrun, {}, _NCCL_THREADS) == 4
+    assert _threads(torchrun, {"OMP_NUM_THREADS": "1"}, _NCCL_THREADS) == 1
 
 
 # ---- how often to checkpoint -----------------------------------------------------------------------------------

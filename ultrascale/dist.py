@@ -135,10 +135,12 @@ def init_distributed(timeout_min: int = 60) -> str:
 
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
-    else:  # CPU ranks on one box share its cores: cores / local ranks each, whatever the launcher
-        threads, why = cpu_threads()
-        torch.set_num_threads(threads)
-        _THREADS_NOTE[:] = [f"{threads} thread(s) per rank x {local_world_size()} local rank(s) ({why})"]
+    # Ranks on one box share its cores: cores / local ranks each, whatever the launcher. A GPU rank's host work
+    # (the model's init, the bf16 cast, checkpoint staging) runs on them too: under torchrun's OMP_NUM_THREADS=1
+    # it ran on one core.
+    threads, why = cpu_threads()
+    torch.set_num_threads(threads)
+    _THREADS_NOTE[:] = [f"{threads} thread(s) per rank x {local_world_size()} local rank(s) ({why})"]
     return backend
 
 
@@ -186,7 +188,7 @@ def _launcher_default_omp() -> bool:
 
 
 def cpu_threads() -> tuple[int, str]:
-    """(torch threads for this CPU rank, why): the user's ``OMP_NUM_THREADS`` if they set one, otherwise this
+    """(torch threads for this rank, CPU or GPU, why): the user's ``OMP_NUM_THREADS`` if they set one, otherwise this
     process's physical cores divided by the ranks on this node, so no launcher oversubscribes the cores (the
     rule: ``ultrascale.config.decide.cpu_threads``)."""
     from ultrascale.config.decide import cpu_threads as rule
@@ -197,7 +199,7 @@ def cpu_threads() -> tuple[int, str]:
 
 
 def threads_note() -> str:
-    """What :func:`init_distributed` chose for this rank's threads, for the banner ('' before it ran or on GPU)."""
+    """What :func:`init_distributed` chose for this rank's threads, for the banner ('' before it ran)."""
     return _THREADS_NOTE[0] if _THREADS_NOTE else ""
 
 

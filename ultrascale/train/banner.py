@@ -71,7 +71,7 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
     from ultrascale.dist import select_accelerator, threads_note
 
     backend = select_accelerator()
-    threads = f"; {threads_note()}" if backend == "gloo" and threads_note() else ""
+    threads = f"; {threads_note()}" if threads_note() else ""
     lines = [
         "ultrascale run",
         f"  model      {cfg.model.type} '{cfg.model.name}': {info.n_params / 1e6:,.2f}M params, "
