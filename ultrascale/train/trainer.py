@@ -577,6 +577,7 @@ class Trainer:
 
     def _after_step(self, done: int, last_step: int, res: FitResult) -> None:
         """What is due after a step: the evaluator's run, then the checkpointer's save."""
+        self.checkpointer.prestage(self.engine)  # pinned staging: allocated after the first step, not in the first save
         if self.evaluator.due(done, last_step if self.cfg.train.final_eval else -1):
             with self.stop.unguarded():
                 res.last_eval = self.evaluator.run(done)
