@@ -322,15 +322,16 @@ def call_args(sections: list[str], levers: dict) -> str:
 # ---- running ------------------------------------------------------------------------------------------------------
 
 
-def become_subreaper() -> bool:
+def become_subreaper(on: bool = True) -> bool:
     """Make this process the parent of every orphan among its descendants (Linux ``PR_SET_CHILD_SUBREAPER``), so
-    a grandchild whose parent died, even one that called ``setsid``, is still found among our descendants."""
+    a grandchild whose parent died, even one that called ``setsid``, is still found among our descendants.
+    ``on=False`` hands orphans back to init (the end of :func:`execute`, for a caller that goes on: a test)."""
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
 
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        return ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         return False
 
@@ -713,7 +714,7 @@ def execute(plan: Plan, budget: float, out_json: Path | None) -> dict:
     plan.work.mkdir(parents=True, exist_ok=True)
     if out_json is not None:  # the logs come back with the JSON ($OUT), not left in a temp dir
         plan.logs = out_json.parent / f"{out_json.stem}_logs"
-    become_subreaper()
+    reaper = become_subreaper()
     ctx: dict = {}
     rows: list[dict] = []
     result = {"gpu": None, "budget_s": budget, "wall_s": 0.0, "complete": False, "rows": rows}
@@ -758,6 +759,8 @@ def execute(plan: Plan, budget: float, out_json: Path | None) -> dict:
         rows.append({"section": section or "-", "name": "probe", "result": "interrupted: the rows above finished"})
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if reaper:
+            become_subreaper(False)
         result.update(gpu=ctx.get("gpu"), wall_s=round(time.perf_counter() - t_start, 1))
         _write(out_json, result)
     print_table(result)

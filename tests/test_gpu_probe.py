@@ -255,3 +255,30 @@ def test_a_run_can_skip_the_final_eval_save_and_digest(tmp_path, tiny_data):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["replicas_agree"] is None and summary["param_digests"] is None
+
+
+def test_the_anchor_feeds_trainer_the_document_positions_and_labels_train_py_trains_on(tiny_data):
+    """The Trainer side of the probe's ratio (bench/_trainer_loop.py, ``+like``) reads the same rows with the
+    position ids that restart after each EOS (HF builds its document mask from them) and each document's first
+    token not a target, equal to train.py's batches (``make_batch``)."""
+    import importlib.util
+
+    import numpy as np
+
+    from ultrascale.data.loader import make_batch
+    from ultrascale.data.shards import load_manifest, open_split
+
+    spec = importlib.util.spec_from_file_location("_trainer_loop", ROOT / "bench" / "_trainer_loop.py")
+    loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop)
+    split = open_split(tiny_data, "train", verify=False)
+    eos = int(load_manifest(tiny_data)["eos_token_id"])
+    rows = loop.PackedRows(split, eos=eos)
+    ids = split.get(np.arange(len(split)))
+    i = next(i for i in range(len(split)) if (ids[i, 1:-1] == eos).any())  # a row with a boundary inside
+    want = make_batch(ids[i : i + 1], None, eos, True)
+    got = rows[i]
+    assert got["position_ids"].tolist() == want.position_ids[0].tolist() and got["position_ids"].min() == 0
+    assert (got["position_ids"] == 0).sum() >= 2  # the document mask has a boundary to apply
+    assert got["labels"].tolist() == want.labels[0].tolist() and (got["labels"] == -100).any()
+    assert "position_ids" not in loop.PackedRows(split)[i]  # without eos: the plain rows, as train_overhead has
