@@ -151,6 +151,12 @@ class DecontamConfig:
 class TokenizerConfig:
     path: str | None = None
     """Local HF tokenizer directory to use instead of training one (must contain tokenizer.json)."""
+    add_fim: bool = False
+    """Add the FIM sentinels (``<fim_prefix>``, ``<fim_middle>``, ``<fim_suffix>``, ``<fim_pad>``) that
+    ``tokenizer.path`` lacks, as special tokens after its vocabulary, so a pretrained model without them (SmolLM2)
+    can learn to infill. The grown tokenizer is saved with the data and the manifest's ``tokenizer_added`` says what
+    was added to which vocabulary; train with ``model.config.vocab_size`` = the manifest's ``vocab_size`` (the new
+    embedding and head rows start at the mean of the old ones)."""
     vocab_size: int = num(4096, ge=1)
     """Trained vocabulary size, special tokens included. Must not exceed the model's vocab_size."""
     min_frequency: int = num(2, ge=0)
@@ -307,6 +313,8 @@ def config_hash(cfg: DataPrepConfig) -> str:
     d = OmegaConf.to_container(OmegaConf.structured(cfg))
     for k in _NOT_HASHED:
         d.pop(k, None)
+    if not d["tokenizer"]["add_fim"]:  # off, the hash stays the one data prepared before the key existed has
+        del d["tokenizer"]["add_fim"]
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -315,10 +323,15 @@ def check(cfg: DataPrepConfig) -> None:
     before anything is written."""
     if cfg.executor.workers == 0:
         raise ConfigError("executor.workers=0: use a positive count, or -1 for one process per task")
+    if cfg.tokenizer.add_fim and not cfg.tokenizer.path:
+        raise ConfigError(
+            "tokenizer.add_fim=true needs tokenizer.path (the pretrained tokenizer to add the FIM tokens to): the "
+            "tokenizer data prep trains has them already; drop tokenizer.add_fim"
+        )
     if cfg.tokenizer.path:
         from data_prep.tokenizer import load_local
 
-        load_local(cfg.tokenizer.path, fim=cfg.fim.rate > 0)
+        load_local(cfg.tokenizer.path, fim=cfg.fim.rate > 0 and not cfg.tokenizer.add_fim)
 
 
 def register_configs() -> None:

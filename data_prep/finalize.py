@@ -79,6 +79,14 @@ def _remove_stale_shards(out: Path, splits: dict) -> None:
                 p.unlink()
 
 
+def _added(ctx: Ctx) -> dict:
+    """``tokenizer_added`` when ``tokenizer.add_fim`` grew the tokenizer (the clean stage's tokenizer unit says)."""
+    from ultrascale.data.tokcheck import ADDED_KEY
+
+    added = ctx.work.read_unit("clean", ctx.cfg.buckets).get("added")
+    return {ADDED_KEY: added} if added else {}
+
+
 def finalize_unit(ctx: Ctx, unit: int) -> dict:
     cfg, work = ctx.cfg, ctx.work
     B = cfg.buckets
@@ -158,6 +166,7 @@ def finalize_unit(ctx: Ctx, unit: int) -> dict:
         "seed": cfg.seed,
         "buckets": B,
         "special_tokens": {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
+        **_added(ctx),
         VOCAB_KEY: vocab_sha256(work.out / "tokenizer"),
         "fim": {
             "applied": "prep_time",

@@ -36,6 +36,9 @@ EOS = "<|endoftext|>"
 FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, FIM_PAD = "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"
 REPO_NAME, FILE_SEP = "<repo_name>", "<file_sep>"
 SPECIAL_TOKENS = [EOS, FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, FIM_PAD, REPO_NAME, FILE_SEP]
+FIM_TOKENS = [FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, FIM_PAD]
+"""StarCoder's FIM sentinels, in StarCoder's id order: what the FIM layout (:mod:`data_prep.pack`) and the FIM eval
+emit, and what ``tokenizer.add_fim`` adds to a pretrained tokenizer that lacks them."""
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2):
@@ -89,8 +92,9 @@ def save_hf(tok, out_dir: Path, model_max_length: int) -> None:
 def load_local(path: str, fim: bool = True):
     """A local HF tokenizer directory; it must already define the special tokens we emit.
 
-    EOS always (documents are joined with it); the FIM sentinels only when FIM is on: a pretrained model's
-    tokenizer without them (SmolLM2's, for one) is fine for plain next-token data.
+    EOS always (documents are joined with it); the FIM sentinels only when FIM is on and they are not added
+    (``tokenizer.add_fim``): a pretrained model's tokenizer without them (SmolLM2's, for one) is fine for plain
+    next-token data.
     """
     from tokenizers import Tokenizer
 
@@ -102,11 +106,12 @@ def load_local(path: str, fim: bool = True):
     tok = Tokenizer.from_file(str(p / "tokenizer.json"))
     if tok.token_to_id(EOS) is None:
         raise DataError(f"tokenizer.path={path} has no {EOS} token: add it or train one (tokenizer.path=null)")
-    missing = [t for t in SPECIAL_TOKENS[1:5] if tok.token_to_id(t) is None] if fim else []
+    missing = [t for t in FIM_TOKENS if tok.token_to_id(t) is None] if fim else []
     if missing:
         raise DataError(
-            f"tokenizer.path={path} lacks the FIM tokens {missing}: set fim.rate=0 (no fill-in-the-middle "
-            "samples), add the tokens, or train one (tokenizer.path=null)"
+            f"tokenizer.path={path} lacks the FIM tokens {missing}: set tokenizer.add_fim=true (adds them after its "
+            "vocabulary; the model's embedding grows to match), fim.rate=0 (no fill-in-the-middle samples), or "
+            "train one (tokenizer.path=null)"
         )
     return tok
 
@@ -117,6 +122,39 @@ def copy_local(path: str, out_dir: Path) -> None:
     shutil.copytree(path, tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
+
+
+def add_special(tok_dir: Path, tokens: list[str]) -> dict[str, int]:
+    """Give the tokenizer in ``tok_dir`` the ``tokens`` it lacks, as special tokens with the ids right after its
+    vocabulary (``tokenizer.json`` and ``tokenizer_config.json`` rewritten); returns each added token's id.
+
+    Appended, never inserted: every id the pretrained model knows keeps its meaning, and the model grows only new
+    rows for the new ids (:func:`ultrascale.model.weights.grow_rows`). Special, so text never encodes to them and
+    ``decode(skip_special_tokens=True)`` drops them, as it does StarCoder's."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    new = [t for t in tokens if tok.token_to_id(t) is None]
+    tok.add_special_tokens(new)
+    ids = {t: tok.token_to_id(t) for t in new}
+    if sorted(ids.values()) != list(range(size, size + len(new))):  # holes in the vocabulary: ids would collide
+        raise DataError(f"tokenizer at {tok_dir} gave the added tokens ids {ids}, not {size}..: its vocabulary "
+                        "has holes; add the tokens yourself or train one (tokenizer.path=null)")  # fmt: skip
+    tok.save(str(tok_dir / "tokenizer.json"))
+    conf_path = tok_dir / "tokenizer_config.json"
+    conf = json.loads(conf_path.read_text()) if conf_path.exists() else {}
+    decoder = conf.get("added_tokens_decoder")
+    if isinstance(decoder, dict):  # transformers reads the added tokens from here when it is present
+        for t, i in ids.items():
+            decoder[str(i)] = {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                               "single_word": False, "special": True}  # fmt: skip
+    extra_key = "extra_special_tokens" if "extra_special_tokens" in conf else "additional_special_tokens"
+    extra = conf.get(extra_key) or []
+    if isinstance(extra, list):
+        conf[extra_key] = [*extra, *(t for t in new if t not in extra)]
+    conf_path.write_text(json.dumps(conf, indent=2, ensure_ascii=False) + "\n")
+    return ids
 
 
 def special_ids(tok) -> dict[str, int | None]:

@@ -28,7 +28,7 @@ from data_prep.pack import encode_docs
 from data_prep.shuffle import permute
 from data_prep.split import SPLITS, split_table
 from data_prep.store import read_jsonl_gz, repo_key
-from data_prep.tokenizer import EOS, copy_local, load_dir, load_local, save_hf, train_bpe
+from data_prep.tokenizer import EOS, FIM_TOKENS, add_special, copy_local, load_dir, load_local, save_hf, train_bpe
 from data_prep.work import Ctx, crash_hook, nbytes
 from ultrascale.data.shards import ShardWriter, token_dtype
 from ultrascale.errors import DataError
@@ -60,9 +60,12 @@ def tokenizer_unit(ctx: Ctx, unit: int) -> dict:
     cfg, work = ctx.cfg, ctx.work
     tok_dir = work.out / "tokenizer"
     used = {"docs": 0, "chars": 0}
+    added = None
     if cfg.tokenizer.path:
-        load_local(cfg.tokenizer.path, fim=cfg.fim.rate > 0)
+        load_local(cfg.tokenizer.path, fim=cfg.fim.rate > 0 and not cfg.tokenizer.add_fim)
         copy_local(cfg.tokenizer.path, tok_dir)
+        if cfg.tokenizer.add_fim:
+            added = grown_record(cfg.tokenizer.path, add_special(tok_dir, FIM_TOKENS))
     else:
 
         def train_texts() -> Iterator[str]:
@@ -92,7 +95,17 @@ def tokenizer_unit(ctx: Ctx, unit: int) -> dict:
         crash_hook("tokenizer")
         save_hf(tok, tok_dir, cfg.pack.seq_len)
     sha = hashlib.sha256((tok_dir / "tokenizer.json").read_bytes()).hexdigest()
-    return {"tokenizer_sha256": sha, "trained_on": used if not cfg.tokenizer.path else None}
+    return {"tokenizer_sha256": sha, "trained_on": used if not cfg.tokenizer.path else None, "added": added}
+
+
+def grown_record(base: str, ids: dict[str, int]) -> dict:
+    """The manifest's ``tokenizer_added``: which vocabulary the data's tokenizer grew from, and by which ids. A
+    model of that vocabulary reads every other id as the data does, so the tokenizer check lets it through
+    (:func:`ultrascale.data.tokcheck.check_tokenizer`) once its embedding has the new rows."""
+    from ultrascale.data.tokcheck import read_vocab, vocab_sha256
+
+    return {"base": base, "base_vocab_size": len(read_vocab(base) or {}), "base_vocab_sha256": vocab_sha256(base),
+            "tokens": ids}  # fmt: skip
 
 
 def _tokenizer(ctx: Ctx):

@@ -27,6 +27,10 @@ from ultrascale.errors import DataError
 
 VOCAB_KEY = "vocab_sha256"
 """The manifest key holding the data's :func:`vocab_sha256` (absent in manifests written before it)."""
+ADDED_KEY = "tokenizer_added"
+"""The manifest key data prep's ``tokenizer.add_fim`` writes: the vocabulary the data's tokenizer grew from
+(``base_vocab_sha256``, ``base_vocab_size``) and the appended tokens' ids. A model of that vocabulary reads the data
+once its embedding has the new rows (``model.config.vocab_size``, checked against the manifest's ``vocab_size``)."""
 FIM_PREFIX = "<fim_prefix>"
 
 
@@ -78,6 +82,9 @@ def prep_command(output_dir: str | os.PathLike, tok_dir: str | os.PathLike, seq_
 
 def _differences(manifest: dict, vocab: dict[str, int], model_dir: Path) -> list[str]:
     """What tells the two tokenizers apart, in words (empty: they agree)."""
+    added = manifest.get(ADDED_KEY)
+    if added and added.get("base_vocab_sha256") == vocab_sha256(model_dir):
+        return []  # the model's own vocabulary with tokens appended: every id it knows means what it did
     if manifest.get(VOCAB_KEY):
         theirs = vocab_sha256(model_dir)
         if manifest[VOCAB_KEY] != theirs:

@@ -101,7 +101,7 @@ def build_model(
     hf = hf_config if hf_config is not None else build_hf_config(model_cfg)
     torch.manual_seed(model_cfg.init_seed if model_cfg.init_seed is not None else seed)
     kwargs = {"attn_implementation": str(model_cfg.attn_implementation), "dtype": dtype}
-    if model_cfg.pretrained_path and zero3 is None:
+    if model_cfg.pretrained_path and zero3 is None and not grows_vocab(model_cfg, hf):
         return AutoModelForCausalLM.from_pretrained(
             str(resolve_path(model_cfg.pretrained_path)), config=hf, local_files_only=True, **kwargs
         )
@@ -113,7 +113,7 @@ def build_model(
     if model_cfg.pretrained_path:
         from ultrascale.model.weights import SafetensorsWeights, load_partitioned
 
-        load_partitioned(model, SafetensorsWeights(resolve_path(model_cfg.pretrained_path)))
+        load_partitioned(model, SafetensorsWeights(resolve_path(model_cfg.pretrained_path), vocab=int(hf.vocab_size)))
     else:
         from ultrascale.model.init import init_model
 
@@ -123,6 +123,21 @@ def build_model(
 
         gather_non_experts(model)
     return model
+
+
+def grows_vocab(model_cfg, hf: Any) -> bool:
+    """Whether the run's vocabulary (``model.config.vocab_size``) is above the pretrained checkpoint's: the tokens
+    data prep's ``tokenizer.add_fim`` appended. Such a model is built from its config and read tensor by tensor,
+    the new rows of the embedding and head at the mean of the old (:mod:`ultrascale.model.weights`), under every
+    ZeRO stage alike. A vocabulary below the checkpoint's would drop rows its tokenizer still emits: refused."""
+    if not model_cfg.pretrained_path:
+        return False
+    path = str(resolve_path(model_cfg.pretrained_path))
+    base = int(_hf_config(str(model_cfg.type), "{}", path).vocab_size)
+    if int(hf.vocab_size) < base:
+        raise ConfigError(f"model.config.vocab_size={hf.vocab_size} is below model.pretrained_path={path}'s {base}: a "
+                          "pretrained vocabulary can grow (tokenizer.add_fim), not shrink; drop the override")  # fmt: skip
+    return int(hf.vocab_size) > base
 
 
 def zero_init_config(ds_config: dict) -> dict:

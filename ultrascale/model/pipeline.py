@@ -208,7 +208,8 @@ def build_pipeline(
 
     skel = meta_skeleton(hf_config, str(model_cfg.attn_implementation))
     embed, layers, norm, rotary, lm_head = _decoder_parts(skel)
-    weights = SafetensorsWeights(resolve_path(model_cfg.pretrained_path)) if model_cfg.pretrained_path else None
+    weights = (SafetensorsWeights(resolve_path(model_cfg.pretrained_path), vocab=int(hf_config.vocab_size))
+               if model_cfg.pretrained_path else None)  # fmt: skip
     build = StageBuild(skel._init_weights, model_cfg.init_seed if model_cfg.init_seed is not None else seed, weights)
     config = skel.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
