@@ -88,6 +88,7 @@ def run(cfg: DictConfig) -> dict:
     from transformers import AutoTokenizer
 
     from ultrascale.data.shards import load_manifest
+    from ultrascale.data.tokcheck import check_tokenizer
     from ultrascale.eval import humaneval
     from ultrascale.eval.perplexity import perplexity
     from ultrascale.eval.sandbox import Limits, check_available
@@ -122,6 +123,10 @@ def run(cfg: DictConfig) -> dict:
             results["model"] = str(model_dir)
             out_dir = resolve_path(cfg.output_dir) if cfg.output_dir else model_dir / "eval"
             tok_dir = cfg.tokenizer_dir or model_dir
+        if "perplexity" in cfg.tasks:  # the data's ids must be the model's tokens: checked before it loads
+            model_key = "tokenizer_dir" if cfg.tokenizer_dir else ("model_dir" if cfg.model_dir else "run_dir's export")
+            data_key = "perplexity.data_path" if cfg.perplexity.data_path else "data.path of run_dir"
+            check_tokenizer(data_path, data_key, resolve_path(tok_dir), model_key)
         model = load_pretrained(model_dir, str(cfg.dtype), str(cfg.device))
         log.info(f"eval: {model_dir} on {model.device} ({cfg.dtype})")
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
