@@ -568,7 +568,7 @@ def test_a_pretrained_tokenizer_without_fim_tokens_needs_fim_off(prepared, tmp_p
     tok_dir = tmp_path / "pretrained_tok"
     tok_dir.mkdir()
     tok.save(str(tok_dir / "tokenizer.json"))
-    with pytest.raises(DataError, match=r"lacks the FIM tokens .* set fim\.rate=0"):
+    with pytest.raises(DataError, match=r"lacks the FIM tokens .*: set tokenizer\.add_fim=true .*, fim\.rate=0"):
         run(cfg_for(corpus, tmp_path / "fim_on", f"tokenizer.path={tok_dir}"))
     m = run(cfg_for(corpus, tmp_path / "fim_off", f"tokenizer.path={tok_dir}", "fim.rate=0"))
     assert m["eos_token_id"] == tok.token_to_id(EOS) and m["splits"]["train"]["num_samples"] > 0
