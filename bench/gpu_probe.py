@@ -336,10 +336,19 @@ def become_subreaper(on: bool = True) -> bool:
         return False
 
 
-def descendants(roots: list[int], rounds: int = 3) -> dict:
-    """Every live descendant of ``roots`` (and of this process: orphans re-parented to the subreaper), as
-    psutil processes by pid. Collected ``rounds`` times before anything is signalled: a process may fork while
-    we look, and torchrun's workers are in sessions of their own, which a process-group signal misses."""
+def own_children() -> set[int]:
+    """Pids of this process's descendants now: what was running before a step started (a caller's own workers,
+    e.g. torch.compile's pool in a test process) is not the step's to kill."""
+    import psutil
+
+    return {k.pid for k in psutil.Process().children(recursive=True)}
+
+
+def descendants(roots: list[int], rounds: int = 3, exclude: set[int] | frozenset[int] = frozenset()) -> dict:
+    """Every live descendant of ``roots`` (and of this process: orphans re-parented to the subreaper, less the
+    ``exclude`` pids that were ours before the step), as psutil processes by pid. Collected ``rounds`` times
+    before anything is signalled: a process may fork while we look, and torchrun's workers are in sessions of
+    their own, which a process-group signal misses."""
     import psutil
 
     found: dict = {}
@@ -353,23 +362,27 @@ def descendants(roots: list[int], rounds: int = 3) -> dict:
             except psutil.NoSuchProcess:
                 continue
             for k in kids:
-                found.setdefault(k.pid, k)
+                if k.pid not in exclude:
+                    found.setdefault(k.pid, k)
         time.sleep(0.02)
     return found
 
 
-def kill_tree(roots: list[int], grace: float | None = None) -> list[int]:
+def kill_tree(
+    roots: list[int], grace: float | None = None, exclude: set[int] | frozenset[int] = frozenset()
+) -> list[int]:
     """SIGTERM every descendant, SIGKILL what is left after ``grace`` (a worker that treats SIGTERM as "save and
-    stop" would write a checkpoint while the next section starts), reap them; returns the pids signalled."""
+    stop" would write a checkpoint while the next section starts), reap them; returns the pids signalled.
+    ``exclude``: this process's descendants from before the step (:func:`own_children`), left alone."""
     import psutil
 
     grace = GRACE_S if grace is None else grace
-    procs = descendants(roots)
+    procs = descendants(roots, exclude=exclude)
     for p in procs.values():
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGTERM)
     _, alive = psutil.wait_procs(list(procs.values()), timeout=grace)
-    more = descendants([p.pid for p in alive])  # what the survivors started meanwhile
+    more = descendants([p.pid for p in alive], exclude=exclude)  # what the survivors started meanwhile
     for p in {**more, **{p.pid: p for p in alive}}.values():
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
@@ -395,6 +408,7 @@ def run_step(step: Step, plan: Plan, limit: float) -> dict:
     plan.logs.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     procs, logs = [], []
+    before = own_children()
     try:
         for i, cmd in enumerate(step.cmds):
             log = plan.logs / f"{len(list(plan.logs.iterdir())):02d}_{step.section}_{i}.log"
@@ -405,7 +419,7 @@ def run_step(step: Step, plan: Plan, limit: float) -> dict:
             procs.append((subprocess.Popen(cmd, cwd=ROOT, env=plan.env(), stdout=f, stderr=subprocess.STDOUT,
                                            start_new_session=True), f))  # fmt: skip
     except OSError as e:
-        kill_tree([p.pid for p, _ in procs], grace=2)
+        kill_tree([p.pid for p, _ in procs], grace=2, exclude=before)
         for _, f in procs:
             f.close()
         return {"rc": 127, "seconds": 0.0, "error": str(e), "logs": [str(p) for p in logs], "tails": []}
@@ -418,7 +432,7 @@ def run_step(step: Step, plan: Plan, limit: float) -> dict:
             except subprocess.TimeoutExpired:
                 timed_out = True
     finally:  # also on SIGTERM/SIGINT of the probe itself: nothing it started is left
-        left_over = kill_tree([p.pid for p, _ in procs])
+        left_over = kill_tree([p.pid for p, _ in procs], exclude=before)
         for _, f in procs:
             f.close()
     rcs = [p.returncode for p, _ in procs]

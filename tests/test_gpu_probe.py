@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -282,3 +283,23 @@ def test_the_anchor_feeds_trainer_the_document_positions_and_labels_train_py_tra
     assert (got["position_ids"] == 0).sum() >= 2  # the document mask has a boundary to apply
     assert got["labels"].tolist() == want.labels[0].tolist() and (got["labels"] == -100).any()
     assert "position_ids" not in loop.PackedRows(split)[i]  # without eos: the plain rows, as train_overhead has
+
+
+def test_a_step_kills_only_what_it_started_not_its_callers_other_children(tmp_path):
+    """The probe collects its own descendants after a step (orphans re-parented to it), but a process its caller
+    had started before the step (pytest's torch.compile workers, here a sleeping child that ignores SIGTERM) is
+    not the step's: it must outlive the probe, and a step that exits at once must not wait out a kill grace."""
+    probe = gpu_probe()
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
+    )
+    try:
+        time.sleep(0.5)
+        plan = probe.Plan(tmp_path, tmp_path / "wh", [], {})
+        plan.steps = [probe.Step("zero", "quick", [[sys.executable, "-c", "print('done')"]], 30)]
+        rows = probe.execute(plan, budget=60.0, out_json=None)["rows"]
+        assert rows[0]["rc"] == 0 and rows[0]["seconds"] < 5, rows[0]
+        assert bystander.poll() is None, "the probe killed a process its caller had started before the step"
+    finally:
+        bystander.kill()
+        bystander.wait()
