@@ -405,8 +405,9 @@ def install_fused_loss(model, chunk_tokens: int | None = None, impl: str = "auto
     if impl in _GPU_PACKAGES and not _importable(_GPU_PACKAGES[impl][0]):
         raise ValueError(f"install_fused_loss: impl={impl!r} needs `pip install {_GPU_PACKAGES[impl][1]}` (CUDA + "
                          "Triton), which this environment lacks")  # fmt: skip
-    if impl in _GPU_PACKAGES and kernel_unusable(impl):
-        raise ValueError(f"install_fused_loss: impl={impl!r} cannot run: {kernel_unusable(impl)}")
+    why = kernel_unusable(impl) if impl in _GPU_PACKAGES else None
+    if why:
+        raise ValueError(f"install_fused_loss: impl={impl!r} cannot run: {why}")
     if chunk_tokens is not None and int(chunk_tokens) < 1:
         raise ValueError(f"install_fused_loss: chunk_tokens={chunk_tokens} must be >= 1 (or None for the default)")
     current = model.__dict__.get("forward")
