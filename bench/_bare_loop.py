@@ -29,8 +29,8 @@ def main() -> None:
     import torch.distributed as dist
 
     from ultrascale.data.shards import open_split
-    from ultrascale.dist import shutdown
     from ultrascale.model.build import build_model
+    from ultrascale.runtime.dist import shutdown
     from ultrascale.train.optim import lr_multiplier
 
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))

@@ -22,12 +22,12 @@ def main() -> None:
     steps, overrides = int(sys.argv[1]), [*sys.argv[2:], "train.step_breakdown=false"]  # the timers are an extra
     from omegaconf import OmegaConf
 
-    from ultrascale import dist
     from ultrascale.config.compose import compose
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
     from ultrascale.data.loader import StepBatches
     from ultrascale.data.shards import load_manifest, open_split
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import validate
+    from ultrascale.runtime import dist
     from ultrascale.train.engine import build_engine
     from ultrascale.train.optim import apply_lr
 

@@ -23,7 +23,7 @@ BENCH_ENV = {
 
 def torchrun(nproc: int, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``torchrun --nproc_per_node nproc args`` from the project root; exit with its output on failure."""
-    from ultrascale.dist import free_port
+    from ultrascale.runtime.dist import free_port
 
     full_env = {**os.environ, **BENCH_ENV, **(env or {})}
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *args]

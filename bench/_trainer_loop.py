@@ -82,9 +82,9 @@ class PackedRows(torch.utils.data.Dataset):
 
 def like_ours(cfg, ds: dict, data_dir: str) -> tuple[dict, list[str]]:
     """What the train.py run decided, in Trainer's terms: ({liger, gc, flex, eos}, what cannot be matched)."""
-    from ultrascale.config.validate import validate
     from ultrascale.data.shards import load_manifest
-    from ultrascale.gpu import detect
+    from ultrascale.levers.rules import validate
+    from ultrascale.runtime.gpu import detect
 
     d = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), backend=trainer_backend(), gpu=detect())
     notes = []
@@ -175,8 +175,8 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
     from ultrascale.data.shards import open_split
-    from ultrascale.dist import shutdown
     from ultrascale.model.build import build_model
+    from ultrascale.runtime.dist import shutdown
 
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     ds = json.loads(Path(run_dir, "ds_config.json").read_text())

@@ -2,7 +2,7 @@
 
 ``train.attn_block_size`` and the fused loss chunk used to be constants measured on one CPU (an AMD Zen 4) and
 carried to every other. This measures what they change on this one, at a model's real shapes, in one process
-with one thread (one CPU rank's share), so ``ultrascale/config/decide.py``'s rules can be checked here and on
+with one thread (one CPU rank's share), so ``ultrascale/levers/decide.py``'s rules can be checked here and on
 the next CPU: each candidate's forward+backward is timed in rounds that rotate the candidates' order, and the
 table gives each one's median time relative to the baseline measured in the same rounds.
 
@@ -134,8 +134,8 @@ def main() -> None:
     ap.add_argument("--only", choices=("attention", "loss"), help="measure one lever only")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
-    from ultrascale.config.decide import cpu_attn_block, cpu_loss_chunk
-    from ultrascale.cpu import detect
+    from ultrascale.levers.decide import cpu_attn_block, cpu_loss_chunk
+    from ultrascale.runtime.cpu import detect
 
     cpu = detect()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data_prep.work import STAGES  # noqa: E402
-from ultrascale.dist import free_port  # noqa: E402
+from ultrascale.runtime.dist import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}

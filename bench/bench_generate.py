@@ -255,7 +255,7 @@ def measure_machine(threads: int) -> dict:
     these threads. (A plain ``sum`` over memory reads ~3x faster here than any GEMV does: it is not the bound.)"""
     import torch
 
-    from ultrascale.peak import gemm_rate
+    from ultrascale.runtime.peak import gemm_rate
 
     torch.set_num_threads(threads)
     w = torch.randn(32768, 4096)  # 512 MiB

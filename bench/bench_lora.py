@@ -51,7 +51,7 @@ def launch_and_watch(args: list[str]) -> dict[int, float]:
     """Run ``torchrun --nproc_per_node 2 train.py ARGS`` and return each rank's peak RSS in GiB."""
     import psutil
 
-    from ultrascale.dist import free_port
+    from ultrascale.runtime.dist import free_port
 
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "train.py", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **BENCH_ENV}, stdout=subprocess.PIPE,

@@ -81,7 +81,7 @@ def run_trl(facts: dict, out: Path, threads: int, seed: int) -> dict:
             finally:
                 gen_s[0] += time.perf_counter() - t0
 
-    from ultrascale.config.compose import resolve_path
+    from ultrascale.paths import resolve_path
 
     model_dir = str(resolve_path(cfg["start_model"]))
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -999,10 +999,10 @@ def w_predict(run_dir: str) -> None:
     from omegaconf import OmegaConf
 
     from ultrascale.config.schema import ClusterConfig, SearchConfig
-    from ultrascale.config.validate import validate
+    from ultrascale.cost.timing import step_time
+    from ultrascale.levers.rules import validate
     from ultrascale.model.arch import arch_from_hf
     from ultrascale.plan.search import decided, layout_from_cfg
-    from ultrascale.plan.timing import step_time
 
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     preset = ("h200_8x" if "H200" in name else "a100_80g_8x" if "A100" in name else "cpu_local" if name == "cpu"
@@ -1016,11 +1016,11 @@ def w_predict(run_dir: str) -> None:
         c.pop("defaults", None)
     cluster = OmegaConf.to_object(OmegaConf.merge(base, *chain, {"nodes": 1, "gpus_per_node": 1}))
     if getattr(cluster, "measure_peak", False):  # cpu_local: this CPU's measured matmul rate
-        from ultrascale.peak import gemm_rate
+        from ultrascale.runtime.peak import gemm_rate
 
         cluster.peak_tflops, cluster.measure_peak = gemm_rate()["flops"] / 1e12, False
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
-    from ultrascale.gpu import detect
+    from ultrascale.runtime.gpu import detect
 
     d = validate(cfg, 1, backend="nccl" if torch.cuda.is_available() else "gloo", gpu=detect())  # as the run decided
     lay = decided(layout_from_cfg(cfg, 1), d)
@@ -1037,11 +1037,11 @@ def w_logits(run_dir: str, hf_dir: str) -> None:
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from ultrascale import dist
-    from ultrascale.config.compose import resolve_path
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
     from ultrascale.data.shards import open_split
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import validate
+    from ultrascale.paths import resolve_path
+    from ultrascale.runtime import dist
     from ultrascale.train import checkpoint
     from ultrascale.train.engine import build_engine
 

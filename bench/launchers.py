@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from _harness import BENCH_ENV, BIN  # noqa: E402
 
-from ultrascale.dist import free_port  # noqa: E402
+from ultrascale.runtime.dist import free_port  # noqa: E402
 
 LAUNCHERS = ("deepspeed", "torchrun")
 TARGET = 0.97

@@ -12,7 +12,7 @@ step on random tokens) and reports, as the maximum over its ranks:
 - ``setup_peak_gb`` / ``after_setup_gb``: the rise at its peak inside ``deepspeed.initialize`` (AutoTP shards,
   ZeRO flattens there), and from before construction to the end of engine setup;
 - ``steady_gb``: the rise after one optimizer step (Adam's state allocated), free heap pages returned first;
-- ``planner_gb`` / ``planner_build_gb``: ``ultrascale.plan.memory.host_step_bytes`` / ``construction_bytes``;
+- ``planner_gb`` / ``planner_build_gb``: ``ultrascale.cost.memory.host_step_bytes`` / ``construction_bytes``;
   the planner must be within 15 % of every measured steady state (``planner_ok``; the script exits 1 if not);
 - ``full_model_gb``: the whole model in fp32, for scale.
 
@@ -69,7 +69,7 @@ def save_pretrained(tmp: Path) -> tuple[Path, float]:
 
 
 def probe(name: str, ranks: int, overrides: list[str], tmp: Path) -> list[dict]:
-    from ultrascale.dist import free_port
+    from ultrascale.runtime.dist import free_port
 
     out = tmp / f"{name}_{ranks}.json"
     args = [*MODEL, *COMMON, f"data.global_batch={ranks}", *overrides]
@@ -91,8 +91,8 @@ def probe(name: str, ranks: int, overrides: list[str], tmp: Path) -> list[dict]:
 def planner(name: str, ranks: int, overrides: list[str]) -> tuple[float, float, float, float]:
     """(planner steady GB, planner build GB, full model GB, per-rank model or stage bytes GB) for the layout."""
     from ultrascale.config.compose import compose
+    from ultrascale.cost.memory import construction_bytes, host_step_bytes, rank_params
     from ultrascale.model.arch import arch_from_cfg
-    from ultrascale.plan.memory import construction_bytes, host_step_bytes, rank_params
     from ultrascale.plan.search import layout_from_cfg
 
     cfg = compose([*MODEL, *COMMON, f"data.global_batch={ranks}", *overrides])

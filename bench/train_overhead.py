@@ -27,7 +27,7 @@ Method, and how it keeps noise down on a shared 2-core machine:
 * One rank per core with ``OMP_NUM_THREADS=1``; an untimed warm-up train.py run first (caches; it writes the
   config.yaml and ds_config.json the baselines read); rounds of all sides with a rotating order; per-round
   paired ratios, reported as medians with min-max and IQR; a median-step companion ratio per round.
-* MFU (ultrascale side) is against the calibrated per-rank CPU peak (``python -m ultrascale.peak``), with
+* MFU (ultrascale side) is against the calibrated per-rank CPU peak (``python -m ultrascale.runtime.peak``), with
   causal attention counted over the lower triangle (``ultrascale/model/flops.py``); the full count beside it.
 
     python bench/train_overhead.py --job tiny|smollm2_135m [--rounds N] [--steps N] [--json PATH]
@@ -140,9 +140,9 @@ def _calibrate(a: argparse.Namespace) -> str:
     """Re-measure the peak MFU divides by (every rank's GEMM at once, as the run will use them) right before
     train.py's run, so a neighbour's load on a shared box moves the run and its peak together: a peak stored on a
     quiet hour turned a busy hour's run into a low MFU and a noisy hour's peak into a high one. Returns the line
-    ``ultrascale.peak`` printed."""
+    ``ultrascale.runtime.peak`` printed."""
     dtype = "bfloat16" if a.precision != "fp32" else "float32"
-    out = torchrun(a.nproc, ["-m", "ultrascale.peak", "--dtype", dtype, "--remeasure"]).stdout
+    out = torchrun(a.nproc, ["-m", "ultrascale.runtime.peak", "--dtype", dtype, "--remeasure"]).stdout
     return out.strip().splitlines()[-1] if out.strip() else ""
 
 
@@ -385,7 +385,7 @@ def _args() -> argparse.Namespace:
 
 def main() -> None:
     a = _args()
-    from ultrascale.cpu import detect
+    from ultrascale.runtime.cpu import detect
 
     cpu = detect()
     if a.precision != "fp32" and not cpu.bf16_native:

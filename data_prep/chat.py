@@ -33,9 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.config import register_configs
-from ultrascale.config.compose import compose, resolve_path
+from ultrascale.config.compose import compose
 from ultrascale.config.describe import help_if_asked
 from ultrascale.errors import ConfigError, DataError, UltrascaleError
+from ultrascale.paths import resolve_path
 
 log = logging.getLogger("ultrascale")
 

@@ -22,9 +22,10 @@ import sys
 from pathlib import Path
 
 from data_prep.config import register_configs
-from ultrascale.config.compose import compose, resolve_path
+from ultrascale.config.compose import compose
 from ultrascale.config.describe import help_if_asked
 from ultrascale.errors import UltrascaleError
+from ultrascale.paths import resolve_path
 
 
 def conversation(record: dict, instruction: str) -> dict:

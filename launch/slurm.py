@@ -24,8 +24,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from launch.spawn import STATUS_FILE
-from ultrascale.config.compose import PROJECT_ROOT, resolve_path
 from ultrascale.errors import ConfigError
+from ultrascale.paths import PROJECT_ROOT, resolve_path
 
 
 def _run_args(cfg: DictConfig, args: list[str]) -> list[str]:

@@ -27,12 +27,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from launch.hostfile import read_hostfile
-from ultrascale.config.compose import PROJECT_ROOT, resolve_path
 from ultrascale.config.schema import LauncherName
-from ultrascale.dist import RESTART_ENV, free_port
 from ultrascale.errors import ConfigError
 from ultrascale.jsonio import write_json
+from ultrascale.paths import PROJECT_ROOT, resolve_path
 from ultrascale.rundir import STOP_REQUEST, STOPPED
+from ultrascale.runtime.dist import RESTART_ENV, free_port
 from ultrascale.train.stop import write_request
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)

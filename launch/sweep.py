@@ -21,9 +21,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from launch.spawn import STATUS_FILE
-from ultrascale.config.compose import resolve_path
 from ultrascale.errors import DataError
 from ultrascale.jsonio import read_json
+from ultrascale.paths import resolve_path
 
 SUMMARY_CSV = "sweep_summary.csv"
 COLUMNS = ["job", "overrides", "status", "final_loss", "eval_loss", "tokens_per_s", "mfu", "mem_gb", "run_dir", "best"]

@@ -31,7 +31,7 @@ TEST_ENV = {
 os.environ.update(TEST_ENV)
 
 from ultrascale.data.bytecorpus import BYTE_VOCAB, byte_samples, write_byte_dataset  # noqa: E402, F401
-from ultrascale.dist import free_port  # noqa: E402
+from ultrascale.runtime.dist import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +78,7 @@ def _no_dead_shm_buffers(request):
     memory). A buffer a live process holds (another test's, another user's launch) is kept."""
     yield
     if request.node.get_closest_marker("dist"):
-        from ultrascale import shm
+        from ultrascale.runtime import shm
 
         shm.remove_stale(min_age_s=0)
 

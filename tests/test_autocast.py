@@ -9,9 +9,9 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import FAST, check, launch, losses
-from ultrascale.cpu import detect
 from ultrascale.model.autocast import install_autocast
 from ultrascale.model.loss import install_fused_loss
+from ultrascale.runtime.cpu import detect
 
 
 def _tiny(seed: int = 0):
@@ -89,12 +89,12 @@ def test_the_fused_loss_follows_autocast_like_hfs_head():
 
 def test_off_where_the_cpu_has_no_native_bf16_and_refused_over_16_bit_weights():
     from ultrascale.config.compose import compose
-    from ultrascale.config.decide import decide
     from ultrascale.config.topology import Topology
-    from ultrascale.config.validate import validate
-    from ultrascale.cpu import CpuInfo
     from ultrascale.errors import ConfigError
+    from ultrascale.levers.decide import decide
+    from ultrascale.levers.rules import validate
     from ultrascale.model.build import build_hf_config
+    from ultrascale.runtime.cpu import CpuInfo
 
     amx, zen3 = CpuInfo(flags=frozenset({"amx_bf16", "avx512f"})), CpuInfo(flags=frozenset({"avx2", "fma"}))
     cfg = compose(["precision.autocast=bf16"])

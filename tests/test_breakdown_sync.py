@@ -25,8 +25,8 @@ LOGGED = {2, 4, 6}  # 1-based, as the trainer logs them (train.log_interval=2)
 
 
 def _decisions(backend: str):
-    from ultrascale.config.validate import validate
-    from ultrascale.gpu import GpuInfo
+    from ultrascale.levers.rules import validate
+    from ultrascale.runtime.gpu import GpuInfo
 
     cfg = compose(["recipe=cpu_smoke", "train.log_interval=10"])
     gpu = GpuInfo(name="NVIDIA H100 80GB HBM3", memory_bytes=80 * 2**30, capability=(9, 0), free_bytes=78 * 2**30)
@@ -34,7 +34,7 @@ def _decisions(backend: str):
 
 
 def test_gpu_decision_reads_engine_timers_only_for_logged_rows_and_turns_off_the_throughput_timer():
-    from ultrascale.config.deepspeed import build_ds_config
+    from ultrascale.levers.deepspeed import build_ds_config
 
     gpu, cfg = _decisions("nccl")
     assert gpu.step_breakdown.on and gpu.step_breakdown.value == "events", gpu.step_breakdown
@@ -75,9 +75,9 @@ def _worker(out: Path) -> None:
     import torch
     from deepspeed.utils.timer import SynchronizedWallClockTimer
 
-    from ultrascale import dist
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import validate
+    from ultrascale.runtime import dist
     from ultrascale.train.breakdown import StepBreakdown
     from ultrascale.train.engine import build_engine
 

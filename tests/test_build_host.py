@@ -26,7 +26,7 @@ GIB = 2**30
 
 
 def _cluster_validate(overrides: list[str]):
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.rules import validate
     from ultrascale.plan.dryrun import target
 
     cfg = compose([*overrides, "dry_run=true"])
@@ -36,7 +36,7 @@ def _cluster_validate(overrides: list[str]):
 
 def test_mixtral_ep_zero2_builds_its_experts_partitioned():
     """The dry run's construction peak for the recipe: its dense part whole, its experts 1/32 each."""
-    from ultrascale.config.deepspeed import build_ds_config
+    from ultrascale.levers.deepspeed import build_ds_config
     from ultrascale.model.arch import arch_from_hf
     from ultrascale.plan.dryrun import dry_run_report, target
 
@@ -109,8 +109,8 @@ def test_expert_parallel_zero2_builds_its_experts_partitioned_within_the_planner
     """Measured: each rank's RSS rise while the model is built stays at the planner's figure (within the slack of
     the ZeRO-3 test), well under the whole model (1.2 GiB in fp32), which the whole build (before) held on every
     rank. The planner's figure includes one whole tensor: keyed init draws it whole (here a layer's fused experts)."""
+    from ultrascale.cost.memory import Layout, construction_bytes
     from ultrascale.model.arch import arch_from_cfg
-    from ultrascale.plan.memory import Layout, construction_bytes
 
     layout = ["zero=stage2", "parallel.ep=2"]
     ranks = _memprobe(tmp_path, layout)
@@ -150,12 +150,12 @@ def _worker(out: Path) -> None:
 
     import torch
 
-    from ultrascale import dist
-    from ultrascale.config.decide import Choice
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.decide import Choice
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import validate
     from ultrascale.model.build import build_model, zero_init_config
     from ultrascale.model.moe import _sparse_blocks
+    from ultrascale.runtime import dist
     from ultrascale.train.engine import build_engine
     from ultrascale.train.optim import param_groups
 

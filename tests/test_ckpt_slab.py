@@ -226,10 +226,10 @@ def test_pinned_staging_is_allocated_before_the_first_save_which_allocates_nothi
 
 
 def _worker(tmp: Path, out: Path) -> None:
-    from ultrascale import dist
     from ultrascale.config.compose import compose
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import validate
+    from ultrascale.runtime import dist
     from ultrascale.train.checkpoint import LAYOUT_DIR, Checkpointer
     from ultrascale.train.engine import build_engine
 

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from ultrascale.config.compose import compose
-from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.topology import Topology
-from ultrascale.config.validate import validate
 from ultrascale.errors import ConfigError
+from ultrascale.levers.deepspeed import build_ds_config
+from ultrascale.levers.rules import validate
 
 
 def test_defaults_compose_and_validate():

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from ultrascale.config.decide import cpu_attn_block, cpu_loss_chunk, cpu_threads, decide
-from ultrascale.cpu import CpuInfo, parse_cpuinfo
+from ultrascale.levers.decide import cpu_attn_block, cpu_loss_chunk, cpu_threads, decide
+from ultrascale.runtime.cpu import CpuInfo, parse_cpuinfo
 
 SPR = CpuInfo("GenuineIntel", "Intel(R) Xeon(R) Processor", 6, 207, 2,
               frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8"}),
@@ -127,11 +127,11 @@ def test_the_stored_peak_is_keyed_by_the_fingerprint_not_the_name(monkeypatch):
     the one taken on the AMX box would make every MFU of the other box read wrong."""
     import torch
 
-    import ultrascale.cpu
-    from ultrascale.peak import _key
+    import ultrascale.runtime.cpu
+    from ultrascale.runtime.peak import _key
 
     keys = {}
     for name, cpu in (("spr", SPR), ("icx", ICX)):
-        monkeypatch.setattr(ultrascale.cpu, "detect", lambda cpu=cpu: cpu)
+        monkeypatch.setattr(ultrascale.runtime.cpu, "detect", lambda cpu=cpu: cpu)
         keys[name] = _key(torch.float32, 1, 2)
     assert keys["spr"] != keys["icx"] and SPR.fingerprint() in keys["spr"]

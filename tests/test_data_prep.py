@@ -25,9 +25,10 @@ from data_prep.pack import encode_docs, pack
 from data_prep.pipeline import run
 from data_prep.show import decode_samples
 from data_prep.tokenizer import EOS, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, load_dir
-from ultrascale.config.compose import PROJECT_ROOT, compose
+from ultrascale.config.compose import compose
 from ultrascale.data.shards import open_split
 from ultrascale.errors import ConfigError, DataError
+from ultrascale.paths import PROJECT_ROOT
 
 FIXTURE = Path(__file__).parent / "fixtures" / "data_prep" / "corpus"
 PLANTED = [

@@ -24,7 +24,7 @@ from data_prep.work import STAGES
 from tests.conftest import BIN, ROOT
 from tests.test_data_prep import _cli, cfg_for, overrides
 from tests.test_data_prep_scale import finished_units, outputs, prepared, units_run  # noqa: F401 (fixture)
-from ultrascale.dist import free_port
+from ultrascale.runtime.dist import free_port
 
 SIGNATURES = f"{STAGES.index('signatures'):02d}_signatures"
 

@@ -20,8 +20,8 @@ import torch
 
 from tests.conftest import FAST, ROOT, check, launch
 from ultrascale.data.loader import Batch
-from ultrascale.device import coll_tensor, comm_device, resolve, to_device
 from ultrascale.errors import ConfigError
+from ultrascale.runtime.device import coll_tensor, comm_device, resolve, to_device
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_a_collective_tensor_follows_the_backend():
 
 
 def test_the_runtime_takes_a_gpu_nodes_torch_and_says_which():
-    from ultrascale.device import check_torch, runtime
+    from ultrascale.runtime.device import check_torch, runtime
 
     for ok in ("2.11.0+cu130", "2.13.0", "2.14.1", "3.0.0a0"):
         check_torch(ok)

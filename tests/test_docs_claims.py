@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ultrascale.config.compose import RECIPES_DIR, compose
+from ultrascale.config.compose import compose
+from ultrascale.paths import RECIPES_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -19,7 +20,7 @@ RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 def _cluster_decisions(overrides: list[str]):
     """The decisions the recipe's cluster ranks make (nccl, the cluster's card), as ``dry_run=true`` prints them."""
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.rules import validate
     from ultrascale.plan.dryrun import target
 
     cfg = compose([*overrides, "dry_run=true"])

@@ -22,9 +22,10 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, TEST_ENV
 from tests.test_recipes import _pretrained_stand_in
-from ultrascale.config.compose import RECIPES_DIR, compose
-from ultrascale.cpu import detect as detect_cpu
-from ultrascale.gpu import CARDS
+from ultrascale.config.compose import compose
+from ultrascale.paths import RECIPES_DIR
+from ultrascale.runtime.cpu import detect as detect_cpu
+from ultrascale.runtime.gpu import CARDS
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 GPU_RECIPES = [
@@ -70,12 +71,12 @@ def test_the_recipes_split_into_gpu_and_cpu_ones():
 
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_a_gpu_recipe_dry_run_states_its_clusters_gpu_decisions_hbm_and_step(name, tmp_path):
-    from ultrascale.config.validate import validate
-    from ultrascale.gpu import GpuInfo
+    from ultrascale.cost.memory import GIB, memory
+    from ultrascale.cost.timing import step_time
+    from ultrascale.levers.rules import validate
     from ultrascale.model.arch import arch_from_hf
-    from ultrascale.plan.memory import GIB, memory
     from ultrascale.plan.search import decided, layout_from_cfg
-    from ultrascale.plan.timing import step_time
+    from ultrascale.runtime.gpu import GpuInfo
 
     cfg, text = _dry_run(name, tmp_path)
     c = cfg.cluster

@@ -34,7 +34,7 @@ HELP = [
     ("gguf_import", "-m ultrascale.model.gguf_import", "GGUF", "--dtype"),
     ("checkpoint", "-m ultrascale.train.checkpoint", "to_universal", "RUN_DIR"),
     ("demo", "-m ultrascale.demo", "make demo", "--nproc"),
-    ("peak", "-m ultrascale.peak", "calibrated GEMM rate", "--remeasure"),
+    ("peak", "-m ultrascale.runtime.peak", "calibrated GEMM rate", "--remeasure"),
     ("memprobe", "-m ultrascale.train.memprobe", "costs in host memory", "OUT.rankN"),
 ]
 
@@ -149,7 +149,7 @@ BAD = [
     ("sweep summary without a directory", "-m launch.sweep", "sweep_dir"),
     ("gguf without arguments", "-m ultrascale.model.gguf_import", "source"),
     ("gguf bad dtype", "-m ultrascale.model.gguf_import a b --dtype bogus", "--dtype"),
-    ("peak bad dtype", "-m ultrascale.peak --dtype float64", "--dtype"),
+    ("peak bad dtype", "-m ultrascale.runtime.peak --dtype float64", "--dtype"),
     ("memprobe without output", "-m ultrascale.train.memprobe", "the following arguments are required: out"),
     ("checkpoint unknown command", "-m ultrascale.train.checkpoint convert {missing}", "to_universal"),
     ("demo bad rank count", "-m ultrascale.demo --nproc two", "--nproc"),

@@ -19,13 +19,14 @@ import pytest
 import torch
 
 from tests.conftest import needs, sandbox_missing, tool_missing
-from ultrascale.config.compose import PROJECT_ROOT, compose
+from ultrascale.config.compose import compose
 from ultrascale.data.shards import write_samples
 from ultrascale.errors import ConfigError
 from ultrascale.eval.config import check, register_eval_configs
 from ultrascale.eval.humaneval import check_program, generate, load_problems, truncate
 from ultrascale.eval.perplexity import perplexity
 from ultrascale.eval.sandbox import run_many
+from ultrascale.paths import PROJECT_ROOT
 
 SEQ = 64
 

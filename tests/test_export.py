@@ -20,8 +20,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ultrascale.device import to_device
-from ultrascale.dist import free_port  # torchrun passes --master_port 0 to the ranks literally
+from ultrascale.runtime.device import to_device
+from ultrascale.runtime.dist import free_port  # torchrun passes --master_port 0 to the ranks literally
 
 STAGES = (0, 1, 2, 3)
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,11 +226,11 @@ def _engine_logits(out: Path, run_dirs: list[Path]) -> None:
     """torchrun worker: each run's engine, rebuilt from its config and checkpoint, scores one batch."""
     from omegaconf import OmegaConf
 
-    from ultrascale import dist
-    from ultrascale.config.compose import resolve_path
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
     from ultrascale.data.shards import open_split
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import validate
+    from ultrascale.paths import resolve_path
+    from ultrascale.runtime import dist
     from ultrascale.train import checkpoint
     from ultrascale.train.engine import build_engine
 

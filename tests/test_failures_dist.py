@@ -161,7 +161,7 @@ def test_ctrl_c_under_the_bare_deepspeed_launcher_with_wandb_on_keeps_its_step(t
     ``latest`` stayed at step 5. The stop must commit step 7, keep logging to wandb, exit with no ``error:`` line,
     leave no shared-memory buffer behind, and resume into the uninterrupted run."""
     from tests.wandb_files import read_run
-    from ultrascale import shm
+    from ultrascale.runtime import shm
 
     out, trace = tmp_path / "run", tmp_path / "trace"
     args = [*(a if a != "logger=none" else "logger=default" for a in BASE), f"data.path={tiny_data}",

@@ -18,8 +18,8 @@ import torch
 
 from tests.conftest import ROOT
 from ultrascale.config.compose import compose
-from ultrascale.config.validate import validate
 from ultrascale.errors import CheckpointError
+from ultrascale.levers.rules import validate
 from ultrascale.train import checkpoint
 from ultrascale.train.resume import check_resume, checkpoint_meta
 
@@ -223,15 +223,15 @@ def test_the_writer_writes_in_order_and_reports_a_failed_write(tmp_path):
 # On a 2-core box the share is 1, the same number as a user's OMP_NUM_THREADS=1: that could not tell torchrun's
 # default (which must be overridden) from the user's choice (which must win).
 _THREADS = (
-    "import ultrascale.cpu as c; c.detect = lambda: c.CpuInfo(cpus=16, threads_per_core=2); "
-    "from ultrascale.dist import cpu_threads; print(cpu_threads()[0])"
+    "import ultrascale.runtime.cpu as c; c.detect = lambda: c.CpuInfo(cpus=16, threads_per_core=2); "
+    "from ultrascale.runtime.dist import cpu_threads; print(cpu_threads()[0])"
 )
 
 
 # A GPU rank on the same planted CPU: init_distributed with the backend planted as nccl and the process group as
 # already joined; torch.cuda.set_device is a recorder that must be called once, with LOCAL_RANK.
 _NCCL_THREADS = (
-    "import os, torch, torch.distributed as td, ultrascale.cpu as c, ultrascale.dist as d; "
+    "import os, torch, torch.distributed as td, ultrascale.runtime.cpu as c, ultrascale.runtime.dist as d; "
     "c.detect = lambda: c.CpuInfo(cpus=16, threads_per_core=2); d.select_accelerator = lambda: 'nccl'; "
     "td.is_initialized = lambda: True; calls = []; torch.cuda.set_device = calls.append; "
     "assert d.init_distributed() == 'nccl' and calls == [int(os.environ['LOCAL_RANK'])], calls; "
@@ -271,7 +271,7 @@ def test_a_gpu_rank_gets_its_share_of_the_cores_too():
 
 
 def test_young_daly_interval_and_the_time_it_loses():
-    from ultrascale.plan.checkpointing import advise, checkpoint_bytes, lost_share, young_daly
+    from ultrascale.cost.save_interval import advise, checkpoint_bytes, lost_share, young_daly
 
     mtbf = 24 * 3600.0
     tau = young_daly(60.0, mtbf)

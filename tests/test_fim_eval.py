@@ -16,9 +16,10 @@ import pytest
 
 from tests.conftest import TEST_ENV
 from tests.test_ssd_prompts import write_corpus
-from ultrascale.config.compose import PROJECT_ROOT, compose
+from ultrascale.config.compose import compose
 from ultrascale.errors import ConfigError
 from ultrascale.eval import fim
+from ultrascale.paths import PROJECT_ROOT
 
 CODE = '''import math
 

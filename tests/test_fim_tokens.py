@@ -157,8 +157,8 @@ def test_fim_zero3_training_from_the_grown_model_and_export_round_trip(fim_data,
     ids, and the exported model (grown tokenizer + weights, through ``from_pretrained``) gives the same logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ultrascale.dist import free_port
     from ultrascale.export import export
+    from ultrascale.runtime.dist import free_port
 
     n = json.loads((fim_data / "manifest.json").read_text())["tokenizer_added"]["base_vocab_size"]
     run = tmp_path / "run"

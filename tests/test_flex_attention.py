@@ -26,16 +26,16 @@ from transformers.masking_utils import (
 
 from tests.conftest import FAST, check, launch, losses
 from ultrascale.config.compose import compose
-from ultrascale.config.decide import decide
 from ultrascale.config.topology import Topology
-from ultrascale.config.validate import validate
 from ultrascale.data.bytecorpus import write_byte_dataset
 from ultrascale.data.loader import make_batch
 from ultrascale.errors import ConfigError
-from ultrascale.gpu import GpuInfo
+from ultrascale.levers.decide import decide
+from ultrascale.levers.rules import validate
 from ultrascale.model import flex as flex_mod
 from ultrascale.model.build import build_hf_config, build_model
 from ultrascale.model.flex import block_mask, install_flex_attention
+from ultrascale.runtime.gpu import GpuInfo
 
 EOS = 3
 TINY = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from tests.conftest import check, launch
-from ultrascale.config.decide import (
+from ultrascale.errors import ConfigError
+from ultrascale.levers.decide import (
     auto_checkpointing,
     checkpointing_mode,
     decide,
     gpu_loss_chunk,
 )
-from ultrascale.errors import ConfigError
-from ultrascale.gpu import GpuInfo, identify
-from ultrascale.peak import gpu_peak, matmul_dtype
+from ultrascale.runtime.gpu import GpuInfo, identify
+from ultrascale.runtime.peak import gpu_peak, matmul_dtype
 
 GIB = 2**30
 MIB = 2**20
@@ -171,7 +171,7 @@ def test_auto_checkpointing_is_a_pure_rule_over_predicted_peaks():
 
 def test_auto_on_cpu_keeps_it_off_and_booleans_still_mean_full_and_none():
     from ultrascale.config.compose import compose
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.rules import validate
 
     assert validate(compose([]), 1, backend="gloo").activation_checkpointing.value == "none"  # the default: auto
     for value, mode in (("true", "full"), ("false", "none"), ("selective", "selective"), ("full", "full")):
@@ -196,9 +196,9 @@ def test_auto_without_selective_where_it_cannot_run():
 
 
 def test_liger_where_importable_on_a_gpu_chunked_elsewhere(monkeypatch):
-    from ultrascale.config import decide as decide_mod
     from ultrascale.config.compose import compose
-    from ultrascale.config.validate import validate
+    from ultrascale.levers import decide as decide_mod
+    from ultrascale.levers.rules import validate
 
     cfg, topo, hf = _llama_1b()
     here = decide(cfg, topo, hf, "nccl", None, H100)  # liger-kernel is not installed here
@@ -297,9 +297,9 @@ def test_selective_keeps_what_the_planner_counts(name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tests.test_plan_activations import MODELS
+    from ultrascale.cost.memory import Layout, activation_bytes
     from ultrascale.model.arch import arch_from_hf
     from ultrascale.model.recompute import enable_checkpointing
-    from ultrascale.plan.memory import Layout, activation_bytes
 
     model_type, kwargs = MODELS[name]
     hf = AutoConfig.for_model(model_type, **kwargs)
@@ -369,9 +369,9 @@ def test_selective_survives_compiled_layers():
 
 
 def test_the_planner_times_selective_between_none_and_full():
+    from ultrascale.cost.memory import Layout, memory
+    from ultrascale.cost.timing import step_time
     from ultrascale.model.arch import arch_from_hf
-    from ultrascale.plan.memory import Layout, memory
-    from ultrascale.plan.timing import step_time
 
     _, _, hf = _llama_1b()
     arch, cluster = arch_from_hf(hf), SimpleNamespace(

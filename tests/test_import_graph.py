@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from ultrascale.config.compose import PROJECT_ROOT
+from ultrascale.paths import PROJECT_ROOT
 
 PACKAGES = ("ultrascale", "launch", "data_prep")
 

@@ -15,9 +15,10 @@ import pytest
 
 from tests.conftest import TEST_ENV, needs, sandbox_missing
 from tests.test_fim_eval import fim_model  # noqa: F401  (the tiny FIM model fixture)
-from ultrascale.config.compose import PROJECT_ROOT, compose
+from ultrascale.config.compose import compose
 from ultrascale.errors import ConfigError
 from ultrascale.eval import infill
+from ultrascale.paths import PROJECT_ROOT
 
 needs_sandbox = needs(sandbox_missing())
 

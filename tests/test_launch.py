@@ -18,8 +18,9 @@ from launch.slurm import render_sbatch
 from launch.spawn import is_driver, launcher_argv
 from launch.sweep import collect, group_name, summarize
 from tests.conftest import check, launch
-from ultrascale.config.compose import PROJECT_ROOT, compose
+from ultrascale.config.compose import compose
 from ultrascale.errors import ConfigError
+from ultrascale.paths import PROJECT_ROOT
 
 GOLDEN = Path(__file__).parent / "golden"
 LAUNCH = PROJECT_ROOT / "launch"

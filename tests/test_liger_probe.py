@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ultrascale.config.decide import decide
 from ultrascale.errors import ConfigError
-from ultrascale.gpu import GpuInfo
+from ultrascale.levers.decide import decide
 from ultrascale.model import loss
+from ultrascale.runtime.gpu import GpuInfo
 
 GIB = 2**30
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", 81559 * 2**20, (9, 0), 8, 80 * GIB, 132)
@@ -66,7 +66,7 @@ def test_auto_takes_the_chunked_loss_when_liger_does_not_import(plant):
 
 def test_forcing_a_liger_that_does_not_import_is_one_error_line(plant):
     from ultrascale.config.compose import compose
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.rules import validate
 
     plant(BROKEN)
     with pytest.raises(ConfigError) as e:
@@ -103,7 +103,7 @@ def test_a_working_liger_passes_its_trial_row(plant):
 
 def test_the_trial_runs_on_this_ranks_gpu_only(monkeypatch):
     """``decide`` hands the loss module the device the GPU description was read from, or none."""
-    from ultrascale.config import decide as decide_mod
+    from ultrascale.levers import decide as decide_mod
 
     asked = []
     monkeypatch.setattr(loss, "kernel_unusable", lambda impl, device=None: asked.append((impl, device)) or None)

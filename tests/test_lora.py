@@ -11,8 +11,8 @@ import pytest
 
 from tests.conftest import ROOT, TEST_ENV
 from ultrascale.config.compose import compose
-from ultrascale.config.validate import validate
 from ultrascale.errors import ConfigError
+from ultrascale.levers.rules import validate
 
 
 def test_the_finetune_group_is_typed():
@@ -55,10 +55,10 @@ def test_qlora_on_cpu_is_one_error_line(smollm2_135m):
 
 
 def test_planner_counts_gradients_and_adam_for_the_adapters_only(smollm2_135m):
+    from ultrascale.cost.memory import model_state_bytes
     from ultrascale.model.adapters import planned_params
     from ultrascale.model.arch import arch_from_cfg
     from ultrascale.model.build import build_hf_config
-    from ultrascale.plan.memory import model_state_bytes
     from ultrascale.plan.search import layout_from_cfg
 
     cfg = compose(["recipe=smollm2_135m_lora", f"model.pretrained_path={smollm2_135m}"])

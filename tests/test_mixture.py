@@ -142,7 +142,7 @@ SOURCES = "data.sources={a:{path:data/a,weight:0.7},b:{path:data/b,weight:0.3}}"
     ],
 )
 def test_mixture_rules_name_the_key(override, needle):
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.rules import validate
 
     with pytest.raises(ConfigError) as e:
         validate(compose([SOURCES, override, "output_dir=/tmp/unused"]), 1)
@@ -150,14 +150,14 @@ def test_mixture_rules_name_the_key(override, needle):
 
 
 def test_stages_need_sources():
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.rules import validate
 
     with pytest.raises(ConfigError, match=r"data\.stages needs data\.sources"):
         validate(compose(["data.stages=[{weights:{a:1}}]", "output_dir=/tmp/unused"]), 1)
 
 
 def test_a_resume_refuses_a_mixture_that_changed_before_the_checkpoint():
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.rules import validate
     from ultrascale.train.resume import check_resume
 
     base = [SOURCES, "output_dir=/tmp/unused", "train.steps=20", "data.global_batch=8", "data.micro_batch=8"]

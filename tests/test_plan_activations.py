@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ultrascale.cost.memory import Layout, activation_bytes
 from ultrascale.model.arch import arch_from_hf
-from ultrascale.plan.memory import Layout, activation_bytes
 
 MODELS = {
     "llama": (

@@ -7,10 +7,10 @@ import pytest
 from transformers import AutoConfig
 
 from ultrascale.config.compose import compose
+from ultrascale.cost.memory import Layout, model_state_bytes
+from ultrascale.cost.timing import bubble_fraction, step_time
 from ultrascale.model.arch import arch_from_cfg, arch_from_hf
 from ultrascale.model.flops import flops_per_token, train_flops_per_token
-from ultrascale.plan.memory import Layout, model_state_bytes
-from ultrascale.plan.timing import bubble_fraction, step_time
 
 
 @pytest.fixture(scope="module")

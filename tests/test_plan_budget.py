@@ -1,4 +1,4 @@
-"""Inference-aware budgeting (ultrascale/plan/budget.py, plan.py budget=...): the arithmetic against values worked
+"""Inference-aware budgeting (ultrascale/cost/budget.py, plan.py budget=...): the arithmetic against values worked
 out by hand here, the optimum against a brute-force search, Sardana et al. 2024's own example, and the CLI."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from ultrascale.config.compose import PROJECT_ROOT, compose
-from ultrascale.errors import ConfigError
-from ultrascale.plan.budget import (
+from ultrascale.config.compose import compose
+from ultrascale.cost.budget import (
     Costing,
     ScalingLaw,
     budget_from_cfg,
@@ -23,6 +22,8 @@ from ultrascale.plan.budget import (
     inference_aware_optimal,
     min_loss_at_cost,
 )
+from ultrascale.errors import ConfigError
+from ultrascale.paths import PROJECT_ROOT
 
 # Hoffmann et al. 2022, eq. 10 as printed; the same fit unrounded (TeX source, Besiroglu et al. 2024 eq. 4);
 # Epoch AI's refit (Besiroglu et al. 2024 eq. 3).

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from ultrascale.config.compose import PROJECT_ROOT, compose
-from ultrascale.config.validate import validate
+from ultrascale.config.compose import compose
+from ultrascale.levers.rules import validate
+from ultrascale.paths import PROJECT_ROOT
 from ultrascale.plan.search import plan
 
 SMALL_SEARCH = ["search.micro_batches=[1,2]", "search.tp=[1,2]", "search.pp=[1,2]", "search.sp=[1,2]"]
@@ -121,8 +122,8 @@ def test_the_planner_takes_the_fused_loss_from_the_decision_record_and_refuses_w
     wherever decide() turns it off (tp > 1 here, or train.fused_loss=false), and only then does the memory
     model keep the logits. The ZeRO stage is never changed by a decision (decide() keeps zero.stage; a stage
     a layout cannot use is refused by validate, with its message), so that is what is checked for it."""
+    from ultrascale.cost.memory import Layout
     from ultrascale.model.arch import arch_from_cfg
-    from ultrascale.plan.memory import Layout
     from ultrascale.plan.search import evaluate
 
     args = ["model=llama_1b", "cluster=h100_8x", "data.seq_len=2048", "data.global_batch=8"]

@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 
 from tests.conftest import FAST, check, launch, metrics
 from ultrascale.config.compose import compose, resolve
-from ultrascale.config.validate import validate
+from ultrascale.cost.memory import GIB, checkpoint_staging_bytes
+from ultrascale.levers.rules import validate
 from ultrascale.model.arch import arch_from_hf
 from ultrascale.plan import dryrun
-from ultrascale.plan.memory import GIB, checkpoint_staging_bytes
 from ultrascale.plan.search import decided, layout_from_cfg
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"

@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import launch
 from ultrascale.config.compose import compose
+from ultrascale.cost.memory import model_state_bytes
 from ultrascale.model.arch import arch_from_cfg
-from ultrascale.plan.memory import model_state_bytes
 from ultrascale.plan.search import layout_from_cfg
 
 COMMON = "precision=bf16 data.seq_len=32 data.micro_batch=2 data.global_batch=4 zero.reduce_bucket_size=500000"

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ultrascale.config.compose import PROJECT_ROOT, compose
+from ultrascale.config.compose import compose
+from ultrascale.paths import PROJECT_ROOT
 
 HEADERS = sorted([*(PROJECT_ROOT / "recipes").glob("*.yaml"), *(PROJECT_ROOT / "conf" / "ssd").glob("*.yaml")])
 START = re.compile(r"(?:^|[\s(`:])((?:python3?|deepspeed|torchrun)\s.*)")
@@ -99,7 +100,7 @@ def test_the_headers_hold_the_commands_users_copy():
 def test_a_header_command_composes(recipe: str, command: str):
     kind, overrides, world = entry(shlex.split(command))
     if kind == "train":
-        from ultrascale.config.validate import validate
+        from ultrascale.levers.rules import validate
 
         cfg = compose(overrides)
         if cfg.model.pretrained_path and not Path(cfg.model.pretrained_path).exists():

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ultrascale.config.compose import RECIPES_DIR, compose
-from ultrascale.config.deepspeed import build_ds_config
-from ultrascale.config.validate import validate
+from ultrascale.config.compose import compose
+from ultrascale.levers.deepspeed import build_ds_config
+from ultrascale.levers.rules import validate
+from ultrascale.paths import RECIPES_DIR
 
 GOLDEN = Path(__file__).parent / "golden" / "ds_config"
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))

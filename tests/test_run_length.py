@@ -1,5 +1,5 @@
 """Run length in tokens (``train.tokens``): parsing, the steps it sets, and a resume under another global batch that
-keeps the token count, the data position and the lr curve over tokens (``ultrascale/config/length.py``)."""
+keeps the token count, the data position and the lr curve over tokens (``ultrascale/levers/length.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import check, launch, metrics, write_byte_dataset
-from ultrascale.config import length
 from ultrascale.config.compose import compose
 from ultrascale.errors import CheckpointError, ConfigError
+from ultrascale.levers import length
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_a_token_count_that_is_not_a_whole_positive_number_is_one_error(text):
 def test_tokens_set_the_steps_and_win_over_train_steps():
     """cpu_smoke is 16 x 256 = 4,096 tokens a step and sets train.steps=60: tokens decide (rounding the last step
     up), the warmup in tokens converts, and validation (which resolves it) sees the derived steps."""
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.rules import validate
 
     cfg = compose(["recipe=cpu_smoke", "train.tokens=20480", "train.steps=60", "optim.sched.warmup_tokens=8192"])
     validate(cfg, 2, backend="gloo")

@@ -15,7 +15,6 @@ import textwrap
 import threading
 
 from tests.conftest import needs, sandbox_missing, tool_missing
-from ultrascale.config.compose import PROJECT_ROOT
 from ultrascale.eval import jail
 from ultrascale.eval.sandbox import (
     Limits,
@@ -24,6 +23,7 @@ from ultrascale.eval.sandbox import (
     run_many,
     run_program,
 )
+from ultrascale.paths import PROJECT_ROOT
 
 pytestmark = needs(sandbox_missing())
 

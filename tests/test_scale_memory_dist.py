@@ -42,8 +42,8 @@ def _planner_construction_within_the_slack(ranks: list[dict], overrides: list[st
     measured one: a floor the measurement stays above, by no more than the fixed slack. This is the measured
     row behind test_recipes' dry-run check of the big recipes."""
     from ultrascale.config.compose import compose
+    from ultrascale.cost.memory import construction_bytes
     from ultrascale.model.arch import arch_from_cfg
-    from ultrascale.plan.memory import construction_bytes
     from ultrascale.plan.search import layout_from_cfg
 
     cfg = compose([*MODEL, *overrides])
@@ -55,8 +55,8 @@ def _planner_construction_within_the_slack(ranks: list[dict], overrides: list[st
 def _planner_within_15_percent(ranks: list[dict], overrides: list[str]) -> None:
     """The planner's model states between steps (``host_step_bytes``) against the measured steady state."""
     from ultrascale.config.compose import compose
+    from ultrascale.cost.memory import host_step_bytes
     from ultrascale.model.arch import arch_from_cfg
-    from ultrascale.plan.memory import host_step_bytes
     from ultrascale.plan.search import layout_from_cfg
 
     cfg = compose([*MODEL, *overrides])
@@ -95,8 +95,8 @@ def test_zero3_loads_a_checkpoint_partitioned_within_the_bound(tmp_path):
 
 def test_pipeline_stage_builds_only_its_layers_within_the_bound(tmp_path):
     from ultrascale.config.compose import compose
+    from ultrascale.cost.memory import rank_params
     from ultrascale.model.arch import arch_from_cfg
-    from ultrascale.plan.memory import rank_params
     from ultrascale.plan.search import layout_from_cfg
 
     layout = ["zero=stage1", f"parallel.pp={RANKS}"]

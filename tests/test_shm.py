@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from ultrascale import shm
-from ultrascale.dist import free_port
+from ultrascale.runtime import shm
+from ultrascale.runtime.dist import free_port
 
 # A stand-in for a rank that still uses a buffer: holds it open (``fd``), or only mapped with its descriptor closed
 # (``map``: libc's mmap, as DeepSpeed's C++ calls it; Python's mmap would keep a duplicate descriptor open).

@@ -133,7 +133,7 @@ def _agree_worker(rank: int, port: int, verdicts: list, out: str) -> None:
 def test_ranks_that_disagree_adopt_the_strongest_action_with_its_own_reason(tmp_path):
     import torch.multiprocessing as mp
 
-    from ultrascale.dist import free_port
+    from ultrascale.runtime.dist import free_port
 
     verdicts = [
         [("ok", "", 0.5), ("skip", "nonfinite", None), ("lr_cut", "spike", 7.0), ("ok", "", None)],  # rank 0

@@ -178,7 +178,7 @@ def test_cpu_peak_is_measured_once_per_cpu_dtype_threads_and_ranks(tmp_path, mon
     """The calibrated peak is stored by (CPU model, dtype, threads, ranks) and read back, not re-measured."""
     import torch
 
-    from ultrascale import peak
+    from ultrascale.runtime import peak
 
     calls = []
 
@@ -207,7 +207,7 @@ def test_gemm_rate_is_the_median_of_five_or_more_windows_timed_after_an_untimed_
 
     from torch.profiler import ProfilerActivity, profile
 
-    from ultrascale.peak import gemm_rate
+    from ultrascale.runtime.peak import gemm_rate
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         got = gemm_rate(n=256, warmup_s=0.05, measure_s=0.0)

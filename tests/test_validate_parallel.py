@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ultrascale.config.compose import compose
-from ultrascale.config.deepspeed import build_ds_config
-from ultrascale.config.validate import validate
 from ultrascale.errors import ConfigError
+from ultrascale.levers.deepspeed import build_ds_config
+from ultrascale.levers.rules import validate
 
 MOE = ["model=tiny_moe"]
 
@@ -142,7 +142,7 @@ def test_zero_plus_plus_is_refused_on_the_cpu_with_the_reason_and_built_for_gpus
     cfg = compose(["zero=stage3", f"zero.{key}=true"])
     with pytest.raises(ConfigError, match=rf"zero.{key}=true \(ZeRO\+\+\) needs CUDA.*set zero.{key}=false"):
         validate(cfg, 2, backend="gloo")
-    from ultrascale.config.deepspeed import build_ds_config
+    from ultrascale.levers.deepspeed import build_ds_config
 
     d = validate(cfg, 2, backend="nccl")
     assert build_ds_config(cfg, d)["zero_optimization"][key] is True

@@ -23,10 +23,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ultrascale import error_line
 from ultrascale.config.describe import help_if_asked
-from ultrascale.dist import apply_launcher_env, configure_env, strip_local_rank
 from ultrascale.errors import ConfigError, UltrascaleError
+from ultrascale.runtime import error_line
+from ultrascale.runtime.dist import apply_launcher_env, configure_env, strip_local_rank
 
 HYDRA_FLAGS = {"-m", "--multirun", "--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve",
                "--package", "-p", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
@@ -44,7 +44,7 @@ KILL_RANK0_ERROR_ENV = "ULTRASCALE_FAULT_KILL_RANK0_ON_ERROR"
 
 
 def _report(e: UltrascaleError) -> int:
-    """One ``error:`` line per failed launch, rank 0's where rank 0 has it (see :mod:`ultrascale.error_line`): the
+    """One ``error:`` line per failed launch, rank 0's where rank 0 has it (see :mod:`ultrascale.runtime.error_line`): the
     other ranks wait for it rather than exit first (the launcher would SIGTERM rank 0 before it printed), and
     say their own ``error: rank N: ...`` when rank 0 never says it."""
     rank = int(os.environ.get("RANK", "0"))
@@ -67,7 +67,7 @@ def _dist_initialized() -> bool:
 def _report_crash(e: Exception) -> int:
     """An unexpected exception on one rank: one line naming the rank and the error, the traceback in that
     rank's log file, and exit 1 so the launcher tears the other ranks down instead of leaving them hanging."""
-    from ultrascale.dist import log_file
+    from ultrascale.runtime.dist import log_file
 
     r = os.environ.get("RANK", "0")
     first = (str(e).strip().splitlines() or [""])[0]
@@ -102,7 +102,7 @@ def _drive(cfg: DictConfig, args: list[str]) -> int:
         submit_run(cfg, args, sys.argv[0])
         return 0
     res = spawn(cfg, sys.argv[0], args)
-    from ultrascale.config.compose import resolve_path
+    from ultrascale.paths import resolve_path
 
     out = resolve_path(cfg.output_dir)
     if res.stopped and res.returncode == 0:
@@ -149,8 +149,8 @@ def _objective(hc: Any, cfg: DictConfig, result: Any) -> Any:
     its own launcher returns only an exit code). Grid sweeps keep the job's own return value."""
     if "optuna" not in str(hc.sweeper.get("_target_", "")).lower():
         return result
-    from ultrascale.config.compose import resolve_path
     from ultrascale.jsonio import read_json
+    from ultrascale.paths import resolve_path
     from ultrascale.rundir import SUMMARY
 
     summary = result if isinstance(result, dict) else read_json(resolve_path(cfg.output_dir) / SUMMARY)
@@ -163,8 +163,8 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from ultrascale.config.compose import CONF_DIR
     from ultrascale.config.schema import register_configs
+    from ultrascale.paths import CONF_DIR
 
     register_configs()
     multirun = any(a in ("-m", "--multirun") for a in argv)
@@ -253,7 +253,7 @@ PLUGINS = {
 def _plugins_wanted(argv: list[str]) -> list[tuple[str, str]]:
     """(what asked for it, plugin choice) for every plugin a sweep's arguments select, directly or through an
     ``hparams_search`` option whose defaults override the sweeper."""
-    from ultrascale.config.compose import CONF_DIR
+    from ultrascale.paths import CONF_DIR
 
     wanted = []
     for a in argv:
@@ -353,7 +353,7 @@ def run_app(config_name: str, main: Callable[[DictConfig], Any], help_text: str,
                 return _report(e)
         return _hydra_main(config_name, main, argv)
     from ultrascale.config.compose import compose
-    from ultrascale.dist import shutdown
+    from ultrascale.runtime.dist import shutdown
 
     try:
         if _hydra_keys(rest):

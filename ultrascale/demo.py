@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from ultrascale.argv import ArgParser
-from ultrascale.config.compose import PROJECT_ROOT
-from ultrascale.dist import configure_env
+from ultrascale.paths import PROJECT_ROOT
+from ultrascale.runtime.dist import configure_env
 
 BIN = Path(sys.executable).parent
 

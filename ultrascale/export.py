@@ -311,8 +311,8 @@ def export(
     finetune = cfg.get("finetune")
     adapter_dir = None
     if finetune is not None and str(finetune.method) != "none":  # LoRA: merge the adapters, and write them alone
-        from ultrascale.config.compose import resolve_path
         from ultrascale.model.adapters import ADAPTER_DIR, export_sources, write_adapter
+        from ultrascale.paths import resolve_path
 
         base_dir = resolve_path(cfg.model.pretrained_path)
         source, adapter = export_sources(source, finetune, base_dir, expected, Lazy)

@@ -811,7 +811,7 @@ def decide_autocast(model, asked: str = "none") -> tuple[tuple[str, torch.dtype]
     """Whether the forward runs under bf16 autocast, decided once as training decides ``precision.autocast``: only
     when asked (``bf16``; it changes greedy tokens against fp32, so it is never the default), and only where the
     hardware computes bf16 natively (a CUDA GPU with bf16, a CPU with AVX-512 BF16 or AMX). (setting, why)."""
-    from ultrascale.cpu import detect
+    from ultrascale.runtime.cpu import detect
 
     param = next(model.parameters())
     if asked in (None, "none"):

@@ -46,13 +46,13 @@ def main() -> None:
     from omegaconf import OmegaConf
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from ultrascale import dist
     from ultrascale.config.compose import compose
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
     from ultrascale.data.loader import StepBatches
     from ultrascale.data.shards import load_manifest, open_split
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import validate
     from ultrascale.model import recompute
+    from ultrascale.runtime import dist
     from ultrascale.train.engine import build_engine
     from ultrascale.train.optim import apply_lr
 

@@ -3,9 +3,9 @@
 Usage: torchrun --nproc_per_node 2 tests/dist_scripts/decisions_agree.py OUT
 
 Each rank validates llama_1b_zero0 (``train.activation_checkpointing=auto``) as train.py does, before the process
-group exists, on a planted GPU node (``detect_backend`` says nccl; ``ultrascale.gpu.detect`` describes device N
+group exists, on a planted GPU node (``detect_backend`` says nccl; ``ultrascale.runtime.gpu.detect`` describes device N
 with :data:`FREE` [N] free, as a node whose GPU 0 is busier than GPU 1 would), then joins a real gloo group and
-calls :func:`ultrascale.config.validate.agree_across_ranks`, as the trainer does. Rank 0 writes OUT (JSON): per
+calls :func:`ultrascale.levers.rules.agree_across_ranks`, as the trainer does. Rank 0 writes OUT (JSON): per
 rank, the devices it asked ``detect`` for and its per-machine decisions before and after agreeing.
 """
 
@@ -23,9 +23,9 @@ FREE = {0: 70 * GIB, 1: 6 * GIB}
 def main() -> None:
     import torch.distributed as tdist
 
-    from ultrascale import dist, gpu
     from ultrascale.config.compose import compose
-    from ultrascale.config.validate import agree_across_ranks, validate
+    from ultrascale.levers.rules import agree_across_ranks, validate
+    from ultrascale.runtime import dist, gpu
 
     asked = []
 

@@ -10,7 +10,7 @@ refuses a CPU tensor beside its own exactly as CUDA does. Two doubles stand in f
 
 - **the engine double** declares ``lazy`` as its device and records the device of every tensor handed to its
   forward, then runs the real engine on the same values (the CPU's copy);
-- **planted NCCL**: ``torch.distributed`` reports backend ``nccl`` and world 2, ``ultrascale.device.comm_device``
+- **planted NCCL**: ``torch.distributed`` reports backend ``nccl`` and world 2, ``ultrascale.runtime.device.comm_device``
   answers ``lazy`` (the stand-in for ``cuda:LOCAL_RANK``), and every collective records its tensors' devices and
   acts as two identical ranks would (a sum doubles, a min/max/broadcast keeps, a gather repeats); any other
   collective raises (:func:`refuse_unplanted`), so none can slip past the record on the real gloo group.
@@ -74,7 +74,7 @@ class PlantedNccl:
                     self.record.append({"op": name, "device": t.device.type})
 
     def install(self) -> None:
-        import ultrascale.device as device
+        import ultrascale.runtime.device as device
 
         def all_reduce(t, op=None, group=None, async_op=False):
             self._tensors("all_reduce", [t])
@@ -106,7 +106,7 @@ class PlantedNccl:
         self.on()
 
     def _set(self, table: dict) -> None:
-        import ultrascale.device as device
+        import ultrascale.runtime.device as device
 
         for k, v in table.items():
             setattr(device if k == "comm_device" else tdist, k, v)
@@ -165,9 +165,9 @@ def main() -> None:
     torch._lazy.ts_backend.init()
     from omegaconf import OmegaConf
 
-    from ultrascale import dist
     from ultrascale.config.compose import compose
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.rules import validate
+    from ultrascale.runtime import dist
     from ultrascale.train.preflight import preflight
     from ultrascale.train.trainer import StepState, Trainer, _prepare_run_dir
 
@@ -258,7 +258,7 @@ def _perplexity_reduce() -> None:
 
 
 def _peak_reduce() -> None:
-    from ultrascale.peak import _all_ranks
+    from ultrascale.runtime.peak import _all_ranks
 
     _all_ranks(1.0, "min")
 

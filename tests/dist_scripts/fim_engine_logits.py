@@ -22,12 +22,12 @@ def main(run_dir: Path, out: Path, pretrained: Path) -> None:
     from omegaconf import OmegaConf
     from safetensors.torch import load_file
 
-    from ultrascale import dist
-    from ultrascale.config.compose import resolve_path
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
     from ultrascale.data.shards import open_split
-    from ultrascale.device import to_device
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import validate
+    from ultrascale.paths import resolve_path
+    from ultrascale.runtime import dist
+    from ultrascale.runtime.device import to_device
     from ultrascale.train import checkpoint
     from ultrascale.train.engine import build_engine
 

@@ -23,8 +23,8 @@ import transformers.models.llama.modeling_llama  # noqa: F401
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
-from ultrascale.dist import gloo_threads, shutdown
 from ultrascale.model.loss import install_fused_loss
+from ultrascale.runtime.dist import gloo_threads, shutdown
 
 STEPS = 3
 CHUNK = 24  # 64 tokens per micro-batch: three chunks, the last one short

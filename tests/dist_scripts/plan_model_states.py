@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.config.compose import compose
-from ultrascale.config.deepspeed import build_ds_config
-from ultrascale.config.validate import validate
-from ultrascale.dist import shutdown
+from ultrascale.levers.deepspeed import build_ds_config
+from ultrascale.levers.rules import validate
 from ultrascale.model.build import build_hf_config
+from ultrascale.runtime.dist import shutdown
 
 
 class Tally:

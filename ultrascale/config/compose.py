@@ -14,17 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from ultrascale.config.fields import check
 from ultrascale.config.schema import register_configs
 from ultrascale.errors import ConfigError
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = PROJECT_ROOT / "conf"
-RECIPES_DIR = PROJECT_ROOT / "recipes"
-
-
-def resolve_path(p: str | Path) -> Path:
-    """Relative data/model paths mean the project root, not Hydra's or the launcher's cwd."""
-    path = Path(p).expanduser()
-    return path if path.is_absolute() else PROJECT_ROOT / path
-
+from ultrascale.paths import CONF_DIR
 
 HELP_COMMANDS = {"train": "python train.py --help", "eval": "python eval.py --help", "plan": "python plan.py --help",
                  "data_prep": "python -m data_prep --help", "ssd": "python -m ultrascale.ssd --help",

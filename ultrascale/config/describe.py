@@ -17,9 +17,9 @@ from functools import cache
 
 from omegaconf import DictConfig, OmegaConf
 
-from ultrascale.config.compose import CONF_DIR
 from ultrascale.config.fields import range_of
 from ultrascale.errors import UltrascaleError
+from ultrascale.paths import CONF_DIR
 
 
 @cache

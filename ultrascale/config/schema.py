@@ -345,7 +345,7 @@ class TrainConfig:
     ``train.steps`` becomes the steps that train at least this many (each ``data.global_batch x data.seq_len``
     tokens; the last one rounds up), the lr schedule follows, and the banner prints both. A resume under another
     ``data.global_batch`` keeps the count: it runs the steps the rest takes, on the same lr curve over tokens
-    (``ultrascale/config/length.py``)."""
+    (``ultrascale/levers/length.py``)."""
     eval_interval: int = num(50, ge=0)
     """Evaluate held-out loss every N steps (0 = only at the end)."""
     checkpoint_interval: int = num(50, ge=0)
@@ -387,7 +387,7 @@ class TrainConfig:
     compute). ``selective``: per-op, as torchtitan does: the matmuls' and the attention kernel's outputs are kept
     and norms, RoPE, activations and residual adds recomputed (about half a layer's activations on a Llama shape,
     a few elementwise kernels of recompute; pp=tp=sp=ep=1). ``none``: off. ``auto`` (default): on a GPU, none if
-    the planner's predicted peak (``ultrascale/plan/memory.py``) fits 90 % of the GPU's free memory, else
+    the planner's predicted peak (``ultrascale/cost/memory.py``) fits 90 % of the GPU's free memory, else
     selective if that fits, else full, with the figures in the banner; on CPU off, as before. ``true``/``false``
     mean full/none."""
     universal_checkpoint: bool = False
@@ -417,7 +417,7 @@ class TrainConfig:
     """Tokens per chunk of the chunked fused loss; 0: decided from the machine (CPU: 128 with fp32 GEMMs, 1,024
     where autocast puts them on a bf16 matrix unit, within a 256 MiB logits budget; GPU: the power of two whose
     fp32 logits fit 1/64 of the GPU's free memory, at most 8,192: 2,048 at vocab 128k on an 80 GB card;
-    ``ultrascale/config/decide.py``)."""
+    ``ultrascale/levers/decide.py``)."""
     attention_kernel: AttentionKernel = AttentionKernel.auto
     """The attention kernel of training with ``model.attn_implementation=sdpa``. Packed rows holding several
     documents need attention that stops at each boundary; HF's sdpa spells that as a dense ``[b, 1, s, s]`` mask,
@@ -439,7 +439,7 @@ class TrainConfig:
     block attending only to keys up to its own end, so the tiles the causal mask forbids are never computed
     (``ultrascale/model/attention.py``; same output as sdpa; 1.065x fwd+bwd compiled, `make bench-attention`).
     Unset (auto): on CPU, the sequence over the blocks per row that pay off on this CPU's matrix unit (4 with fp32
-    matmuls, 2 with bf16 on AMX/AVX-512 BF16: ``ultrascale/config/decide.py``, `python bench/bench_cpu_levers.py`);
+    matmuls, 2 with bf16 on AMX/AVX-512 BF16: ``ultrascale/levers/decide.py``, `python bench/bench_cpu_levers.py`);
     HF's sdpa on GPU, where it is not measured; a number forces it; 0 = off. Rows holding one document always
     take SDPA's causal kernel.
     Causal text decoders with pp=1 and sp=1; the banner says when it is off and why."""
@@ -673,9 +673,9 @@ class ClusterConfig:
     name: str = "h100_8x"
     """Preset name, shown in the plan's header."""
     card: str | None = "H100 SXM5 80GB"
-    """The GPU, as a row of ``ultrascale.gpu.CARDS`` (or a torch device name): its compute capability and SMs
+    """The GPU, as a row of ``ultrascale.runtime.gpu.CARDS`` (or a torch device name): its compute capability and SMs
     decide the GPU levers (attention and loss kernels, activation checkpointing) a dry run states for it
-    (``ultrascale.gpu.GpuInfo.from_cluster``). null: the ranks are CPUs (``cpu_local``)."""
+    (``ultrascale.runtime.gpu.GpuInfo.from_cluster``). null: the ranks are CPUs (``cpu_local``)."""
     gpus_per_node: int = num(8, ge=1)
     """Accelerators per node: tensor parallelism stays inside one (it all-reduces twice per layer)."""
     nodes: int = num(1, ge=1)

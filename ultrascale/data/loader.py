@@ -52,7 +52,7 @@ class Batch:
 
     def pinned(self) -> Batch:
         """The micro-batch in page-locked host memory (a CUDA run's copy to the device is then asynchronous)."""
-        from ultrascale.device import pin
+        from ultrascale.runtime.device import pin
 
         return Batch(*(None if t is None else pin(t) for t in (self.input_ids, self.labels, self.position_ids)))
 

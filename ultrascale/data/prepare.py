@@ -14,8 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ultrascale import dist
-from ultrascale.config.compose import resolve_path
+from ultrascale.runtime import dist
+from ultrascale.paths import resolve_path
 from ultrascale.config.schema import DataConfig
 from ultrascale.data.shards import MANIFEST, load_manifest, open_split
 from ultrascale.data.sources import check_agree, is_mixture, sources

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ultrascale.config.compose import resolve_path
+from ultrascale.paths import resolve_path
 from ultrascale.data.mixture import Mixture, Stage
 from ultrascale.data.shards import MANIFEST, load_manifest
 from ultrascale.errors import DataError

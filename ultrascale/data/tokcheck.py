@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from ultrascale.config.compose import resolve_path
+from ultrascale.paths import resolve_path
 from ultrascale.data.shards import load_manifest
 from ultrascale.errors import DataError
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ultrascale.data.shards import open_split
-from ultrascale.device import to_device
 from ultrascale.errors import DataError
+from ultrascale.runtime.device import to_device
 
 
 @torch.no_grad()
@@ -88,7 +88,7 @@ def reduce_across_ranks(result: dict) -> dict:
 
     if not (dist.is_available() and dist.is_initialized()):
         return result
-    from ultrascale.device import coll_tensor
+    from ultrascale.runtime.device import coll_tensor
 
     t = coll_tensor([result["loss_sum"], result["tokens"], result["samples"]], torch.float64)
     dist.all_reduce(t)

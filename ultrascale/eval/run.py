@@ -14,12 +14,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ultrascale.config.compose import resolve_path
 from ultrascale.data.sources import primary_path
 from ultrascale.errors import ConfigError
 from ultrascale.eval.config import check
 from ultrascale.jsonio import write_json, write_jsonl
 from ultrascale.model.build import load_pretrained
+from ultrascale.paths import resolve_path
 
 log = logging.getLogger("ultrascale")
 

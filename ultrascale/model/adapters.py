@@ -157,7 +157,7 @@ def meta_record(cfg: Any) -> dict | None:
     f = getattr(cfg, "finetune", None)
     if f is None or str(f.method) == "none":
         return None
-    from ultrascale.config.compose import resolve_path
+    from ultrascale.paths import resolve_path
 
     base = resolve_path(cfg.model.pretrained_path)
     return {"method": str(f.method), "r": int(f.r), "alpha": float(f.alpha),
@@ -230,7 +230,7 @@ def build_quantized(model_cfg: Any, hf_config: Any) -> torch.nn.Module:
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from ultrascale.config.compose import resolve_path
+    from ultrascale.paths import resolve_path
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip

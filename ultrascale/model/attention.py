@@ -13,7 +13,7 @@ bench/README.md).
 
 It is registered as its own HF attention implementation (``AttentionInterface``, with HF's SDPA mask
 builder) and set on the model by ``install_blocked_attention`` at train time, so the model's config still
-says ``sdpa``. The block size is the run's decision (``ultrascale/config/decide.py``: blocks per row by the
+says ``sdpa``. The block size is the run's decision (``ultrascale/levers/decide.py``: blocks per row by the
 CPU's matrix unit). Calls that are not a full causal square with a mask (a one-document row, decoding with a
 KV cache, a short prompt, a paged cache, position bias) go to HF's ``sdpa`` unchanged.
 """

@@ -5,7 +5,7 @@ the other trade: weights, gradients and Adam's state stay fp32 (nothing to re-ca
 rounding of updates), and only the forward's matmuls and attention run in bf16, the backward following the
 forward's dtypes. On a CPU with native bf16 (AVX-512 BF16, AMX) those kernels are what is worth having;
 ``python bench/levers.py --levers autocast_bf16`` measures it. Whether it is on was decided once
-(:func:`ultrascale.config.decide._autocast`); this module only applies it.
+(:func:`ultrascale.levers.decide._autocast`); this module only applies it.
 """
 
 from __future__ import annotations

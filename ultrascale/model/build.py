@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError
+from ultrascale.paths import resolve_path
 
 
 def build_hf_config(model_cfg) -> Any:
@@ -215,11 +215,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_pretrained(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "auto"):
     """An HF causal LM from a local directory, in eval mode, on ``device`` (``auto``: this rank's GPU when it
-    has one, else the CPU: :func:`ultrascale.device.resolve`). Evaluation, SSD sampling, scoring and the
+    has one, else the CPU: :func:`ultrascale.runtime.device.resolve`). Evaluation, SSD sampling, scoring and the
     mechanism study load through here, so none of them is left on the CPU of a GPU node."""
     from transformers import AutoModelForCausalLM
 
-    from ultrascale.device import resolve
+    from ultrascale.runtime.device import resolve
 
     dt = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)
     target = device if isinstance(device, torch.device) else resolve(device)

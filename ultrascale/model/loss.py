@@ -36,7 +36,7 @@ Peak memory is flat up to ~256 tokens at 2,048 x 49,152 (`python bench/bench_los
 CPU_MAX_CHUNK_TOKENS = 128
 """The CPU chunk with fp32 GEMMs: the start of a plateau (128..1,024 within 5 % at 49k on the AMX Xeon; the
 fastest of 32..1,024 on the Zen 4) and the smallest logits buffer on it (bench/README.md). The run's chunk is
-decided per CPU from it (``ultrascale.config.decide.cpu_loss_chunk``)."""
+decided per CPU from it (``ultrascale.levers.decide.cpu_loss_chunk``)."""
 
 _IMPLS = ("auto", "chunked", "liger", "cce")
 
@@ -292,7 +292,7 @@ def linear_cross_entropy(
 
 def fusable_reason(config) -> str | None:
     """Why an HF config's loss cannot take the fused path (None: it can). The run's decision
-    (:mod:`ultrascale.config.decide`) and :func:`install_fused_loss` both ask this, so the rule is stated once."""
+    (:mod:`ultrascale.levers.decide`) and :func:`install_fused_loss` both ask this, so the rule is stated once."""
     from ultrascale.model.moe import num_experts
 
     if num_experts(config):

@@ -1,6 +1,6 @@
 """Mixture-of-experts on stock HF MoE models: expert parallelism, the router aux loss, load-balance metrics.
 
-Expert parallelism is DeepSpeed AutoEP (the ``expert_parallel`` JSON section, see config/deepspeed.py):
+Expert parallelism is DeepSpeed AutoEP (the ``expert_parallel`` JSON section, see levers/deepspeed.py):
 inside ``deepspeed.initialize`` it swaps each HF sparse-MoE block for an ``AutoEPMoELayer`` that keeps
 num_experts/ep experts per rank and all-to-alls tokens to their experts; it also re-tags the expert
 parameters for ZeRO and remaps our torch optimizer onto them (expert gradients are averaged over the
@@ -202,7 +202,7 @@ class MoEStats:
         """Per-layer expert shares, max/mean load and over-capacity fraction, summed over all ranks."""
         if self.counts is None:
             return {}
-        from ultrascale.device import coll_tensor
+        from ultrascale.runtime.device import coll_tensor
 
         # on the backend's device: NCCL reduces CUDA tensors only (the counts already are on a GPU run)
         counts, over, aux, n = (coll_tensor(t, torch.float64) for t in (self.counts, self.over, self.aux, [self.n]))

@@ -204,7 +204,7 @@ def build_pipeline(
     """A PipelineModule whose stages build only their own layers. Collective (it builds the process grid)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    from ultrascale.config.compose import resolve_path
+    from ultrascale.paths import resolve_path
 
     skel = meta_skeleton(hf_config, str(model_cfg.attn_implementation))
     embed, layers, norm, rotary, lm_head = _decoder_parts(skel)

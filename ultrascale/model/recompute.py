@@ -12,7 +12,7 @@ whole forward.
 
 torchtitan's classic policy also recomputes every second matmul to save more memory; here every matmul output is
 kept, because ``auto`` already falls back to full checkpointing when selective does not fit
-(``ultrascale/config/decide.py``), and ``ultrascale/plan/memory.py`` counts exactly what this policy keeps.
+(``ultrascale/levers/decide.py``), and ``ultrascale/cost/memory.py`` counts exactly what this policy keeps.
 
 HF's ``gradient_checkpointing_enable`` passes ``context_fn`` through to ``torch.utils.checkpoint.checkpoint``,
 which takes it only with ``use_reentrant=False``.

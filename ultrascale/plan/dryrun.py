@@ -4,7 +4,7 @@ figures for this layout, every decision with its reason, what preflight found, a
 
 It speaks for the hardware the run is for, not the box it is typed on. A recipe's ``cluster`` (``cluster=h100_8x``;
 every GPU recipe names its own) makes it decide as the cluster's ranks will (``nccl``, the card's
-:class:`~ultrascale.gpu.GpuInfo`: attention and loss kernels, activation checkpointing) and add the planner's HBM
+:class:`~ultrascale.runtime.gpu.GpuInfo`: attention and loss kernels, activation checkpointing) and add the planner's HBM
 per GPU and predicted step time and MFU, with a line saying what this machine is instead. Without a cluster it
 describes this machine, as a CPU recipe wants.
 
@@ -21,12 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ultrascale.config.decide import Decisions
-from ultrascale.config.length import describe as run_length
-from ultrascale.errors import ConfigError
-from ultrascale.gpu import GpuInfo
-from ultrascale.model.arch import arch_from_hf
-from ultrascale.plan.memory import (
+from ultrascale.cost.memory import (
     GIB,
     Layout,
     Memory,
@@ -35,8 +30,13 @@ from ultrascale.plan.memory import (
     host_step_bytes,
     memory,
 )
+from ultrascale.cost.timing import Timing
+from ultrascale.errors import ConfigError
+from ultrascale.levers.decide import Decisions
+from ultrascale.levers.length import describe as run_length
+from ultrascale.model.arch import arch_from_hf
 from ultrascale.plan.search import decided, layout_from_cfg
-from ultrascale.plan.timing import Timing
+from ultrascale.runtime.gpu import GpuInfo
 from ultrascale.train.banner import batch_line, zero_line
 
 
@@ -61,7 +61,7 @@ class Target:
 def target(cfg: DictConfig) -> Target:
     """The recipe's cluster where it names one with a GPU card, else this machine. Raises ConfigError for a
     launcher that asks a node for more GPUs than the cluster's nodes have, or a card the datasheet table lacks."""
-    from ultrascale.dist import planned_world_size
+    from ultrascale.runtime.dist import planned_world_size
 
     world = planned_world_size(cfg)
     c = cfg.get("cluster")
@@ -83,8 +83,8 @@ def target(cfg: DictConfig) -> Target:
 
 def this_machine() -> str:
     """This machine in one line: its GPU, or its CPU when it has no CUDA device."""
-    from ultrascale import gpu
-    from ultrascale.cpu import detect
+    from ultrascale.runtime import gpu
+    from ultrascale.runtime.cpu import detect
 
     here = gpu.detect()
     return here.describe() if here is not None else f"{detect().describe()}, no CUDA device"
@@ -94,12 +94,12 @@ def target_lines(d: Decisions, t: Target) -> list[str]:
     """Whose decisions these are: the planned cluster and its card (and that this machine is not it), or this
     machine's CPU or GPU."""
     if t.cluster is None:
-        from ultrascale.dist import detect_backend
+        from ultrascale.runtime.dist import detect_backend
 
         what = d.gpu.describe() if d.gpu is not None else this_machine()
         return [f"this machine: {what}; {d.topo.world} rank(s), {detect_backend()} (no cluster= given: the "
                 "decisions are this machine's; cluster=h100_8x plans for one)"]  # fmt: skip
-    from ultrascale import gpu
+    from ultrascale.runtime import gpu
 
     c, here = t.cluster, gpu.detect()
     card = t.gpu.identified().card
@@ -119,7 +119,7 @@ def planned_layout(cfg: DictConfig, d: Decisions) -> Layout:
 
 
 def plan_memory(cfg: DictConfig, d: Decisions, t: Target) -> Memory:
-    """Bytes per GPU of this layout (:func:`ultrascale.plan.memory.memory`), with the planner's fragmentation
+    """Bytes per GPU of this layout (:func:`ultrascale.cost.memory.memory`), with the planner's fragmentation
     headroom and the cluster's runtime reserve."""
     from ultrascale.config.schema import SearchConfig
 
@@ -128,9 +128,9 @@ def plan_memory(cfg: DictConfig, d: Decisions, t: Target) -> Memory:
 
 
 def plan_timing(cfg: DictConfig, d: Decisions, t: Target) -> Timing:
-    """One optimizer step of this layout on the cluster (:func:`ultrascale.plan.timing.step_time`)."""
+    """One optimizer step of this layout on the cluster (:func:`ultrascale.cost.timing.step_time`)."""
     from ultrascale.config.schema import SearchConfig
-    from ultrascale.plan.timing import step_time
+    from ultrascale.cost.timing import step_time
 
     s = SearchConfig()
     return step_time(arch_from_hf(d.hf_config), planned_layout(cfg, d), t.cluster, overlap=s.overlap,
@@ -160,7 +160,7 @@ def hbm_line(cfg: DictConfig, d: Decisions, t: Target) -> str:
 
 def host_lines(cfg: DictConfig, d: Decisions, m: Memory, gpus_per_node: int, host_gib: float) -> list[str]:
     """Host memory per node at steady state: offloaded state plus the background checkpoint writer's staging copy
-    (:func:`ultrascale.plan.memory.checkpoint_staging_bytes`), against the node's RAM."""
+    (:func:`ultrascale.cost.memory.checkpoint_staging_bytes`), against the node's RAM."""
     staging = checkpoint_staging_bytes(arch_from_hf(d.hf_config), planned_layout(cfg, d)) \
         if cfg.train.checkpoint_async else 0.0  # fmt: skip
     if not m.host and not staging:
@@ -185,15 +185,15 @@ TIMING_TERMS = (
     ("pp_bubble", "PP bubble"),
     ("offload", "offload"),
 )
-"""The step's terms as :class:`~ultrascale.plan.timing.Timing` sums them, in words."""
+"""The step's terms as :class:`~ultrascale.cost.timing.Timing` sums them, in words."""
 
 
 def step_line(cfg: DictConfig, d: Decisions, t: Target) -> str:
     """The planner's predicted step time, throughput and MFU on the cluster. MFU divides by the card's datasheet
-    peak for the run's matmul dtype (``ultrascale.peak.gpu_peak``), the figure the run's own MFU divides by."""
+    peak for the run's matmul dtype (``ultrascale.runtime.peak.gpu_peak``), the figure the run's own MFU divides by."""
     import torch
 
-    from ultrascale.peak import gpu_peak, matmul_dtype
+    from ultrascale.runtime.peak import gpu_peak, matmul_dtype
 
     tm, c = plan_timing(cfg, d, t), t.cluster
     parts = {**{k: getattr(tm, k) for k, _ in TIMING_TERMS}, "compute": tm.compute + tm.recompute}
@@ -237,11 +237,11 @@ def checkpoint_line(cfg: Any, d: Decisions, cluster: Any = None) -> str:
     steps when its output_dir has them, else from the planner's step time and checkpoint size on ``cluster``
     (the dry run's target: node MTBF, storage rate), or without one the default cluster at this launcher's node
     count."""
-    from ultrascale.config.compose import resolve_path
     from ultrascale.config.schema import ClusterConfig, SearchConfig
-    from ultrascale.plan.checkpointing import advise, checkpoint_bytes
-    from ultrascale.plan.memory import DTYPE_BYTES
-    from ultrascale.plan.timing import step_time
+    from ultrascale.cost.memory import DTYPE_BYTES
+    from ultrascale.cost.save_interval import advise, checkpoint_bytes
+    from ultrascale.cost.timing import step_time
+    from ultrascale.paths import resolve_path
 
     c = cluster or ClusterConfig(nodes=cfg.launcher.nnodes, gpus_per_node=cfg.launcher.nproc_per_node)
     arch, lay = arch_from_hf(d.hf_config), planned_layout(cfg, d)
@@ -256,7 +256,7 @@ def checkpoint_line(cfg: Any, d: Decisions, cluster: Any = None) -> str:
     if measured:  # the run's own stall and write times replace the estimates
         from dataclasses import replace
 
-        from ultrascale.plan.checkpointing import lost_share, young_daly
+        from ultrascale.cost.save_interval import lost_share, young_daly
 
         mtbf_s = adv.mtbf_h * 3600
         interval = max(young_daly(measured["stall_s"], mtbf_s), measured["write_s"], step_s)
@@ -324,9 +324,9 @@ def dry_run_report(
     on_gpu = d.gpu is not None
     gpu_parts = []
     if on_gpu:
-        gpu_parts = ["== HBM per GPU (planner: ultrascale/plan/memory.py) ==", hbm_line(cfg, d, t)]
+        gpu_parts = ["== HBM per GPU (planner: ultrascale/cost/memory.py) ==", hbm_line(cfg, d, t)]
     if t.cluster is not None:
-        gpu_parts += [f"== predicted step on {t.cluster.name} (planner: ultrascale/plan/timing.py) ==",
+        gpu_parts += [f"== predicted step on {t.cluster.name} (planner: ultrascale/cost/timing.py) ==",
                       step_line(cfg, d, t)]  # fmt: skip
     parts = [
         "== resolved config ==",
@@ -371,7 +371,7 @@ def precision_line(cfg: DictConfig, d: Decisions) -> str:
     if dtype == "fp32":
         return f"fp32 weights on {d.gpu.name}: plain fp32 (or TF32 where torch allows it) matmuls"
     if rate is None:
-        return f"{dtype} on {d.gpu.name}: no {dtype} tensor-core figure for this card in ultrascale.gpu.CARDS"
+        return f"{dtype} on {d.gpu.name}: no {dtype} tensor-core figure for this card in ultrascale.runtime.gpu.CARDS"
     return f"{dtype} weights and matmuls on {card.name}'s tensor cores ({rate:g} TFLOP/s dense, datasheet)"
 
 
@@ -391,8 +391,8 @@ def data_note(cfg: DictConfig, found: dict[str, str], t: Target) -> dict[str, st
 def dry_run_text(cfg: DictConfig) -> str:
     """Validate for the target hardware (:func:`target`), check what a real run would check first (read-only:
     nothing is prepared or written), and return the report."""
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import validate
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import validate
     from ultrascale.train.preflight import preflight
 
     t = target(cfg)
@@ -403,7 +403,7 @@ def dry_run_text(cfg: DictConfig) -> str:
 
 def dry_run(cfg: DictConfig) -> None:
     """The report, printed on rank 0; every rank runs the read-only checks."""
-    from ultrascale import dist
+    from ultrascale.runtime import dist
 
     text = dry_run_text(cfg)
     if dist.is_rank0():

@@ -10,8 +10,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ultrascale.cost.budget import BudgetPlan, Point
 from ultrascale.model.arch import Arch
-from ultrascale.plan.budget import BudgetPlan, Point
 from ultrascale.plan.search import GIB, Candidate
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers", "fragmentation", "reserved")
@@ -222,8 +222,8 @@ def write_budget_json(path: str | Path, bp: BudgetPlan) -> None:
 def checkpoint_advice(cfg: DictConfig, arch: Arch, best: Candidate) -> str:
     """How often the best layout should checkpoint (Young/Daly), from the checkpoint's size and the cluster's
     storage rate and node MTBF."""
-    from ultrascale.plan.checkpointing import advise, checkpoint_bytes
-    from ultrascale.plan.memory import DTYPE_BYTES
+    from ultrascale.cost.memory import DTYPE_BYTES
+    from ultrascale.cost.save_interval import advise, checkpoint_bytes
 
     c, lay = cfg.cluster, best.layout
     total = checkpoint_bytes(arch.total_params, DTYPE_BYTES[lay.dtype], lay.zero_stage)

@@ -1,7 +1,7 @@
 """Enumerate layouts for a world size and global batch, reject the invalid and the too-big with a reason,
 and rank the rest by predicted tokens/s.
 
-Validity is decided by :func:`ultrascale.config.validate.validate`, the same function ``train.py`` runs,
+Validity is decided by :func:`ultrascale.levers.rules.validate`, the same function ``train.py`` runs,
 so every layout the planner proposes is one the trainer accepts; the override line it prints composes.
 """
 
@@ -14,13 +14,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ultrascale.config.decide import Decisions
-from ultrascale.config.validate import validate
+from ultrascale.cost.layout import layout_from_cfg
+from ultrascale.cost.memory import GIB, Layout, Memory, checkpoint_staging_bytes, construction_bytes, memory
+from ultrascale.cost.timing import Timing, step_time
 from ultrascale.errors import ConfigError
+from ultrascale.levers.decide import Decisions
+from ultrascale.levers.rules import validate
 from ultrascale.model.arch import Arch, arch_from_cfg
-from ultrascale.plan.layout import layout_from_cfg
-from ultrascale.plan.memory import GIB, Layout, Memory, checkpoint_staging_bytes, construction_bytes, memory
-from ultrascale.plan.timing import Timing, step_time
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Candidate:
     rejected: str | None = None
     overrides: list[str] = field(default_factory=list)
     build_host: float = 0.0
-    """Host bytes per rank while the model is built or loaded (:func:`ultrascale.plan.memory.construction_bytes`)."""
+    """Host bytes per rank while the model is built or loaded (:func:`ultrascale.cost.memory.construction_bytes`)."""
 
     @property
     def fits(self) -> bool:
@@ -56,7 +56,7 @@ def world_size(cfg: DictConfig) -> int:
 
 def decided(lay: Layout, d: Decisions) -> Layout:
     """``lay`` as the run's decision record settles it: the ZeRO stage, the fused loss and activation checkpointing
-    come from :class:`~ultrascale.config.decide.Decisions`, the one place their rules live."""
+    come from :class:`~ultrascale.levers.decide.Decisions`, the one place their rules live."""
     return replace(lay, zero_stage=d.zero_stage, fused_loss=d.fused_loss.on, loss_chunk_tokens=d.fused_loss.value or 0,
                    activation_checkpointing=d.activation_checkpointing.value)  # fmt: skip
 

@@ -342,8 +342,8 @@ def check_heldout(data_dir: str, runs: dict[str, Path]) -> None:
     the same prepared dataset (``problems.train_repos_from``) that ``--heldout`` mines the validation split of.
     A run with it unset took prompts from every repository, the held-out ones included; a run on another dataset
     held out other repositories. Two paths with the same ``repos.json`` are the same split."""
-    from ultrascale.config.compose import resolve_path
     from ultrascale.errors import ConfigError
+    from ultrascale.paths import resolve_path
 
     want = resolve_path(data_dir)
     for label, run in runs.items():

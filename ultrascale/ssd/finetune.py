@@ -18,8 +18,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ultrascale.config.compose import PROJECT_ROOT
 from ultrascale.errors import UltrascaleError
+from ultrascale.paths import PROJECT_ROOT
 from ultrascale.rundir import LATEST, STOPPED
 from ultrascale.train.checkpoint import tag_for
 

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.eval.sandbox import Limits
 from ultrascale.jsonio import iter_jsonl
+from ultrascale.paths import resolve_path
 from ultrascale.ssd.config import ProblemSource
 from ultrascale.ssd.decontam import decontaminate
 from ultrascale.ssd.execute import verdicts

@@ -34,9 +34,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ultrascale.config.compose import resolve_path
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.jsonio import iter_jsonl
+from ultrascale.paths import resolve_path
 from ultrascale.ssd.decontam import HELD_OUT_PREFIX, decontaminate
 from ultrascale.ssd.mine import BUILTINS, MineOptions, Module, closure, free_names, mine_file, used_modules_and_names
 from ultrascale.ssd.problems import corpus_documents

@@ -32,10 +32,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ultrascale.config.compose import resolve_path
 from ultrascale.data.tokcheck import check_tokenizer
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.jsonio import read_json, read_jsonl, write_json, write_jsonl
+from ultrascale.paths import resolve_path
 from ultrascale.ssd.config import STAGES, Stage
 
 log = logging.getLogger("ultrascale")

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ultrascale.config.decide import Decisions
-from ultrascale.config.length import describe as run_length
 from ultrascale.config.topology import Topology
+from ultrascale.levers.decide import Decisions
+from ultrascale.levers.length import describe as run_length
 
 
 def batch_line(cfg: Any, topo: Topology) -> str:
@@ -32,11 +32,11 @@ def zero_line(cfg: Any, d: Decisions) -> str:
 def finetune_line(cfg: Any, d: Decisions, trainable: int, total: int) -> str:
     """Trainable against total parameters, and the gradient and optimizer memory per rank that training only the
     adapters saves against a full fine-tune of the same layout (the planner's model-state terms,
-    ``ultrascale/plan/memory.py``)."""
+    ``ultrascale/cost/memory.py``)."""
     from dataclasses import replace
 
+    from ultrascale.cost.memory import GIB, model_state_bytes
     from ultrascale.model.arch import arch_from_hf
-    from ultrascale.plan.memory import GIB, model_state_bytes
     from ultrascale.plan.search import layout_from_cfg
 
     arch = arch_from_hf(d.hf_config)
@@ -66,9 +66,9 @@ def deepspeed_version() -> str:
 
 def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Path) -> str:
     """What was built, on rank 0: the layout and every decision with its reason (this module only prints)."""
-    from ultrascale.cpu import detect
-    from ultrascale.device import runtime
-    from ultrascale.dist import select_accelerator, threads_note
+    from ultrascale.runtime.cpu import detect
+    from ultrascale.runtime.device import runtime
+    from ultrascale.runtime.dist import select_accelerator, threads_note
 
     backend = select_accelerator()
     threads = f"; {threads_note()}" if threads_note() else ""

@@ -24,7 +24,7 @@ Host clocks on CPU. On a GPU the timers are CUDA events, and reading one waits f
 ``events``, every nccl run) that read is switched off: the events stay queued, are read only for a row the
 trainer logs (one wait, for that step's update) and dropped unread otherwise, so a step whose row is not
 logged adds no synchronisation. (DeepSpeed's throughput timer, which synchronises the device twice per
-micro-step, is off in the DeepSpeed JSON: ``config/deepspeed.py``.)
+micro-step, is off in the DeepSpeed JSON: ``levers/deepspeed.py``.)
 
 The pipeline engine cannot run with ``wall_clock_breakdown`` in DeepSpeed 0.19.8 (its backward starts a micro
 timer the base engine's hook already started), so pipeline runs record the data wait and the step time, and

@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ultrascale import dist
 from ultrascale.atomic import atomic_write_text
 from ultrascale.errors import CheckpointError
 from ultrascale.rundir import LATEST, META
+from ultrascale.runtime import dist
 from ultrascale.train.ckpt_writer import BackgroundWriter
 
 log = logging.getLogger("ultrascale")

@@ -12,7 +12,7 @@ import hashlib
 import torch
 import torch.distributed as tdist
 
-from ultrascale.device import coll_tensor
+from ultrascale.runtime.device import coll_tensor
 
 
 def param_digest(module: torch.nn.Module, trainable: bool | None = None) -> str:

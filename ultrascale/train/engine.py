@@ -1,4 +1,4 @@
-"""Model + optimizer -> a DeepSpeed engine, applying the run's :class:`~ultrascale.config.decide.Decisions`.
+"""Model + optimizer -> a DeepSpeed engine, applying the run's :class:`~ultrascale.levers.decide.Decisions`.
 
 Nothing here decides whether a feature is on: that was decided once, with its reason, before anything was
 built. Each ``apply`` step below takes the decision and the sub-config it needs.
@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ultrascale import hostmem
-from ultrascale.config.decide import Decisions
 from ultrascale.errors import ConfigError
+from ultrascale.levers.decide import Decisions
 from ultrascale.model.build import build_model, count_params, require_attn_kernel, zero_init_config
+from ultrascale.runtime import hostmem
 from ultrascale.train.metrics import HostPeak
 from ultrascale.train.optim import build_optimizer, param_groups
 from ultrascale.train.stability import StepGate

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from ultrascale import dist
 from ultrascale.data.loader import eval_batches
-from ultrascale.device import coll_tensor
 from ultrascale.jsonio import write_jsonl
+from ultrascale.runtime import dist
+from ultrascale.runtime.device import coll_tensor
 
 
 def eager(compiled: bool):

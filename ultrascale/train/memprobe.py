@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import sys
 
-from ultrascale import dist
 from ultrascale.argv import ArgParser
+from ultrascale.runtime import dist
 
 
 def _rss_kb() -> int:
@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 def _probe(out: str, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
-    from ultrascale import hostmem
     from ultrascale.config.compose import compose
-    from ultrascale.config.deepspeed import build_ds_config
-    from ultrascale.config.validate import agree_across_ranks, validate
+    from ultrascale.levers.deepspeed import build_ds_config
+    from ultrascale.levers.rules import agree_across_ranks, validate
+    from ultrascale.runtime import hostmem
     from ultrascale.train.engine import build_engine
 
     dist.configure_env()

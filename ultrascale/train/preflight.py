@@ -14,15 +14,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ultrascale.config.compose import resolve_path
-from ultrascale.config.decide import Decisions
-from ultrascale.config.length import on_resume
 from ultrascale.data.prepare import check_prepared
 from ultrascale.data.shards import MANIFEST, load_manifest
 from ultrascale.data.sources import primary_path, sources
 from ultrascale.data.tokcheck import pretrained_dir
 from ultrascale.errors import DataError
+from ultrascale.levers.decide import Decisions
+from ultrascale.levers.length import on_resume
 from ultrascale.model.build import build_hf_config
+from ultrascale.paths import resolve_path
 from ultrascale.train import checkpoint
 from ultrascale.train.resume import check_resume
 

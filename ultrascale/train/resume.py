@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ultrascale.config.decide import Decisions
 from ultrascale.errors import CheckpointError
+from ultrascale.levers.decide import Decisions
 from ultrascale.train.optim import lr_multiplier
 
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

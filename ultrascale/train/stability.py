@@ -184,7 +184,7 @@ def agree(verdict: Verdict, stop: int = 0, written: int = -1) -> Agreement:
         return Agreement(verdict, stop, written)
     code = ACTIONS.index(verdict.action) * len(REASONS) + REASONS.index(verdict.reason)
     z = math.nan if verdict.zscore is None else float(verdict.zscore)
-    from ultrascale.device import coll_tensor
+    from ultrascale.runtime.device import coll_tensor
 
     mine = coll_tensor([float(code), z, float(stop), float(written)], torch.float64)
     gathered = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]

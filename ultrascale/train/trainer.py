@@ -7,7 +7,7 @@ answered with an lr cut. The data a step reads is addressed by ``step + data_off
 the offset past the data window that caused it; the move is recorded beside the checkpoints when it happens
 and travels in every later checkpoint, so a run killed after a rollback resumes without re-reading the window.
 
-What the run does (layout, ZeRO stage, every feature) was decided once (:mod:`ultrascale.config.decide`);
+What the run does (layout, ZeRO stage, every feature) was decided once (:mod:`ultrascale.levers.decide`);
 the trainer reads that record and the typed config, and the checkpointer and evaluator decide when they
 are due.
 """
@@ -30,25 +30,25 @@ import torch
 import torch.distributed as tdist
 from omegaconf import DictConfig, OmegaConf
 
-from ultrascale import dist
-from ultrascale.config import length
-from ultrascale.config.compose import resolve_path
-from ultrascale.config.decide import Decisions
-from ultrascale.config.deepspeed import build_ds_config
 from ultrascale.config.schema import RootConfig
-from ultrascale.config.validate import agree_across_ranks
 from ultrascale.data import sources as data_sources
 from ultrascale.data.loader import TRACE_ENV, Batch, StepBatches
 from ultrascale.data.prepare import check_prepared, ensure_prepared
 from ultrascale.data.shards import load_manifest, open_split
-from ultrascale.device import coll_tensor, to_device
 from ultrascale.jsonio import write_json, write_jsonl
+from ultrascale.levers import length
+from ultrascale.levers.decide import Decisions
+from ultrascale.levers.deepspeed import build_ds_config
+from ultrascale.levers.rules import agree_across_ranks
 from ultrascale.model import sequence
 from ultrascale.model.flops import train_flops_per_token
 from ultrascale.model.moe import MoEStats
 from ultrascale.model.moe import shard_report as moe_shard_report
-from ultrascale.peak import device_peak_flops
+from ultrascale.paths import resolve_path
 from ultrascale.rundir import ATTEMPTS, CONFIG, DS_CONFIG, METRICS, STOP_REQUEST, STOPPED, SUMMARY
+from ultrascale.runtime import dist
+from ultrascale.runtime.device import coll_tensor, to_device
+from ultrascale.runtime.peak import device_peak_flops
 from ultrascale.train import checkpoint
 from ultrascale.train.banner import banner
 from ultrascale.train.breakdown import StepBreakdown

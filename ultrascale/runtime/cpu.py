@@ -1,7 +1,7 @@
 """What this CPU is: its instruction sets, matrix units, caches and cores, read once from the OS.
 
 The CPU levers (threads per rank, the fused loss chunk, the attention block, the peak MFU divides by) are
-decided from this record by pure functions in ``ultrascale/config/decide.py``, so a default measured on one
+decided from this record by pure functions in ``ultrascale/levers/decide.py``, so a default measured on one
 model of CPU is not carried to the next as a constant. ``model name`` alone does not tell CPUs apart: a cloud
 VM reports "Intel(R) Xeon(R) Processor" for Ice Lake without bf16 and Sapphire Rapids with AMX alike, which
 made the peak calibration of one reused on the other. :meth:`CpuInfo.fingerprint` adds family, model, stepping

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ultrascale.config.checkpointing import AC_MODES, checkpointing_mode
+from ultrascale.config.recompute import AC_MODES, checkpointing_mode
 from ultrascale.config.topology import Topology
-from ultrascale.cpu import CpuInfo
-from ultrascale.gpu import GpuInfo
+from ultrascale.runtime.cpu import CpuInfo
+from ultrascale.runtime.gpu import GpuInfo
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,10 @@ class Decisions:
 def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None = None,
            gpu: GpuInfo | None = None) -> Decisions:  # fmt: skip
     """The run's decisions from a validated config, its topology, the HF config, ``gloo``/``nccl`` and, for CPU
-    ranks, the CPU (:func:`ultrascale.cpu.detect`; the CPU levers are pure functions of it). ``cpu=None``: a GPU,
+    ranks, the CPU (:func:`ultrascale.runtime.cpu.detect`; the CPU levers are pure functions of it). ``cpu=None``: a GPU,
     or a CPU whose features are unknown (the levers then keep their measured-elsewhere defaults and say so).
-    ``gpu``: the GPU of an ``nccl`` run (:func:`ultrascale.gpu.detect`, or a planned cluster's
-    :meth:`~ultrascale.gpu.GpuInfo.from_cluster`); the GPU levers are pure functions of it, and ``gpu=None``
+    ``gpu``: the GPU of an ``nccl`` run (:func:`ultrascale.runtime.gpu.detect`, or a planned cluster's
+    :meth:`~ultrascale.runtime.gpu.GpuInfo.from_cluster`); the GPU levers are pure functions of it, and ``gpu=None``
     keeps their GPU-less defaults. Whether liger-kernel runs is the one thing read from the environment (only for
     a GPU, and only with ``train.loss_kernel`` auto or liger: :func:`liger_unusable`)."""
     from ultrascale.model.moe import num_experts
@@ -369,7 +369,7 @@ def _moe_why(experts: int, topo: Topology) -> str:
     return f"{experts} experts per layer, replicated"
 
 
-# --- The CPU levers: pure functions of the CPU's features (ultrascale.cpu.CpuInfo), measured per CPU by
+# --- The CPU levers: pure functions of the CPU's features (ultrascale.runtime.cpu.CpuInfo), measured per CPU by
 # `python bench/bench_cpu_levers.py` (bench/README.md has each CPU's table). ---
 
 
@@ -434,7 +434,7 @@ def cpu_loss_chunk(cpu: CpuInfo, vocab: int, bf16: bool) -> tuple[int, str]:
     return chunk, f"{unit}{capped}"
 
 
-# --- The GPU levers: pure functions of the GPU (ultrascale.gpu.GpuInfo: name, memory, capability), so a planted
+# --- The GPU levers: pure functions of the GPU (ultrascale.runtime.gpu.GpuInfo: name, memory, capability), so a planted
 # description decides them in a test exactly as the real card does on a GPU node. ---
 
 GPU_LOSS_FRACTION = 64
@@ -522,12 +522,12 @@ def auto_checkpointing(peaks: dict[str, float], gpu: GpuInfo) -> tuple[str, str]
 
 
 def predicted_peaks(cfg: Any, topo: Topology, hf_config: Any, fused: Choice, modes: tuple[str, ...]) -> dict:
-    """The planner's (:mod:`ultrascale.plan.memory`) peak bytes per GPU of this run under each checkpointing mode."""
+    """The planner's (:mod:`ultrascale.cost.memory`) peak bytes per GPU of this run under each checkpointing mode."""
     from dataclasses import replace
 
+    from ultrascale.cost.layout import layout_from_cfg
+    from ultrascale.cost.memory import memory
     from ultrascale.model.arch import arch_from_hf
-    from ultrascale.plan.layout import layout_from_cfg
-    from ultrascale.plan.memory import memory
 
     arch = arch_from_hf(hf_config)
     lay = replace(layout_from_cfg(cfg, topo.world), zero_stage=int(cfg.zero.stage), fused_loss=fused.on,

@@ -1,5 +1,5 @@
-"""What ``train.activation_checkpointing``'s values mean, for the rules (``config/decide.py``) and the planner
-(``plan/memory.py``) alike: its own module so the planner reads it without importing the rules, which consult the
+"""What ``train.activation_checkpointing``'s values mean, for the rules (``levers/decide.py``) and the planner
+(``cost/memory.py``) alike: its own module so the planner reads it without importing the rules, which consult the
 planner for ``auto``."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ultrascale.config.decide import Decisions
+from ultrascale.levers.decide import Decisions
 
 
 def _zero_section(z: Any, stage: int) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, open_dict
 
-from ultrascale.peak import gemm_rate
+from ultrascale.runtime.peak import gemm_rate
 
 
 def resolve_cluster(cfg: DictConfig) -> DictConfig:

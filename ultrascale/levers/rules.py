@@ -13,10 +13,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ultrascale.config.decide import Decisions, decide
 from ultrascale.config.topology import Topology
 from ultrascale.errors import ConfigError
-from ultrascale.gpu import GpuInfo
+from ultrascale.levers.decide import Decisions, decide
+from ultrascale.runtime.gpu import GpuInfo
 
 
 @cache
@@ -127,10 +127,10 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
     Single keys (types, ranges, unknown keys) were checked when the config was composed
     (:mod:`ultrascale.config.fields`); these are the rules between keys, read against the run's
     :class:`Decisions` (built here, once). ``backend`` (``gloo``/``nccl``) defaults to this machine's, and then
-    ``gpu`` to this machine's GPU (:func:`ultrascale.gpu.detect`); the planner passes its cluster's backend and,
-    where it has one, the cluster's GPU (:meth:`ultrascale.gpu.GpuInfo.from_cluster`).
+    ``gpu`` to this machine's GPU (:func:`ultrascale.runtime.gpu.detect`); the planner passes its cluster's backend and,
+    where it has one, the cluster's GPU (:meth:`ultrascale.runtime.gpu.GpuInfo.from_cluster`).
     """
-    from ultrascale.config.length import resolve as resolve_length
+    from ultrascale.levers.length import resolve as resolve_length
 
     resolve_length(cfg)  # train.tokens -> train.steps (and the warmup in tokens) before any rule reads them
     _train_tools(cfg.train)
@@ -146,12 +146,12 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
     from ultrascale.model.build import build_hf_config
 
     if backend is None:
-        from ultrascale.dist import detect_backend
+        from ultrascale.runtime.dist import detect_backend
 
         backend = detect_backend()
         if backend == "nccl" and gpu is None:
-            from ultrascale.dist import local_rank
-            from ultrascale.gpu import detect as detect_gpu
+            from ultrascale.runtime.dist import local_rank
+            from ultrascale.runtime.gpu import detect as detect_gpu
 
             gpu = detect_gpu(local_rank())  # this rank's GPU: before set_device every rank's current one is GPU 0
     zq = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if cfg.zero[k]]
@@ -169,7 +169,7 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
     _attention_rules(cfg, topo, hf)
     cpu = None
     if backend == "gloo":
-        from ultrascale.cpu import detect
+        from ultrascale.runtime.cpu import detect
 
         cpu = detect()
     _checkpointing_rules(cfg, topo)
@@ -205,7 +205,7 @@ def agree_across_ranks(d: Decisions) -> Decisions:
     same config."""
     from dataclasses import fields, replace
 
-    from ultrascale import dist
+    from ultrascale.runtime import dist
 
     mine = {f.name: getattr(d, f.name) for f in fields(d) if f.name != "hf_config"}
     theirs = dist.broadcast_object(mine)
@@ -259,8 +259,8 @@ def _attention_rules(cfg: DictConfig, topo: Topology, hf: Any) -> None:
 def _checkpointing_rules(cfg: DictConfig, topo: Topology) -> None:
     """``train.activation_checkpointing``: one of the modes (booleans mean full/none), and selective only where
     its per-op policy runs."""
-    from ultrascale.config.checkpointing import checkpointing_mode
-    from ultrascale.config.decide import selective_unavailable
+    from ultrascale.config.recompute import checkpointing_mode
+    from ultrascale.levers.decide import selective_unavailable
 
     value = cfg.train.activation_checkpointing
     try:
@@ -369,14 +369,14 @@ def _topology(cfg: DictConfig, world_size: int) -> Topology:
 
 def _host_build_rule(cfg: DictConfig, d: Decisions) -> None:
     """A run on a declared cluster whose model build cannot fit a node's host memory: every rank of a node builds
-    at once (the planner's construction peak, ``ultrascale.plan.memory.construction_bytes``), so the node would
+    at once (the planner's construction peak, ``ultrascale.cost.memory.construction_bytes``), so the node would
     run out of memory before the first step. ZeRO-3 and pipeline stages build partitioned; ZeRO-0/1/2 build the
     whole model (AutoEP runs their routed experts partitioned), as does tensor parallelism."""
     c = cfg.get("cluster")
     if c is None:
         return
+    from ultrascale.cost.memory import GIB, Layout, construction_bytes
     from ultrascale.model.arch import arch_from_hf
-    from ultrascale.plan.memory import GIB, Layout, construction_bytes
 
     t = d.topo
     lay = Layout(world=t.world, tp=t.tp, pp=t.pp, sp=t.sp, ep=t.ep, zero_stage=d.zero_stage)

@@ -2,8 +2,8 @@
 card that is.
 
 The GPU levers (the fused loss's chunk, activation checkpointing, the attention kernel) are decided from a
-:class:`GpuInfo` by pure functions in ``ultrascale/config/decide.py``, and MFU divides by the card's datasheet
-peak for the run's dtype (``ultrascale/peak.py``), so a rule measured on one card is not carried to the next as a
+:class:`GpuInfo` by pure functions in ``ultrascale/levers/decide.py``, and MFU divides by the card's datasheet
+peak for the run's dtype (``ultrascale/runtime/peak.py``), so a rule measured on one card is not carried to the next as a
 constant. A name alone does not tell cards apart: "H100" is a 989 TFLOP/s SXM5 part, a 756 TFLOP/s PCIe part or
 an 835 TFLOP/s NVL part, and torch names the SXM5 one "NVIDIA H100 80GB HBM3". :func:`identify` reads the name,
 then the SM count (132 SXM5/NVL, 114 PCIe) and the memory, and says "unknown" rather than guess.
@@ -118,7 +118,7 @@ def identify(name: str, memory_bytes: int = 0, sms: int = 0) -> Identified:
     if not hits:  # a bare family name ("NVIDIA H100", "NVIDIA A100"): every row of it, for the SMs and memory
         hits = [c for c in CARDS if re.search(rf"\b{re.escape(c.family)}\b", up)]
     if not hits:
-        return Identified(None, f"{name!r} is not in ultrascale.gpu.CARDS (no datasheet peak)")
+        return Identified(None, f"{name!r} is not in ultrascale.runtime.gpu.CARDS (no datasheet peak)")
     evidence = ["name"]
     if sms:
         same = [c for c in hits if c.sms == sms]

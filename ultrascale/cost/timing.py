@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ultrascale.cost.memory import DTYPE_BYTES, Layout, rank_params, zero_group
 from ultrascale.model.arch import Arch
 from ultrascale.model.flops import flops_per_token
-from ultrascale.plan.memory import DTYPE_BYTES, Layout, rank_params, zero_group
 
 CPU_ADAM_PARAMS_PER_S = 1.0e9
 """DeepSpeedCPUAdam throughput per rank (AVX-512, ~1 B params/s); bounds the offloaded optimizer step."""

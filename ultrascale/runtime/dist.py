@@ -12,7 +12,7 @@ import socket
 import sys
 from datetime import timedelta
 
-from ultrascale.config.compose import PROJECT_ROOT
+from ultrascale.paths import PROJECT_ROOT
 
 log = logging.getLogger("ultrascale")
 # What select_accelerator decided and why, logged once logging is set up (it runs before that).
@@ -111,7 +111,7 @@ def init_distributed(timeout_min: int = 60) -> str:
     """Join (or, for plain ``python train.py``, create) the process group. Returns the backend."""
     import torch.distributed as dist
 
-    from ultrascale.device import check_torch
+    from ultrascale.runtime.device import check_torch
 
     check_torch()
     backend = select_accelerator()
@@ -121,14 +121,14 @@ def init_distributed(timeout_min: int = 60) -> str:
     if not dist.is_initialized():
         import deepspeed
 
-        from ultrascale import error_line
+        from ultrascale.runtime import error_line
 
         error_line.passed_checks()  # a peer that failed a check this rank passed has an error of its own to say
 
         _init_after_torchrun_restart(backend, timedelta(minutes=timeout_min))
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_min))
         if backend == "gloo":  # DeepSpeed's CPU all-reduce buffers in /dev/shm: no launch leaves them behind
-            from ultrascale import shm
+            from ultrascale.runtime import shm
 
             shm.release_own(dist.barrier)
     import torch
@@ -190,9 +190,9 @@ def _launcher_default_omp() -> bool:
 def cpu_threads() -> tuple[int, str]:
     """(torch threads for this rank, CPU or GPU, why): the user's ``OMP_NUM_THREADS`` if they set one, otherwise this
     process's physical cores divided by the ranks on this node, so no launcher oversubscribes the cores (the
-    rule: ``ultrascale.config.decide.cpu_threads``)."""
-    from ultrascale.config.decide import cpu_threads as rule
-    from ultrascale.cpu import detect
+    rule: ``ultrascale.levers.decide.cpu_threads``)."""
+    from ultrascale.levers.decide import cpu_threads as rule
+    from ultrascale.runtime.cpu import detect
 
     omp = "" if _launcher_default_omp() else os.environ.get("OMP_NUM_THREADS", "")
     return rule(detect(), local_world_size(), omp)

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cache
 
-from ultrascale.config.checkpointing import checkpointing_mode
+from ultrascale.config.recompute import checkpointing_mode
 from ultrascale.model.arch import Arch
 from ultrascale.model.flops import attention_span
 
@@ -88,7 +88,7 @@ class Layout:
     def __post_init__(self) -> None:
         mode = checkpointing_mode(self.activation_checkpointing)
         if mode == "auto":
-            raise ValueError("Layout.activation_checkpointing=auto: decide it first (ultrascale.config.decide)")
+            raise ValueError("Layout.activation_checkpointing=auto: decide it first (ultrascale.levers.decide)")
         object.__setattr__(self, "activation_checkpointing", mode)
 
     @property

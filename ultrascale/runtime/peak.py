@@ -2,7 +2,7 @@
 calibrated GEMM rate.
 
 A GPU's figure is its card's dense (no 2:4 sparsity) tensor-core peak for the dtype the matmuls run in, from
-the datasheet table :data:`ultrascale.gpu.CARDS` (sources named there): bf16/fp16 for 16-bit weights or
+the datasheet table :data:`ultrascale.runtime.gpu.CARDS` (sources named there): bf16/fp16 for 16-bit weights or
 autocast, TF32 for fp32 weights where torch lets matmuls use it (``torch.backends.cuda.matmul.allow_tf32``,
 ``torch.set_float32_matmul_precision("high")``), plain fp32 otherwise. An H100 PCIe (756 TFLOP/s bf16) is not
 divided by the SXM5's 989, nor an fp32 run by the bf16 figure. A card the table does not know gets no MFU, and
@@ -14,7 +14,7 @@ runs it at once (ranks that share cores share the rate). A short, small matmul a
 the other ranks were still importing, read high and low at random; it made a SmolLM2-135M run log 88-100 %
 MFU. The steady-state figure is the median of timed windows after a warm-up, and is stored per CPU (name and
 fingerprint), dtype, threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` (default the project's ``.cache/ultrascale``),
-so a machine measures it once. ``torchrun --nproc_per_node 2 -m ultrascale.peak --remeasure`` measures it again
+so a machine measures it once. ``torchrun --nproc_per_node 2 -m ultrascale.runtime.peak --remeasure`` measures it again
 for 2 ranks per node (do it on a quiet machine: a reading taken under load inflates every later MFU).
 """
 
@@ -29,14 +29,14 @@ from pathlib import Path
 import torch
 
 from ultrascale.argv import ArgParser
-from ultrascale.gpu import GpuInfo
+from ultrascale.runtime.gpu import GpuInfo
 
 GEMM_N = 2048
 """fp32 2048^3: ~17 GFLOP per product, 0.1-0.5 s on one core: far past cache effects, long enough to time."""
 
 
 def cache_path() -> Path:
-    from ultrascale.config.compose import PROJECT_ROOT
+    from ultrascale.paths import PROJECT_ROOT
 
     return Path(os.environ.get("ULTRASCALE_CACHE_DIR") or PROJECT_ROOT / ".cache" / "ultrascale") / "peak_flops.json"
 
@@ -45,7 +45,7 @@ def cpu_model() -> str:
     """The CPU's name and fingerprint (family/model/stepping and matrix flags): a cloud VM's ``model name`` alone
     ("Intel(R) Xeon(R) Processor") is the same for CPUs whose GEMM rates differ several-fold, and keying the stored
     peak by it alone reused one CPU's peak on another."""
-    from ultrascale.cpu import detect
+    from ultrascale.runtime.cpu import detect
 
     c = detect()
     return f"{c.model_name} [{c.fingerprint()}]"
@@ -87,7 +87,7 @@ def _all_ranks(value: float, op: str) -> float:
 
     if not (tdist.is_available() and tdist.is_initialized()):
         return value
-    from ultrascale.device import coll_tensor
+    from ultrascale.runtime.device import coll_tensor
 
     t = coll_tensor([value], torch.float64)
     tdist.all_reduce(t, op=tdist.ReduceOp.MIN if op == "min" else tdist.ReduceOp.SUM)
@@ -98,7 +98,7 @@ def cpu_peak(dtype: torch.dtype = torch.float32, remeasure: bool = False) -> tup
     """(FLOP/s per rank, description). Collective when a process group is up: every rank calls it, and either
     every rank reads the stored figure or every rank measures at once (a rank whose cache lacks it makes all
     measure, so no rank waits on a collective the others skip)."""
-    from ultrascale.dist import local_world_size
+    from ultrascale.runtime.dist import local_world_size
 
     local = local_world_size()
     key = _key(dtype, torch.get_num_threads(), local)
@@ -151,14 +151,14 @@ def device_peak_flops(dtype: torch.dtype = torch.float32, gpu: GpuInfo | None = 
     reported). On CUDA, ``gpu`` (default: this rank's) is looked up in the datasheet table; fp32 counts as TF32
     when torch lets matmuls use it."""
     if torch.cuda.is_available():
-        from ultrascale.gpu import detect
+        from ultrascale.runtime.gpu import detect
 
         return gpu_peak(gpu or detect(), matmul_dtype(dtype, torch.backends.cuda.matmul.allow_tf32))
     return cpu_peak(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)  # a CPU's fp16 GEMM is not a path
 
 
 def main() -> None:
-    ap = ArgParser(prog="python -m ultrascale.peak", description=__doc__)
+    ap = ArgParser(prog="python -m ultrascale.runtime.peak", description=__doc__)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--remeasure", action="store_true", help="measure again and store the new figure")

@@ -1,6 +1,6 @@
 """The layout a composed config describes (what ``train.py`` would run), as the planner's :class:`Layout`.
 
-Apart from the search because the rules (``config/decide.py``) size ``activation_checkpointing=auto`` with the
+Apart from the search because the rules (``levers/decide.py``) size ``activation_checkpointing=auto`` with the
 planner's memory model for this layout, and the search itself is built on the rules.
 """
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ultrascale.config.checkpointing import checkpointing_mode
+from ultrascale.config.recompute import checkpointing_mode
+from ultrascale.cost.memory import Layout
 from ultrascale.model.adapters import planned_trainable
-from ultrascale.plan.memory import Layout
 
 
 def layout_from_cfg(cfg: DictConfig, world: int) -> Layout:
