@@ -20,8 +20,8 @@ from ultrascale.eval.config import register_eval_configs
 
 
 def main(cfg: DictConfig) -> dict:
-    from ultrascale.dist import setup_logging
     from ultrascale.eval.run import run
+    from ultrascale.runtime.dist import setup_logging
 
     setup_logging()  # the console gets the sampler's line: tokens, tokens/s, batch fill, padding, drafts accepted
     return run(cfg)

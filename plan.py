@@ -14,8 +14,8 @@ from ultrascale.errors import ConfigError
 
 
 def main(cfg: DictConfig) -> list:
+    from ultrascale.cost.cluster import resolve_cluster
     from ultrascale.model.arch import arch_from_cfg
-    from ultrascale.plan.cluster import resolve_cluster
     from ultrascale.plan.report import (
         checkpoint_advice,
         header,
@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> list:
 
     cfg = resolve_cluster(cfg)
     if cfg.budget.enabled:  # model size and tokens for a budget + serving volume, instead of layouts
-        from ultrascale.plan.budget import budget_from_cfg
+        from ultrascale.cost.budget import budget_from_cfg
         from ultrascale.plan.report import budget_table, write_budget_json
 
         bp = budget_from_cfg(cfg)

@@ -17,8 +17,8 @@ def main(cfg: DictConfig) -> dict | None:
         from ultrascale.plan.dryrun import dry_run
 
         return dry_run(cfg)
-    from ultrascale.config.validate import validate
-    from ultrascale.dist import planned_world_size
+    from ultrascale.levers.rules import validate
+    from ultrascale.runtime.dist import planned_world_size
 
     decisions = validate(cfg, planned_world_size(cfg))  # every rule, then what the run does, before anything is built
     from ultrascale.train.trainer import run
