@@ -18,7 +18,7 @@ Conversations are packed whole into rows of ``seq_len`` with a separator token b
 ``eos_token_id``, so the loader's document masking keeps each conversation's attention and positions to itself);
 it must never occur inside a rendered conversation, which rules out ChatML's ``<|im_end|>``: by default the first
 of the tokenizer's EOS and ``<|endoftext|>`` that does not. Packing, the seeded split of whole conversations into
-validation and the shard format are SSD's supervised set's (:func:`ultrascale.ssd.sft.write_packed`): the output
+validation and the shard format are SSD's supervised set's (:func:`ultrascale.data.supervised.write_packed`): the output
 is a standard prepared dataset that ``train.py data.path=DIR`` trains on.
 """
 
@@ -145,7 +145,7 @@ def prepare(cfg) -> dict:
     """Render, mask, pack and write ``cfg.input``'s conversations to ``cfg.output_dir``; returns the report."""
     from transformers import AutoTokenizer
 
-    from ultrascale.ssd.sft import write_packed
+    from ultrascale.data.supervised import write_packed
 
     if not cfg.input or not cfg.output_dir:
         raise ConfigError("python -m data_prep.chat needs input=FILE.jsonl and output_dir=DIR")
