@@ -1,8 +1,9 @@
-"""What was built, in words: the rank-0 start-up banner (the dry run's report, which adds the planner's figures,
-is :mod:`ultrascale.plan.dryrun`)."""
+"""What was built and what came out, in words: the rank-0 start-up banner and the end-of-run lines (the dry run's
+report, which adds the planner's figures, is :mod:`ultrascale.plan.dryrun`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,9 @@ def finetune_line(cfg: Any, d: Decisions, trainable: int, total: int) -> str:
     ``ultrascale/cost/memory.py``)."""
     from dataclasses import replace
 
+    from ultrascale.cost.layout import layout_from_cfg
     from ultrascale.cost.memory import GIB, model_state_bytes
     from ultrascale.model.arch import arch_from_hf
-    from ultrascale.plan.search import layout_from_cfg
 
     arch = arch_from_hf(d.hf_config)
     lay = replace(layout_from_cfg(cfg, d.topo.world), zero_stage=d.zero_stage, trainable_params=trainable)
@@ -106,4 +107,24 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         lines.append(f"  {k:<10} {v}")
     if cfg.launcher.env:
         lines.append(f"  env        {' '.join(f'{k}={v}' for k, v in cfg.launcher.env.items())}")
+    return "\n".join(lines)
+
+
+def done_lines(summary: dict, out: Path, paths: dict[str, Any], steps: int) -> str:
+    """Rank 0's last words: the summary and where everything is. ``paths``: ``metrics``, ``plot``, ``report``,
+    ``checkpoint``, ``tensorboard`` and ``wandb`` (each None when there is none)."""
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}
+    plot, report, wandb_dir = paths.get("plot"), paths.get("report"), paths.get("wandb")
+    lines = [f"done: {json.dumps(shown)}", f"  run dir     {out}",
+             f"  metrics     {paths['metrics']}" + (f"  plot {plot}" if plot else "")]  # fmt: skip
+    if report:
+        lines.append(f"  report      {report}  (python -m ultrascale.report run_dir={out})")
+    lines.append(f"  checkpoint  {paths.get('checkpoint')}")
+    if summary.get("stopped_by"):
+        lines.insert(1, f"  stopped     by {summary['stopped_by']} before step {steps}: run the same command "
+                        "again to resume from the checkpoint")  # fmt: skip
+    if paths.get("tensorboard"):
+        lines.append(f"  tensorboard tensorboard --logdir {paths['tensorboard']}")
+    if wandb_dir:
+        lines.append(f"  wandb       {Path(wandb_dir).parent}  (wandb sync {Path(wandb_dir).parent})")
     return "\n".join(lines)
