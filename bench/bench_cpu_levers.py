@@ -1,20 +1,15 @@
 """The CPU levers alone, on the CPU at hand: the attention core by query block and the fused loss by chunk.
 
-``train.attn_block_size`` and the fused loss chunk used to be constants measured on one CPU (an AMD Zen 4) and
-carried to every other. This measures what they change on this one, at a model's real shapes, in one process
-with one thread (one CPU rank's share), so ``ultrascale/levers/decide.py``'s rules can be checked here and on
-the next CPU: each candidate's forward+backward is timed in rounds that rotate the candidates' order, and the
-table gives each one's median time relative to the baseline measured in the same rounds.
-
-* attention: HF's SDPA call (``is_causal`` when the row is one document, else its explicit mask) against the
-  blocked causal SDPA at each block size, for a row that is one document (the blocks over the causal mask spelled
-  out, as they ran such rows before they left them to SDPA's causal kernel) and a row of four;
-* loss: the chunked linear cross-entropy at each chunk against the plain head + ``cross_entropy``.
+The attention block and the fused loss chunk are decided per CPU; this measures what they change on this one, at
+a model's real shapes, in one process with one thread (one CPU rank's share), so the rules can be checked here and
+on the next CPU. Each candidate's forward+backward is timed in rounds that rotate the candidates' order, relative
+to the baseline in the same rounds (attention: HF's SDPA against the blocked SDPA at each block size, on a
+one-document row and a row of four; loss: each chunk against the plain head + ``cross_entropy``). The CPU's
+fingerprint and what ``decide`` picks for it are printed with the table; the measured tables: bench/README.md,
+"The CPU levers, per CPU".
 
     python bench/bench_cpu_levers.py [--model-dir models/smollm2-135m] [--seq-len 2048] [--dtype fp32|bf16]
                                      [--rounds 5] [--json PATH]
-
-The CPU's model, fingerprint and what ``decide`` picks for it are printed with the table.
 """
 
 from __future__ import annotations
@@ -134,7 +129,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("attention", "loss"), help="measure one lever only")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
-    from ultrascale.levers.decide import cpu_attn_block, cpu_loss_chunk
+    from ultrascale.levers.hardware import cpu_attn_block, cpu_loss_chunk
     from ultrascale.runtime.cpu import detect
 
     cpu = detect()

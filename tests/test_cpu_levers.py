@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from ultrascale.levers.decide import cpu_attn_block, cpu_loss_chunk, cpu_threads, decide
-from ultrascale.runtime.cpu import CpuInfo, parse_cpuinfo
+from ultrascale.levers.decide import decide
+from ultrascale.levers.hardware import cpu_attn_block, cpu_loss_chunk
+from ultrascale.runtime.cpu import CpuInfo, parse_cpuinfo, threads_per_rank
 
 SPR = CpuInfo("GenuineIntel", "Intel(R) Xeon(R) Processor", 6, 207, 2,
               frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8"}),
@@ -41,15 +42,15 @@ def test_parse_cpuinfo_reads_the_first_processor():
 
 
 def test_threads_are_the_physical_cores_per_rank_and_the_users_omp_wins():
-    assert cpu_threads(SPR, 2) == (1, "2 cores / 2 local rank(s)")
-    assert cpu_threads(SPR, 1)[0] == 2
+    assert threads_per_rank(SPR, 2) == (1, "2 cores / 2 local rank(s)")
+    assert threads_per_rank(SPR, 1)[0] == 2
     # SMT: 16 CPUs are 8 cores; two ranks get 4 threads each, not 8 that fight over each core's FMA units
-    n, why = cpu_threads(ICX, 2)
+    n, why = threads_per_rank(ICX, 2)
     assert n == 4 and "8 physical cores" in why and "2 SMT" in why
-    assert cpu_threads(ZEN3, 4)[0] == 1
+    assert threads_per_rank(ZEN3, 4)[0] == 1
     # more ranks than physical cores: the logical CPUs are shared out instead (never 0 threads)
-    assert cpu_threads(ZEN3, 8)[0] == 1 and cpu_threads(ICX, 16)[0] == 1
-    assert cpu_threads(ICX, 2, omp="3") == (3, "OMP_NUM_THREADS=3 from the environment")
+    assert threads_per_rank(ZEN3, 8)[0] == 1 and threads_per_rank(ICX, 16)[0] == 1
+    assert threads_per_rank(ICX, 2, omp="3") == (3, "OMP_NUM_THREADS=3 from the environment")
 
 
 @pytest.mark.parametrize(

@@ -14,13 +14,10 @@ import pytest
 import torch
 
 from tests.conftest import check, launch
+from ultrascale.config.recompute import checkpointing_mode
 from ultrascale.errors import ConfigError
-from ultrascale.levers.decide import (
-    auto_checkpointing,
-    checkpointing_mode,
-    decide,
-    gpu_loss_chunk,
-)
+from ultrascale.levers.decide import decide
+from ultrascale.levers.hardware import auto_checkpointing, gpu_loss_chunk
 from ultrascale.runtime.gpu import GpuInfo, identify
 from ultrascale.runtime.peak import gpu_peak, matmul_dtype
 

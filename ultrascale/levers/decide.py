@@ -14,6 +14,17 @@ from typing import Any
 
 from ultrascale.config.recompute import AC_MODES, checkpointing_mode
 from ultrascale.config.topology import Topology
+from ultrascale.levers.hardware import (
+    BLOCKS_PER_ROW,
+    FLEX_MIN_CAPABILITY,
+    MIN_BLOCK,
+    auto_checkpointing,
+    bf16_matmuls,
+    cpu_attn_block,
+    cpu_loss_chunk,
+    gpu_loss_chunk,
+    predicted_peaks,
+)
 from ultrascale.runtime.cpu import CpuInfo
 from ultrascale.runtime.gpu import GpuInfo
 
@@ -195,7 +206,7 @@ def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: Cpu
         return Choice(True, f"{what}, {cfg.train.loss_chunk_tokens} tokens a chunk (train.loss_chunk_tokens)",
                       int(cfg.train.loss_chunk_tokens))  # fmt: skip
     if backend == "gloo" and cpu is not None:
-        chunk, why = cpu_loss_chunk(cpu, int(hf_config.vocab_size), _bf16_matmuls(cfg, cpu))
+        chunk, why = cpu_loss_chunk(cpu, int(hf_config.vocab_size), bf16_matmuls(cfg.precision, cpu))
         return Choice(True, f"{what}, {chunk} tokens a chunk ({why})", chunk)
     if gpu is not None:
         chunk, why = gpu_loss_chunk(gpu, int(hf_config.vocab_size))
@@ -203,11 +214,6 @@ def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: Cpu
     from ultrascale.model.loss import CHUNK_BUDGET_BYTES
 
     return Choice(True, f"{what}, chunk from the vocabulary's {CHUNK_BUDGET_BYTES >> 20} MiB logit budget", None)
-
-
-FLEX_MIN_CAPABILITY = (8, 0)
-"""``train.attention_kernel=auto`` picks FlexAttention on CUDA GPUs from Ampere (sm_80) on: its Triton kernels are
-built and tuned for them (bf16, their shared memory); older cards keep HF's sdpa."""
 
 
 def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None,
@@ -271,7 +277,7 @@ def _blocks(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, c
         if backend != "gloo" and not forced:
             return Choice(False, f"{configured} (train.attn_block_size unset: the blocks are measured on CPU only)")
         if backend == "gloo":
-            block, reason = cpu_attn_block(cpu or CpuInfo(), int(cfg.data.seq_len), _bf16_matmuls(cfg, cpu))
+            block, reason = cpu_attn_block(cpu or CpuInfo(), int(cfg.data.seq_len), bf16_matmuls(cfg.precision, cpu))
         else:
             n = BLOCKS_PER_ROW["fp32"]
             block, reason = max(MIN_BLOCK, -(-int(cfg.data.seq_len) // n)), f"train.attention_kernel=blocks, {n} a row"
@@ -369,86 +375,6 @@ def _moe_why(experts: int, topo: Topology) -> str:
     return f"{experts} experts per layer, replicated"
 
 
-# --- The CPU levers: pure functions of the CPU's features (ultrascale.runtime.cpu.CpuInfo), measured per CPU by
-# `python bench/bench_cpu_levers.py` (bench/README.md has each CPU's table). ---
-
-
-def _bf16_matmuls(cfg: Any, cpu: CpuInfo | None) -> bool:
-    """The forward's matmuls run in bf16 (16-bit weights, or autocast on a CPU that computes bf16 natively)."""
-    p = cfg.precision
-    return p.dtype == "bf16" or (p.autocast == "bf16" and (cpu is None or cpu.bf16_native or p.autocast_emulated))
-
-
-def cpu_threads(cpu: CpuInfo, local_ranks: int, omp: str = "") -> tuple[int, str]:
-    """(torch threads per CPU rank, why). The user's ``OMP_NUM_THREADS`` wins; otherwise each rank gets its share
-    of the *physical* cores: two SMT siblings share one core's FMA/AMX units and its L1/L2, so a second GEMM
-    thread on a sibling adds contention, not FLOPs (Intel's and oneDNN's guidance: one thread per core)."""
-    if omp.isdigit() and int(omp) > 0:
-        return int(omp), f"OMP_NUM_THREADS={omp} from the environment"
-    local = max(1, local_ranks)
-    if cpu.threads_per_core > 1 and cpu.physical_cores >= local:
-        return max(1, cpu.physical_cores // local), (
-            f"{cpu.physical_cores} physical cores ({cpu.cpus} CPUs, {cpu.threads_per_core} SMT threads a core) / "
-            f"{local} local rank(s)"
-        )
-    return max(1, cpu.cpus // local), f"{cpu.cpus} cores / {local} local rank(s)"
-
-
-BLOCKS_PER_ROW = {"fp32": 4, "bf16": 2}
-"""Query blocks per row of the blocked attention, by the attention's matmul dtype. A block costs one SDPA call
-and saves its share of the upper-triangle tiles; how many pay off depends on how cheap a tile is. fp32 (FMA
-units): 4 blocks (62.5 % of the tiles): 1.48x over SDPA's masked kernel at seq 2,048 on the AMX Xeon (blocks of
-128: 1.23x), and the Zen 4's best at seq 256 (blocks of 64). bf16 on a matrix unit (AMX: each tile ~5x cheaper):
-2 blocks (75 %): 1.25x, where blocks of 128 ran 0.62x (``python bench/bench_cpu_levers.py --dtype bf16``)."""
-MIN_BLOCK = 64
-"""Below this a block's SDPA call costs more than the tiles it skips on every CPU measured."""
-CHUNK_LOGITS_CAP_MIB = 256
-"""A chunk's fp32 logits never exceed this, whatever the matrix unit asks (1,024 x 49,152 is 192 MiB)."""
-
-
-def cpu_attn_block(cpu: CpuInfo, seq_len: int, bf16: bool) -> tuple[int, str]:
-    """(query block of the blocked causal SDPA for rows holding several documents, why): ``seq_len`` over the
-    blocks per row that pay off for the attention's matmul dtype on this CPU (one-document rows always take
-    SDPA's causal kernel, which skips the upper tiles itself)."""
-    native = bf16 and cpu.bf16_native
-    n = BLOCKS_PER_ROW["bf16" if native else "fp32"]
-    block = max(MIN_BLOCK, -(-seq_len // n))
-    unit = f"bf16 on {cpu.matrix_unit}" if native else "fp32"
-    return block, f"{n} blocks a row: the attention's matmuls run {unit} on this CPU"
-
-
-def cpu_loss_chunk(cpu: CpuInfo, vocab: int, bf16: bool) -> tuple[int, str]:
-    """(tokens per chunk of the fused loss, why). Every chunk pays one pass over the head's gradient (``V x h``,
-    fp32, plus its bf16 product under autocast) besides its GEMMs, so the faster the GEMMs run, the more tokens a
-    chunk needs for that pass to stay small: 128 with fp32 GEMMs, 8x that where autocast puts them on a bf16
-    matrix unit (4.8x the fp32 GEMM rate on the AMX Xeon, 4.9x on the Zen 4; at 49k the bf16 loss ran 0.67x the
-    plain head at 128 tokens and 1.28x at 1,024), capped so one chunk's fp32 logits stay within 256 MiB."""
-    from ultrascale.model.loss import CPU_MAX_CHUNK_TOKENS
-
-    native = bf16 and cpu.bf16_native
-    want = CPU_MAX_CHUNK_TOKENS * (8 if native else 1)
-    cap = max(16, CHUNK_LOGITS_CAP_MIB * 2**20 // (4 * vocab))
-    chunk = min(want, 1 << (cap.bit_length() - 1))
-    unit = f"bf16 GEMMs on {cpu.matrix_unit}" if native else "fp32 GEMMs"
-    capped = f", capped by the {CHUNK_LOGITS_CAP_MIB} MiB logits budget at vocab {vocab:,}" if chunk < want else ""
-    return chunk, f"{unit}{capped}"
-
-
-# --- The GPU levers: pure functions of the GPU (ultrascale.runtime.gpu.GpuInfo: name, memory, capability), so a planted
-# description decides them in a test exactly as the real card does on a GPU node. ---
-
-GPU_LOSS_FRACTION = 64
-"""One chunk's fp32 logits get 1/64 of the GPU's free memory: 1.2 GiB on an 80 GB card (2,048 tokens at vocab
-128,256), 0.34 GiB on a 24 GB one (512). The 32 MiB budget it replaces gave 65 tokens at that vocabulary: ~500
-GEMMs of 65 rows per micro-batch of 32k tokens, each too thin to fill a GPU's tensor cores."""
-GPU_MAX_CHUNK_TOKENS = 8192
-"""Past this a chunk's GEMM ([chunk, h] x [h, V]) is long past filling the GPU; more only holds more memory."""
-AC_HEADROOM = 0.10
-"""``auto`` activation checkpointing keeps 10 % of the GPU's free memory unplanned (NCCL buffers, the caching
-allocator's slack), on top of the planner's own fragmentation term."""
-"""Cheapest (most memory) first: ``auto`` takes the first whose predicted peak fits."""
-
-
 def liger_unusable(gpu: GpuInfo) -> str | None:
     """Why liger-kernel cannot run for ``gpu`` (None: it can): not installed, its import fails, or (for a GPU of
     this machine, ``gpu.index`` set) its fused linear cross-entropy fails a one-row trial there. Read from the
@@ -457,19 +383,6 @@ def liger_unusable(gpu: GpuInfo) -> str | None:
     from ultrascale.model.loss import kernel_unusable
 
     return kernel_unusable("liger", None if gpu.index is None else f"cuda:{gpu.index}")
-
-
-def gpu_loss_chunk(gpu: GpuInfo, vocab: int) -> tuple[int, str]:
-    """(tokens per chunk of the fused loss, why): the largest power of two whose fp32 logits fit 1/64 of the GPU's
-    free memory, at most 8,192 tokens."""
-    budget = gpu.available_bytes // GPU_LOSS_FRACTION
-    fit = max(1, budget // (4 * vocab))
-    pow2 = 1 << (fit.bit_length() - 1)
-    chunk = min(GPU_MAX_CHUNK_TOKENS, pow2)
-    free = "free" if gpu.free_bytes is not None else "total"
-    capped = f", capped at {GPU_MAX_CHUNK_TOKENS:,}" if chunk < pow2 else ""
-    return chunk, (f"1/{GPU_LOSS_FRACTION} of {gpu.available_bytes / 2**30:.1f} GiB {free} on the GPU for one "
-                   f"chunk's fp32 logits at vocab {vocab:,}{capped}")  # fmt: skip
 
 
 def _loss_kernel(cfg: Any, fused: Choice, gpu: GpuInfo | None) -> Choice:
@@ -503,38 +416,6 @@ def selective_unavailable(topo: Topology) -> str | None:
     return None
 
 
-def auto_checkpointing(peaks: dict[str, float], gpu: GpuInfo) -> tuple[str, str]:
-    """(mode, why) for ``auto``: the first of none, selective, full (those in ``peaks``: the planner's predicted
-    peak bytes per GPU for each) that fits the GPU's free memory less 10 %; full if none fits."""
-    usable = gpu.available_bytes * (1 - AC_HEADROOM)
-    said = []
-    for mode in (m for m in AC_MODES if m in peaks):
-        said.append(f"{mode} {peaks[mode] / 2**30:.1f} GiB")
-        if peaks[mode] <= usable:
-            break
-    else:
-        mode = "full"
-    card = gpu.identified().card
-    where = f"{usable / 2**30:.1f} GiB usable (90 % of {gpu.available_bytes / 2**30:.1f} GiB " \
-            f"{'free' if gpu.free_bytes is not None else 'total'} on {card.name if card else gpu.name})"  # fmt: skip
-    fits = "fits" if peaks.get(mode, float("inf")) <= usable else "does not fit even so"
-    return mode, f"auto: the planner predicts {', '.join(said)} per GPU; {where}: {mode} {fits}"
-
-
-def predicted_peaks(cfg: Any, topo: Topology, hf_config: Any, fused: Choice, modes: tuple[str, ...]) -> dict:
-    """The planner's (:mod:`ultrascale.cost.memory`) peak bytes per GPU of this run under each checkpointing mode."""
-    from dataclasses import replace
-
-    from ultrascale.cost.layout import layout_from_cfg
-    from ultrascale.cost.memory import memory
-    from ultrascale.model.arch import arch_from_hf
-
-    arch = arch_from_hf(hf_config)
-    lay = replace(layout_from_cfg(cfg, topo.world), zero_stage=int(cfg.zero.stage), fused_loss=fused.on,
-                  loss_chunk_tokens=fused.value or 0)  # fmt: skip
-    return {m: memory(arch, replace(lay, activation_checkpointing=m)).total for m in modes}
-
-
 def _activation_checkpointing(cfg: Any, topo: Topology, hf_config: Any, backend: str, gpu: GpuInfo | None,
                               fused: Choice) -> Choice:  # fmt: skip
     mode = checkpointing_mode(cfg.train.activation_checkpointing)
@@ -548,5 +429,5 @@ def _activation_checkpointing(cfg: Any, topo: Topology, hf_config: Any, backend:
     if gpu is None:
         return Choice(False, "off (train.activation_checkpointing=auto: no GPU described to size it for)", "none")
     modes = tuple(m for m in AC_MODES if m != "selective" or not selective_unavailable(topo))
-    mode, why = auto_checkpointing(predicted_peaks(cfg, topo, hf_config, fused, modes), gpu)
+    mode, why = auto_checkpointing(predicted_peaks(cfg, topo, hf_config, fused.on, fused.value, modes), gpu)
     return Choice(mode != "none", f"{what[mode]} ({why})", mode)

@@ -36,7 +36,7 @@ Peak memory is flat up to ~256 tokens at 2,048 x 49,152 (`python bench/bench_los
 CPU_MAX_CHUNK_TOKENS = 128
 """The CPU chunk with fp32 GEMMs: the start of a plateau (128..1,024 within 5 % at 49k on the AMX Xeon; the
 fastest of 32..1,024 on the Zen 4) and the smallest logits buffer on it (bench/README.md). The run's chunk is
-decided per CPU from it (``ultrascale.levers.decide.cpu_loss_chunk``)."""
+decided per CPU from it (``ultrascale.levers.hardware.cpu_loss_chunk``)."""
 
 _IMPLS = ("auto", "chunked", "liger", "cce")
 

@@ -1,11 +1,11 @@
 """What this CPU is: its instruction sets, matrix units, caches and cores, read once from the OS.
 
-The CPU levers (threads per rank, the fused loss chunk, the attention block, the peak MFU divides by) are
-decided from this record by pure functions in ``ultrascale/levers/decide.py``, so a default measured on one
-model of CPU is not carried to the next as a constant. ``model name`` alone does not tell CPUs apart: a cloud
-VM reports "Intel(R) Xeon(R) Processor" for Ice Lake without bf16 and Sapphire Rapids with AMX alike, which
-made the peak calibration of one reused on the other. :meth:`CpuInfo.fingerprint` adds family, model, stepping
-and the matrix instruction sets.
+The CPU levers (the fused loss chunk, the attention block) are decided from this record by pure functions in
+``ultrascale/levers/hardware.py``, threads per rank by :func:`threads_per_rank` here, so a default measured on
+one model of CPU is not carried to the next as a constant. ``model name`` alone does not tell CPUs apart: a
+cloud VM reports "Intel(R) Xeon(R) Processor" for Ice Lake without bf16 and Sapphire Rapids with AMX alike,
+which made the peak calibration of one reused on the other. :meth:`CpuInfo.fingerprint` adds family, model,
+stepping and the matrix instruction sets.
 """
 
 from __future__ import annotations
@@ -153,3 +153,20 @@ def detect() -> CpuInfo:
         cpus=cpus,
         threads_per_core=_threads_per_core(sysdir),
     )
+
+
+def threads_per_rank(cpu: CpuInfo, local_ranks: int, omp: str = "") -> tuple[int, str]:
+    """(torch threads per rank, why): how the ranks of one node share its cores, a fact of the process and the
+    CPU that no config key changes, so it lives here, below the levers. The user's ``OMP_NUM_THREADS`` wins;
+    otherwise each rank gets its share of the *physical* cores: two SMT siblings share one core's FMA/AMX units
+    and its L1/L2, so a second GEMM thread on a sibling adds contention, not FLOPs (Intel's and oneDNN's
+    guidance: one thread per core)."""
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), f"OMP_NUM_THREADS={omp} from the environment"
+    local = max(1, local_ranks)
+    if cpu.threads_per_core > 1 and cpu.physical_cores >= local:
+        return max(1, cpu.physical_cores // local), (
+            f"{cpu.physical_cores} physical cores ({cpu.cpus} CPUs, {cpu.threads_per_core} SMT threads a core) / "
+            f"{local} local rank(s)"
+        )
+    return max(1, cpu.cpus // local), f"{cpu.cpus} cores / {local} local rank(s)"

@@ -190,12 +190,11 @@ def _launcher_default_omp() -> bool:
 def cpu_threads() -> tuple[int, str]:
     """(torch threads for this rank, CPU or GPU, why): the user's ``OMP_NUM_THREADS`` if they set one, otherwise this
     process's physical cores divided by the ranks on this node, so no launcher oversubscribes the cores (the
-    rule: ``ultrascale.levers.decide.cpu_threads``)."""
-    from ultrascale.levers.decide import cpu_threads as rule
-    from ultrascale.runtime.cpu import detect
+    rule: :func:`ultrascale.runtime.cpu.threads_per_rank`)."""
+    from ultrascale.runtime.cpu import detect, threads_per_rank
 
     omp = "" if _launcher_default_omp() else os.environ.get("OMP_NUM_THREADS", "")
-    return rule(detect(), local_world_size(), omp)
+    return threads_per_rank(detect(), local_world_size(), omp)
 
 
 def threads_note() -> str:

@@ -2,7 +2,7 @@
 card that is.
 
 The GPU levers (the fused loss's chunk, activation checkpointing, the attention kernel) are decided from a
-:class:`GpuInfo` by pure functions in ``ultrascale/levers/decide.py``, and MFU divides by the card's datasheet
+:class:`GpuInfo` by pure functions in ``ultrascale/levers/`` (hardware.py, decide.py), and MFU divides by the card's datasheet
 peak for the run's dtype (``ultrascale/runtime/peak.py``), so a rule measured on one card is not carried to the next as a
 constant. A name alone does not tell cards apart: "H100" is a 989 TFLOP/s SXM5 part, a 756 TFLOP/s PCIe part or
 an 835 TFLOP/s NVL part, and torch names the SXM5 one "NVIDIA H100 80GB HBM3". :func:`identify` reads the name,
