@@ -1,39 +1,11 @@
-"""Baseline for bench/train_overhead.py: what a user gets from HF ``Trainer`` + DeepSpeed out of the box.
+"""Baseline for bench/train_overhead.py: HF ``Trainer`` + DeepSpeed as a user gets it, on a train.py run's job.
 
-Same model (``build_model`` from the train.py run's config.yaml), the same DeepSpeed JSON (that run's
-ds_config.json, passed as ``TrainingArguments(deepspeed=...)``), the same packed shards as plain
-``{"input_ids", "labels"}`` rows through ``default_data_collator``, and the same micro batch, accumulation,
-steps, peak lr, weight decay, betas, eps, grad clip and warmup + schedule shape. Everything else is
-Trainer's own default (its optimizer, its sampler, its progress bar, its loss bookkeeping); nothing is
-saved or evaluated. Its sampler shuffles with ``train.seed``, so it reads the same samples in another order.
-
-Timed like the other two sides: wall clock from the end of optimizer step 1 (a ``TrainerCallback``'s
-``on_step_end``) to the end of step N, so tokens/s = global batch * seq_len * (N - 1) / that time.
-
-On a CPU-only host accelerate picks no backend and sees world size 1 while DeepSpeed sees 2; the fix a
-user finds (shared/probes/README.md) is ``ACCELERATE_USE_DEEPSPEED=true``, a ``PartialState`` built with
-gloo first, and ``accelerator_config={"use_configured_state": True}``. On CUDA the same state is built with
-NCCL: DeepSpeed's collectives there take CUDA tensors, which gloo does not.
-
-``+like`` (the GPU probe's anchor): Trainer does the work the train.py run did, read from that run's own
-decisions (``validate`` on its config.yaml, as the run decided): liger's fused linear cross-entropy
-(``use_liger_kernel``) where the run used liger; activation checkpointing where the run had it; position ids
-that restart at each document (``ultrascale.data.loader.make_batch``, the run's own labels too), from which HF
-builds the document mask, through HF's flex_attention where the run used flex. What cannot be matched is listed
-in ``settings.not_like_for_like`` (selective recompute is full recompute here; our chunked loss is the full-logit
-loss there, whose logits at micro 8 x 4,096 x vocab 128k run an 80 GB card out of memory, so on CUDA without
-liger the micro batch is halved and accumulation doubled: the same tokens a step). ``tokens_per_s_median`` is the
-global batch's tokens over the median step interval after the first two steps, as the probe reads ours.
-
-``MODE`` may carry ``+flags``. ``+gc``: ``gradient_checkpointing=True`` (the job's own activation
-checkpointing, as the GPU probe's llama_1b job has it; without it Trainer keeps every layer's activations).
-``+bf16``: ``bf16=True`` and the JSON's ``bf16.enabled`` on ``"auto"`` (HF's documented DeepSpeed setup), so
-DeepSpeed trains bf16 weights with fp32 master weights in its optimizer: Trainer's bf16 under DeepSpeed
-(accelerate hands mixed precision to the engine instead of autocasting).
-
-Two flavours (``MODE``): ``default`` leaves every other setting at Trainer's default; ``tuned`` is Trainer as
-a strong user tunes it: ``torch_compile=True``, ``optim="adamw_torch_fused"`` and train.py's logging cadence
-(``logging_steps=train.log_interval``, so both pull the loss to the host as often).
+It trains the same model, DeepSpeed JSON, packed shards, batch and optimizer settings as the train.py run whose
+directory it is given, and times it the same way (end of step 1 to end of step N). ``MODE`` picks the flavour:
+``default`` (Trainer's own defaults), ``tuned`` (compile, fused AdamW, train.py's log cadence) and the ``+gc``,
+``+bf16`` and ``+like`` flags (the GPU probe's anchor: the run's own loss kernel, recompute and document-masked
+position ids). What each mode sets, the CPU-only accelerate setup and what cannot be matched:
+bench/README.md, "bench/_trainer_loop.py".
 
 Run under torchrun as ``_trainer_loop.py RUN_DIR DATA_DIR STEPS OUT_DIR [MODE]``; prints one JSON line on rank 0.
 Not a user-facing tool.

@@ -1,28 +1,13 @@
 """Forward+backward time of a model with HF's masked ``sdpa`` vs ultrascale's attention kernels, paired.
 
-The kernels (``train.attention_kernel``): ``blocks``, causal SDPA by query blocks (``train.attn_block_size``), and
-``flex``, FlexAttention over document blocks (no dense mask). Each is a few percent of a whole ``train.py`` step
-at most on a CPU, which is the size of this box's run-to-run noise; so this measures what they change, in one
-process: copies of the same model (HF sdpa, the baseline, and one per kernel; all with the fused loss, as
-train.py builds them) take turns on the same micro-batches, rotating which goes first, and each kernel's speedup
-is the median of the per-micro-batch paired ratios ``sdpa / kernel`` (with the IQR). A slow stretch of the
-machine hits every side of a round. One thread, as one rank of the CPU runs has. Modes: ``compiled``
-(``torch.compile``, train.py's default) and ``eager`` (what pipeline, ZeRO-3 and the short recipes run), both
-fwd+bwd, and ``eval`` (forward under no_grad, eager: what eval perplexity runs). The baseline, HF's sdpa with
-its dense block-diagonal mask, is measured in the same run.
-
-On a CPU (torch 2.13) FlexAttention's compiled kernel is inference-only: ``eval`` runs it, while fwd+bwd runs
-FlexAttention's reference implementation (materialized scores), so ``flex`` is expected to lose there; it is the
-GPU's lever (``make gpu-probe``), measured here so the CPU cost is stated, not guessed.
+The kernels (``train.attention_kernel``) are ``blocks`` (causal SDPA by query blocks) and ``flex``
+(FlexAttention over document blocks). Each is a few percent of a step, the size of this box's noise, so copies of
+the same model take turns on the same micro-batches in one process and each kernel's speedup is the median of the
+paired ratios ``sdpa / kernel``. The method, the modes, the data and the measured tables: bench/README.md,
+"``train.attention_kernel=flex`` on a CPU" and "bench/bench_attention.py".
 
     python bench/bench_attention.py [--kernels blocks,flex] [--modes compiled,eager,eval] [--steps 60] [--json PATH]
     python bench/bench_attention.py --model-dir models/smollm2-135m --data data/stdlib_smollm2 --micro 2 --modes eager --steps 14
-
-Data: ``--data`` shards (their seq_len), else the bench-train corpus (data/stdlib when prepared, else the
-byte-level stdlib corpus), with document masking as train.py applies it. ``--rows multi`` (default) times only
-rows holding several documents, the only rows either kernel changes (a micro-batch without one takes SDPA's
-causal kernel on every side); ``--rows all`` takes the corpus as it comes, and the table says how many of its
-rows hold several documents.
 """
 
 from __future__ import annotations

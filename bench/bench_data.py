@@ -1,17 +1,11 @@
 """Data-prep throughput against the obvious baselines, measured in one run on the same stdlib text.
 
-1. tokenize + pack (data_prep.pack, FIM off) vs raw ``tokenizers.Tokenizer.encode_batch`` (target >= 0.8).
-2. tokenize + pack vs a ``datasets.map(batched=True)`` tokenize-then-group-texts baseline (target >= 2x):
-   ``PreTrainedTokenizerFast`` on the same tokenizer.json, EOS after each document, run_clm's group_texts.
-   Both sides single-process (TOKENIZERS_PARALLELISM=false, no ``num_proc``), and both load their
-   tokenizer inside the timed call, so neither reuses a BPE cache warmed by an earlier repeat.
-   The baseline's samples are checked equal to ours (it drops the tail, we pad it).
-3. near dedup (data_prep.dedup: signatures + LSH) vs ``datasketch`` MinHash + MinHashLSH, same shingles,
-   256 permutations, same threshold (target >= 3x). datasketch's vectorised ``update_batch`` is shown too.
+Three pairs, each with its target: tokenize + pack against raw ``encode_batch`` (>= 0.8) and against a
+``datasets.map`` tokenize-then-group-texts baseline (>= 2x), and near dedup against ``datasketch`` MinHash + LSH
+(>= 3x). Variants run interleaved, and each number is the best of ``--repeat`` rounds. How each side is set up
+so the comparison is fair: bench/README.md, "bench/bench_data.py".
 
-Usage: ``python bench/bench_data.py [--files 300] [--repeat 5] [--json PATH]``. Variants run interleaved,
-one of each per round, and each number is the best of ``--repeat`` rounds (the machine is shared; the
-minimum is the least disturbed). CPU seconds (process time, best of the same rounds) are shown beside.
+    python bench/bench_data.py [--files 300] [--repeat 5] [--json PATH]
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """Data prep at scale: memory per process, parallel speed-up and near-duplicate recall, on real code.
 
-Corpora, built deterministically from this Python's standard library (no download):
-- 1x: every stdlib ``.py`` file under ``orig/`` (and the stdlib's LICENSE), repositories at depth 2;
-- 4x: the same plus ``--copies`` (3) mutated copies of every file under ``mut1/`` .. ``mut3/``. A copy is its
-  original with a few line edits (comment inserted, line deleted or duplicated, identifier renamed; about
-  one edit per 200 words, halved until the copy keeps Jaccard >= 0.88 with the original on word 5-grams,
-  computed exactly). Copies whose exact Jaccard is >= the dedup threshold are the ground truth.
+Corpora are built deterministically from this Python's standard library (1x, and 4x with mutated copies whose
+exact Jaccard is the dedup ground truth). Each run is a fresh ``python -m data_prep`` at workers=1 and 2,
+reporting wall and CPU time, peak RSS by stage, dedup recall and precision, and that both wrote the same
+manifest; then near-dedup and JSONL throughput against datasketch's and datatrove's fastest paths. How the
+corpora are mutated and what each table compares: bench/README.md, "bench/bench_data_scale.py".
 
-Runs, each a fresh ``python -m data_prep`` process, at a fixed per-task share: 1x with ``--tasks`` (8) tasks
-and as many buckets, 4x with 4x of each. Each at workers=1 and workers=2. Reported: wall and CPU time,
-the speed-up, peak RSS of every process by stage (each stage's tasks record theirs), recall and precision
-of dedup on the planted copies (the 4x run), and that both worker counts wrote the same manifest.
+    python bench/bench_data_scale.py [--copies 3] [--tasks 8] [--rounds 1] [--dedup-docs 2000] [--json PATH]
 
-Near-dedup throughput, same texts, one process each (``--dedup-docs`` documents: originals with their
-copies): our functions in memory (numpy MinHash, band keys, candidate pairs confirmed on the signature, union
-of pairs), and the pipeline's own stages as a 1-task run does them, with their disk I/O (signatures +
-near_dedup + cluster over ``--tasks`` buckets, from the map's bucket files, exact dedup included), against
-datasketch's fastest path (``MinHash.bulk`` + ``MinHashLSH``) and datatrove's four MinHash steps (signature,
-buckets, cluster, filter); same 5-gram words, 256 permutations, 0.85, the same bands x rows. Exact dedup
-likewise against datatrove's three exact-dedup steps. JSONL I/O on the same documents: our reader and writer
-against datatrove's ``JsonlReader`` / ``JsonlWriter`` (those need ``orjson``, pinned in requirements.txt for this;
-without it their rows are skipped and say so).
-
-Usage: ``python bench/bench_data_scale.py [--copies 3] [--tasks 8] [--rounds 1] [--dedup-docs 2000] [--json PATH]``;
 ``--skip-pipeline`` runs only the dedup and JSONL tables.
-This box's cores are shared: each run records the load average around it, and ``--rounds N`` keeps each
-row's fastest of N.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
-"""The project's sampler (``ultrascale/generate.py``) against plain HF ``generate`` on the same prompts, model and
-threads: tokens/s, whether greedy output is the same, and how close to the machine's bound it runs.
+"""The project's sampler against plain HF ``generate`` on the same prompts, model and threads: tokens/s, whether
+greedy output is the same, and how close to the machine's bound it runs.
 
-Both sides in one process, with one stopping rule and one tokenization:
-
-    ours          ``Sampler`` (rows in flight ``--batch-size``, refilled as rows finish; one prefill per prompt)
-    hf_generate   ``model.generate`` in batches of 8, 16 and 32 prompts (``--hf-batch-sizes``) in prompt order,
-                  then at the fastest of those with the prompts sorted by length (less padding, rows that end
-                  together); the speedup is against HF's best of all of them
-
-- **Stopping**: a row stops when its *new* text contains a stop sequence, on both sides (HF through
-  :class:`NewTextStops`, bigcode-evaluation-harness's ``EndOfFunctionCriteria`` per row). HF's own
-  ``stop_strings`` also match across the prompt boundary: a prompt ending in ``"\\n"`` and a completion starting
-  ``"def "`` would stop HF after two tokens while ours goes on.
-- **Tokens in**: both sides tokenize with ``ultrascale.generate.ADD_SPECIAL_TOKENS`` (no BOS added).
-- **Prompts**: HumanEval's (the first ``--limit``) or a JSONL file's ``prompt`` fields (``--prompts``), both
-  healed of their trailing newlines as ``humaneval.generate`` does (``--no-heal`` keeps them). ``--newline N``
-  also checks greedy identity on the first N HumanEval prompts unhealed, every one ending in a newline.
-- **Greedy identity**: a completion counts as identical when its text is HF's (against every HF batch size).
-  Where it differs, the first differing token is looked up in HF's own run: it is a near tie when our token is
-  HF's second choice there and HF's top two logits are within ``NEAR_TIE`` (floating-point reordering under
-  another batch or padding decides such a tie); anything else makes ``identical_greedy`` false.
-- **Rounds**: ``--rounds R`` repeats the pair (ours, HF's best setting) R times, alternating which goes first;
-  the figures are medians with their spread (min-max). The first round's HF side is the batch sweep itself.
-- **The bound** (``--measure``): decoding reads every weight once per step, shared by the rows in flight;
-  prefill pushes every prompt token through the body and computes the head for each prompt's last position
-  only; every generated token goes through body and head. ``--measure`` times this machine's weight streaming
-  (a GEMV over a 512 MiB matrix) and GEMM rate with the run's threads; the roofline is ours' tokens over
-  max(weight-read time, FLOP time), and ``roofline_fraction`` is ours over it.
+Both sides run in one process with one stopping rule (a stop sequence in the *new* text, :class:`NewTextStops` on
+HF's side) and one tokenization. HF runs at batch 8, 16 and 32 (``--hf-batch-sizes``) and length-sorted at its
+fastest; the speedup is against HF's best. A greedy divergence is a near tie when our token is HF's second choice
+within ``NEAR_TIE``; anything else makes ``identical_greedy`` false. ``--rounds``, ``--newline``, ``--measure``
+(the roofline) and how each is measured: bench/README.md, "bench/bench_generate.py".
 
     python bench/bench_generate.py --limit 32 [--model DIR] [--prompts FILE] [--sampled] [--rounds 3]
                                    [--measure] [--newline 8] [--json PATH]

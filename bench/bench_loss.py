@@ -1,31 +1,10 @@
 """Peak memory and time of the LM loss's forward+backward: HF's plain path vs the chunked linear cross-entropy.
 
-Shapes (batch x seq tokens, vocab, hidden):
-
-* ``smollm2``: 1 x 2,048 tokens, vocab 49,152, hidden 576 (SmolLM2-135M, the issue's case);
-* ``tiny``: 4 x 256 tokens, vocab 4,096, hidden 128 (conf/model/tiny.yaml at the cpu_smoke batch).
-
-Each shape is measured two ways:
-
-* ``head``: only the LM head and the loss, forward and backward, on fixed hidden states: what differs
-  between the paths. ``plain`` is what HF's ForCausalLMLoss does (``F.cross_entropy((h @ W.T).float(), y)``),
-  ``chunked`` is ``ultrascale.model.loss.linear_cross_entropy`` at its default chunk, and ``torch`` is
-  PyTorch 2.13's own chunked ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(...))`` at the
-  same chunk, for reference (it returns the loss in the input dtype: in bf16, 11.0 for 10.92);
-* ``model``: the whole model (Llama built from config, random init, nothing downloaded) doing
-  ``model(input_ids, labels=...).loss.backward()``, stock vs ``install_fused_loss``.
-
-Memory: every variant runs in a fresh process. Just before its first forward+backward the kernel's
-resident-set high-water mark is reset (``echo 5 > /proc/self/clear_refs``), and the number reported is
-``VmHWM`` after the call minus ``VmRSS`` before it: the host memory that call really needed at its peak (on
-CPU every tensor lives there), without the imports, inputs or weights, and without counting a warm allocator
-(hence the first call). Where clear_refs is not writable, ``ru_maxrss`` growth is used and flagged. The
-theoretical logits footprint is printed beside it: N x V x 4 bytes of fp32 logits, the same again for their
-log-softmax and for their gradient, vs one chunk's logits plus the gradients the chunked path holds.
-
-Time: the best of ``--repeats`` further calls in the same process (the machine is shared and noisy; best-of
-is the least noisy estimate). ``--sweep`` adds the chunked head at several chunk sizes (how the default was
-chosen). The baseline (plain) is always measured in the same invocation.
+Two shapes (``smollm2``: SmolLM2-135M at 1 x 2,048 tokens; ``tiny``: the cpu_smoke batch), each measured as
+``head`` (the LM head and loss alone: plain, ours chunked, and PyTorch's own chunked loss for reference) and as
+``model`` (the whole model, stock vs ``install_fused_loss``). Memory is the host high-water mark of the first
+forward+backward in a fresh process; time is the best of ``--repeats`` further calls. ``--sweep`` adds the chunk
+sizes the default was chosen from. The method in full: bench/README.md, "bench/bench_loss.py".
 
     python bench/bench_loss.py [--shapes smollm2,tiny] [--dtypes fp32,bf16] [--repeats 3] [--sweep] [--json PATH]
 """

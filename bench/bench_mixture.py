@@ -1,18 +1,9 @@
 """Loader throughput: a three-source mixture against the single-source loader, in one run.
 
-The trainer's loader is ``StepBatches``; with ``data.sources`` each step's slots are apportioned between the
-sources, shuffled, and gathered from each source's memory-mapped shards (:mod:`ultrascale.data.mixture`). This
-measures what that costs per micro-batch, on the path the trainer takes (``get(step, micro)``: apportionment,
-slot shuffle, per-source row permutation, gather, labels and document-masking position ids).
-
-Sources: the prepared corpora when they exist (``--sources data/stdlib_smollm2,data/packages_smollm2,
-data/cpp_smollm2``, the staged recipe's), else three byte-level corpora of real stdlib code written to a temp
-dir. The single-source side reads the first source alone; the mixture reads all three at 50/30/20.
-
-Method: the two sides alternate (single, mix, mix, single, ...) so a slow stretch of the shared machine hits both;
-each round reads ``--steps`` optimizer steps (every micro-batch of rank 0 at dp=2) from a fresh loader, so the
-per-step apportionment and the first epoch's permutations are in the time. The ratio is the median of the
-per-round paired ratios (mixture samples/s over single samples/s), with its min-max.
+What ``data.sources`` costs per micro-batch on the trainer's path (``StepBatches.get``: apportionment, slot
+shuffle, per-source row permutation, gather, labels and document-masking position ids). The two sides alternate
+in paired rounds, each from a fresh loader; the ratio is the median of the per-round ratios. Sources, method and
+the measured table: bench/README.md, "The mixture loader".
 
     python bench/bench_mixture.py [--rounds 7] [--steps 1500] [--seq-len 2048] [--json PATH]
 """

@@ -1,30 +1,15 @@
-"""The anchor for ``python -m ultrascale.ssd``: TRL's ``SSDTrainer`` (``trl==1.15.0``, the last release with
-``trl.experimental.ssd``) on the same prompts, T_train, truncation, completion length, optimizer, schedule and
-number of optimizer steps as a finished SSD round, on this CPU; wall time side by side, and each side's model
-saved for the same evaluation (``python -m ultrascale.ssd.evaluate``).
-
-The two are not the same algorithm, and the table says so:
-
-    ours   the paper's method: one sample per prompt from the **frozen** input model, drawn once, up front, by the
-           project's sampler (continuous batching, HumanEval's stop sequences, the prompt's final newline healed);
-           empty and one-line-stub samples dropped; then plain SFT through train.py on N ranks.
-    trl    **on-policy**: every ``steps_per_generation`` (= gradient accumulation) micro-batches it generates a new
-           batch from the model being trained, so after the first step the samples come from the updated model, not
-           from the base; HF ``generate`` with left padding and no stop sequence but EOS (a completion runs to
-           ``max_completion_length`` unless the model emits EOS); its stub filter masks a sample out of the loss
-           instead of dropping it; one process.
-
-Both see every prompt once in the same number of optimizer steps: ours packs samples into rows of ``sft.seq_len``
-tokens (its global batch counts rows, ~2 samples each), TRL's batch counts prompts, so TRL gets len(prompts) /
-steps prompts per step. The bench reads everything it matches from the round's ``ssd_manifest.json`` (its config) and ``train_run/``
-(its optimizer steps): nothing is re-typed here.
+"""The anchor for ``python -m ultrascale.ssd``: TRL's ``SSDTrainer`` (``trl==1.15.0``) on a finished SSD round's
+prompts, sampling settings, optimizer, schedule and optimizer steps, on this CPU; wall time side by side, and each
+side's model saved for the same evaluation (``python -m ultrascale.ssd.evaluate``). Everything it matches is read
+from the round's ``ssd_manifest.json`` and ``train_run/``. The two are different algorithms (ours samples once
+from the frozen model, TRL on-policy): how they differ and how the batches are matched, bench/README.md, "SSD
+against TRL's SSDTrainer".
 
     pip install trl==1.15.0 --no-deps     # make bench-ssd does this; it declares transformers>=4.56.2
     python bench/bench_ssd.py --run runs/ssd_smollm2_135m --out runs/trl_ssd_smollm2_135m [--json PATH]
     python bench/bench_ssd.py --run runs/ssd_smollm2_135m --table-only --compare runs/ssd_compare.json
 
-``--compare`` adds the pass@1 (test half, the setting chosen on dev) of the models named ``ssd`` and ``trl`` in an
-evaluation's JSON to the table.
+``--compare`` adds the pass@1 of the models named ``ssd`` and ``trl`` in an evaluation's JSON to the table.
 """
 
 from __future__ import annotations

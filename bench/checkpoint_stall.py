@@ -1,26 +1,11 @@
 """How long training waits for a checkpoint: the synchronous save against the background writer, on the same job.
 
-Both sides run ``train.py`` under torchrun on 2 CPU ranks with the same model, data and checkpoint interval;
-only ``train.checkpoint_async`` differs. From each run's metrics.jsonl:
-
-    stall s        ``checkpoint_s`` of each save: what the step loop waited (the comb report's checkpointing part);
-                   the first background save also allocates its staging buffers, so later saves are given apart
-    write s        the background thread's time writing it (``checkpoint_written`` events); the sync save's
-                   stall is its write
-    share of wall  the stalls over the run's wall time (first step to last)
-    step s         the median step: a background write competes with the next steps for the cores
-
-The default job is SmolLM2-135M's architecture at seq 2,048 (as ``make bench-train``'s; set up on first use), so
-one checkpoint is ~1.35 GB across the two ranks (fp32 weights on rank 0, each rank's half of the fp32 master copy
-and Adam moments). ``--staging pageable,pinned`` adds a background run per ``train.checkpoint_staging`` mode.
-
-``--micro GB`` measures the staging copy alone, without training, on this machine's device (CUDA if present,
-else the CPU): a state dict of GB gigabytes shaped like an optimizer's (a few large flat fp32 tensors and many
-small ones) is snapshotted twice per mode through :class:`ultrascale.train.ckpt_writer.Staging`, exactly as the
-background writer does it. ``first`` allocates (and pins) the buffers; ``later`` reuses them: the stall every save
-after the first pays. On a CPU host pinned and pageable are the same memcpy (there is nothing to pin for, and
-``pinned`` runs as pageable: the table says so); the pinned DMA path and its gain are measured on a GPU
-(``make gpu-probe`` runs ``--micro 4``).
+Both sides run ``train.py`` under torchrun on 2 CPU ranks with the same model, data and interval; only
+``train.checkpoint_async`` differs (``--staging pageable,pinned`` adds a background run per staging mode). From
+each run's metrics.jsonl it reports each save's stall, the background write time, the stalls' share of wall time
+and the median step. ``--micro GB`` times the staging copy alone on this machine's device, first (allocating)
+and later (reusing) snapshot, as the background writer takes it. The columns and the default job:
+bench/README.md, "bench/checkpoint_stall.py".
 
     python bench/checkpoint_stall.py [--job smollm2_135m|tiny] [--steps 9] [--interval 3] [--rounds 1]
                                      [--staging pageable,pinned] [--json PATH]

@@ -1,49 +1,18 @@
 #!/usr/bin/env python3
-"""The GPU probe: one command, at most 8 minutes on one GPU with no network, that says what the project does on
-that GPU. It installs the project's dependencies from the running Python's wheelhouse (``wheelhouse/pyX.Y``, built
-by ``make wheelhouse PY_VERSION=X.Y``; the node's own torch, CUDA and Triton are used), then runs each section as
-subprocesses with their own time limits, so a failed or slow section is a row with its error, never the end of
-the probe. Sections, in the order the GPU goals need them:
+"""The GPU probe: one command, at most 8 minutes on one GPU with no network, that says what the project does there.
 
-    install    pip install --no-index --no-deps --target WORK/site wheelhouse/pyX.Y/*.whl (skipped, and said so,
-               when there is no wheelhouse and this Python already imports every requirement: a dev venv); the
-               versions; a ~5 s torch.compile + flex_attention smoke test that names what is missing (a C
-               compiler, Python.h) when Triton/Inductor cannot build
-    data       the byte corpus at the job's length with documents short enough that every row holds several
-               (every batch takes the flex path, nothing recompiles inside a timed step) and at 256; a
-               random-init SmolLM2-135M with a BPE tokenizer trained on the same stdlib (no hub there)
-    llama_1b   recipes/llama_1b_zero0.yaml on 1 GPU, every lever at its decided default: tokens/s, MFU, peak
-               memory, the checkpoint stall (two saves: the first allocates and pins the staging buffers, the
-               second reuses them), the planner's predicted step time against the measured one
-    sampler    bench/bench_generate.py (its own CLI) on the random-init SmolLM2-135M: speed ratio and greedy
-               identity against HF generate (random init: identity is mostly near ties)
-    trainer    the same job under HF Trainer + DeepSpeed (bench/_trainer_loop.py ``like`` mode: the run's own
-               loss kernel, activation checkpointing and document-masked position ids): ours / Trainer's tokens/s,
-               "not like for like" beside the ratio where a setting could not be matched
-    zero       SmolLM2-135M, bf16, ZeRO 0/1/2/3 side by side on the GPU: train, eval, checkpoint, then resume
-               to a longer schedule
-    export     the ZeRO-3 run's checkpoint to a HF directory; from_pretrained's logits against the engine's
-    levers     the llama_1b job with each lever of ``LEVERS`` set one way and the other (a key the schema does
-               not have yet is a row saying so)
-
-The default run is the first call of the plan: the sections, in that order, whose step limits fit ``--budget``
-(470 s, the device tool's 8-minute command less its margin); ``--dry-run`` prints it, ends with ``planned: N s of
-the B s budget`` and prints what does not fit as further calls (``--sections ...``), each with its own total.
-A section a call runs brings what it needs (``trainer`` the llama_1b run it compares with, ``export`` the ZeRO
-runs). The probe's own training runs skip what they do not measure (``train.final_eval``, ``train.final_save``,
-``train.param_digest`` set false).
-
-Nothing a step starts outlives it: the probe is the subreaper of everything it starts (Linux), and after a step
-it signals every descendant it can find, collected before signalling (torchrun's workers live in their own
-sessions), SIGTERM then SIGKILL after a grace. The free GPU memory is read before each section (a row's
-``gpu_free_gb``). Results survive a kill: the JSON (``$OUT/gpu_probe.json`` on the device machine, or
-``--json``) is rewritten after every step, with each step's log beside it (``gpu_probe_logs/``).
+It installs the dependencies from the running Python's wheelhouse (``make wheelhouse PY_VERSION=X.Y``; the node's
+own torch, CUDA and Triton are used), then runs its sections (install, data, llama_1b, sampler, trainer, zero,
+export, levers) as subprocesses under their own time limits, so a failed or slow section is a row with its error,
+never the end of the probe. The default run is the sections whose limits fit ``--budget``; ``--dry-run`` prints
+that plan and the further calls for the rest. Nothing a step starts outlives it, and the JSON (``--json``) is
+rewritten after every step with each step's log beside it. What each section runs and reports: bench/README.md,
+"The GPU probe".
 
     python bench/gpu_probe.py [--dry-run] [--sections llama_1b,trainer] [--levers train.compile] [--budget 470]
                               [--wheelhouse wheelhouse/py3.12] [--work DIR] [--json PATH] [--job gpu|tiny]
 
-``--job tiny`` runs the same sections on the tiny model on a CPU host, which is how the probe itself is checked
-where no GPU is lent.
+``--job tiny`` runs the same sections on the tiny model on a CPU host, which is how the probe itself is checked.
 """
 
 from __future__ import annotations

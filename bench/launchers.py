@@ -2,14 +2,9 @@
 rank got and the MFU peak it divided by, in paired rounds.
 
 Users type ``deepspeed --num_gpus 2 train.py ...`` (the README leads with it); the other benchmarks use torchrun.
-Each round runs both on ``recipe=cpu_smoke`` (2 CPU ranks, 40 steps by default, its evals and checkpoints
-included), in alternating order, with the environment a user has: no ``OMP_NUM_THREADS`` (torchrun sets 1 for
-its workers, the deepspeed launcher sets nothing, and train.py gives every rank cores / local ranks either way).
-
-    tokens/s          summary.json ``wall_tokens_per_s``: steps 2..N by the wall clock, everything between included
-    first step        from starting the launcher command to the end of step 1 (launcher start-up included)
-    rank first step   from the rank process's creation to the end of step 1
-    ratio             deepspeed / torchrun per round (paired), reported as the median; target >= 0.97
+Each round runs both on ``recipe=cpu_smoke`` in alternating order, with the environment a user has (no
+``OMP_NUM_THREADS``). The ratio is deepspeed / torchrun per round, reported as the median (target >= 0.97). What
+each column measures: bench/README.md, "bench/launchers.py".
 
     python bench/launchers.py [--rounds 3] [--steps 40] [--json PATH]
 """

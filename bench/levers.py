@@ -1,29 +1,9 @@
 """Each compute lever off vs on, through ``train.py`` on the same ranks, model, data and batch.
 
-Levers (every other lever stays at its default while one is toggled):
-
-    compile      train.compile            torch.compile of the model (engine.compile)
-    compile_layers train.compile_scope    compile each decoder layer (one shared graph) vs the whole model:
-                                          steady speed here; the first step's time (compile) is reported too
-    fused_loss   train.fused_loss         chunked linear cross-entropy: no [tokens, vocab] logits
-    fused_adamw  optim.fused              torch AdamW's fused kernel
-    attn_blocks  train.attn_block_size    causal SDPA by query blocks of 64 (upper-triangle tiles skipped) vs sdpa
-    doc_mask     data.document_masking   block-diagonal attention + restarting positions (a correctness lever: its cost)
-    breakdown    train.step_breakdown    DeepSpeed's engine timers for the step breakdown (its overhead)
-    packing      padded -> packed         one document per row, padded (pads loss-masked) vs packed rows;
-                                          counted in real (non-pad) tokens/s, the work that trains the model
-    autocast_bf16 precision.autocast      the forward in bf16 autocast over fp32 weights vs fp32 (needs a CPU
-                                          with AVX-512 BF16/AMX; the run says why it is off otherwise)
-    loss_chunk   train.loss_chunk_tokens  fused-loss chunk of 512 tokens vs the default (128 on CPU)
-    act_ckpt     train.activation_checkpointing  recompute each layer in backward: memory for time
-    overlap_reduce train.overlap_loss_reduce  the stability checks' loss all-reduce hidden behind the last backward
-
-Method on a shared 2-core machine: the two settings of a lever run alternately (off, on, on, off, ...) so a
-slow stretch of the machine hits both, each run's rate is wall-clock tokens/s over steps 2..N (the first step
-holds one-off costs such as compilation, which is reported separately), and the speedup is the median of
-the per-round paired ratios, shown with its min-max spread; beside it the same paired ratio from each run's
-median step time (every step logged), which a burst covering a few steps hardly moves. Memory is the peak
-resident set per rank (``mem_gb``; CUDA peak allocated on a GPU).
+``LEVERS`` below lists each lever's two settings (every other lever stays at its default while one is
+toggled). The two settings run alternately in paired rounds; the speedup is the median of the per-round ratios
+of wall-clock tokens/s over steps 2..N, with the median-step ratio and the peak memory per rank beside it. What
+each lever is, and the method on a shared 2-core machine: bench/README.md, "bench/levers.py".
 
     python bench/levers.py [--levers compile,fused_loss,...] [--rounds 3] [--steps 30] [--seq-len 256] [--json PATH]
                            [--train-args "train.compile=false"]   # a lever against other defaults

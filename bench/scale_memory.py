@@ -1,24 +1,13 @@
 """Peak host memory per rank while a ~0.5B model is built, and its model states after a step, per layout.
 
-``make bench-scale`` (``python bench/scale_memory.py [--json PATH]``). Each layout runs ``python -m
-ultrascale.train.memprobe`` on its ranks (the engine exactly as ``train.py`` builds it, then one optimizer
-step on random tokens) and reports, as the maximum over its ranks:
+Each layout runs ``python -m ultrascale.train.memprobe`` on its ranks (the engine exactly as ``train.py`` builds
+it, then one optimizer step on random tokens) and reports the maximum over its ranks of the construction peak,
+the setup peak and the steady state, against a bound per layout and against the planner's
+``ultrascale.cost.memory`` figures, which must be within 15 % of every measured steady state (the script exits 1
+if not). The ``whole`` row is the old construction (every rank builds the whole model). Each column and its
+bound: bench/README.md, "bench/scale_memory.py". All sizes in GiB (2**30 bytes).
 
-- ``construct_peak_gb``: the rise of a rank's RSS over its RSS just before construction, at its peak while the
-  model is built or loaded (the kernel's high-water mark, reset at the start);
-- ``bound_gb``: the target: 1.25 x (model bytes / ranks) + 300 MB for ZeRO-3, 1.25 x (stage bytes) + 300 MB
-  for the pipeline, plus one checkpoint file when the model is loaded (``*_load`` rows, ``model.pretrained_path``
-  to a checkpoint saved in 200 MB files); none for tp, which DeepSpeed 0.19.8 builds whole, and for ``whole``;
-- ``setup_peak_gb`` / ``after_setup_gb``: the rise at its peak inside ``deepspeed.initialize`` (AutoTP shards,
-  ZeRO flattens there), and from before construction to the end of engine setup;
-- ``steady_gb``: the rise after one optimizer step (Adam's state allocated), free heap pages returned first;
-- ``planner_gb`` / ``planner_build_gb``: ``ultrascale.cost.memory.host_step_bytes`` / ``construction_bytes``;
-  the planner must be within 15 % of every measured steady state (``planner_ok``; the script exits 1 if not);
-- ``full_model_gb``: the whole model in fp32, for scale.
-
-The ``whole`` row is the construction every layout had before models were built partitioned or stage by stage
-(each rank built the whole model, then DeepSpeed partitioned it): ZeRO-1 still builds that way, so it measures
-the old path on today's code. All sizes in GiB (2**30 bytes).
+    python bench/scale_memory.py [--json PATH]      # make bench-scale
 """
 
 from __future__ import annotations
@@ -96,7 +85,7 @@ def planner(name: str, ranks: int, overrides: list[str]) -> tuple[float, float, 
     from ultrascale.plan.search import layout_from_cfg
 
     cfg = compose([*MODEL, *COMMON, f"data.global_batch={ranks}", *overrides])
-    arch, lay = arch_from_cfg(cfg), layout_from_cfg(cfg, ranks)
+    arch, lay = arch_from_cfg(cfg.model), layout_from_cfg(cfg, ranks)
     full = 4 * (arch.dense_params + arch.expert_params)
     if lay.pp > 1:
         share = 4 * sum(rank_params(arch, lay))

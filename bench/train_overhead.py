@@ -1,34 +1,12 @@
 """Tokens/s and time to first step of ``train.py`` against four baselines, in paired rounds, on two jobs.
 
-Jobs (``--job``): ``tiny`` (the 1.6M-parameter demo Llama, 4k vocabulary, seq 256) and ``smollm2_135m``
-(SmolLM2-135M's architecture from its config, 49,152 vocabulary, seq 2,048, micro-batch 1, on the stdlib
-corpus tokenized with SmolLM2's own tokenizer: set up on first use with ``ultrascale.model.gguf_import`` and
-``data_prep``). Five sides train the same model (same config.yaml, same seed) on the same shards with the same
-DeepSpeed JSON on the same CPU ranks:
-
-    ultrascale       ``train.py``, every lever at its default (or as ``--train-args`` sets it)
-    bare_equal       bench/_equal_loop.py: train.py's own engine (same compile, fused loss, attention kernel,
-                     optimizer), forward/backward/step only: ``ultrascale / bare_equal`` is the honest overhead
-    bare             bench/_bare_loop.py: plain PyTorch, HF's model as is, torch AdamW (the "plain" reference)
-    trainer_default  bench/_trainer_loop.py: ``transformers.Trainer`` + DeepSpeed with Trainer's defaults
-    trainer_tuned    the same, tuned as a strong user would: ``torch_compile=True``, fused AdamW, our log cadence
-
-``ratio_vs_trainer`` is against the faster Trainer side of each round. Targets: ``ratio_vs_trainer`` >= 1.15,
-``ratio_vs_bare_equal`` >= 0.97.
-
-Method, and how it keeps noise down on a shared 2-core machine:
-
-* Steady state: wall clock from the end of optimizer step 1 to the end of step N, tokens = global batch *
-  seq_len * (N - 1); everything a loop does between steps counts.
-* Start-up, which users feel: ``first_step_s`` is the time from launching the command to the end of step 1
-  (imports, engine, compile, the first step). ``job_s`` gives, per side, the time to finish a 30-step and a
-  300-step job: measured launch-to-first-step, plus the median step times the remaining steps, plus the
-  side's measured exit (the final eval and teardown): projected from measured parts, not a 300-step run.
-* One rank per core with ``OMP_NUM_THREADS=1``; an untimed warm-up train.py run first (caches; it writes the
-  config.yaml and ds_config.json the baselines read); rounds of all sides with a rotating order; per-round
-  paired ratios, reported as medians with min-max and IQR; a median-step companion ratio per round.
-* MFU (ultrascale side) is against the calibrated per-rank CPU peak (``python -m ultrascale.runtime.peak``), with
-  causal attention counted over the lower triangle (``ultrascale/model/flops.py``); the full count beside it.
+Jobs (``--job``): ``tiny`` (the demo Llama, seq 256) and ``smollm2_135m`` (SmolLM2-135M's architecture, seq
+2,048, set up on first use). The sides train the same model on the same shards with the same DeepSpeed JSON on
+the same CPU ranks: ``ultrascale`` (train.py), ``bare_equal`` (train.py's own engine in a bare loop: the honest
+overhead), ``bare`` (plain PyTorch), ``trainer_default`` and ``trainer_tuned`` (HF Trainer + DeepSpeed,
+bench/_trainer_loop.py). Targets: ``ratio_vs_trainer`` >= 1.15 (against the faster Trainer side of each round),
+``ratio_vs_bare_equal`` >= 0.97. How the steady state, start-up and MFU are measured and how noise is kept down:
+bench/README.md, "bench/train_overhead.py".
 
     python bench/train_overhead.py --job tiny|smollm2_135m [--rounds N] [--steps N] [--json PATH]
                                    [--train-args "train.compile=false"] [--sides ultrascale,bare_equal]
@@ -212,7 +190,7 @@ def _settings(a, ref: Path, data_desc: str, trainer_settings: dict, common: list
     from ultrascale.model.flops import flops_per_token
 
     cfg = OmegaConf.load(ref / "config.yaml")
-    arch = arch_from_cfg(cfg)
+    arch = arch_from_cfg(cfg.model)
     ds = json.loads((ref / "ds_config.json").read_text())
     return {
         "job": a.job,
