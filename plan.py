@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> list:
             write_budget_json(cfg.output_json, bp)
             print(f"wrote {cfg.output_json}")
         return []
-    arch = arch_from_cfg(cfg)
+    arch = arch_from_cfg(cfg.model)
     cands = plan(cfg)
     fits = [c for c in cands if c.fits]
     print(header(cfg, arch))

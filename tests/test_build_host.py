@@ -80,7 +80,7 @@ def test_planner_drops_a_layout_whose_build_does_not_fit_the_host():
     cfg = compose(["model=mixtral_8x7b", "cluster=h100_8x", "cluster.nodes=4", "cluster.host_memory_gib=1024",
                    "zero=stage2", "precision=bf16", "data.seq_len=4096", "data.global_batch=128"],
                   config_name="plan")  # fmt: skip
-    arch = arch_from_cfg(cfg)
+    arch = arch_from_cfg(cfg.model)
     lay = layout_from_cfg(cfg, 32)
     cand = evaluate(cfg, arch, lay)
     assert cand.rejected and "cluster.host_memory_gib" in cand.rejected, cand.rejected
@@ -114,7 +114,7 @@ def test_expert_parallel_zero2_builds_its_experts_partitioned_within_the_planner
 
     layout = ["zero=stage2", "parallel.ep=2"]
     ranks = _memprobe(tmp_path, layout)
-    arch = arch_from_cfg(compose([*MOE, *layout]))
+    arch = arch_from_cfg(compose([*MOE, *layout]).model)
     whole = 4 * arch.total_params / GIB
     planned = construction_bytes(arch, Layout(world=RANKS, ep=2, zero_stage=2)) / GIB
     assert planned + SLACK_GB < 0.6 * whole, (planned, whole)  # the whole build (every rank: `whole`) cannot pass

@@ -67,7 +67,7 @@ def test_planner_counts_gradients_and_adam_for_the_adapters_only(smollm2_135m):
     per_layer = 16 * ((576 + 576) * 2 + (576 + 192) * 2 + (576 + 1536) * 3)
     assert trainable == 30 * per_layer == 4_884_480
     assert total == 134_515_008 + trainable
-    arch = arch_from_cfg(cfg)
+    arch = arch_from_cfg(cfg.model)
     for stage in (0, 1, 2, 3):
         lay = replace(layout_from_cfg(cfg, 2), zero_stage=stage, global_batch=4)  # dp 2 x micro 2: no accumulation
         assert lay.trainable_params == trainable

@@ -15,7 +15,7 @@ from ultrascale.model.flops import flops_per_token, train_flops_per_token
 
 @pytest.fixture(scope="module")
 def llama8b():
-    return arch_from_cfg(compose(["model=llama3_8b"]))
+    return arch_from_cfg(compose(["model=llama3_8b"]).model)
 
 
 def _states(arch, **kw) -> dict[str, float]:
@@ -115,8 +115,8 @@ def test_step_time_bubble_share_matches_formula(llama8b) -> None:
 
 def test_published_parameter_counts() -> None:
     """Llama-3-8B 8.03 B; StarCoder2-15B 15.96 B; Mixtral-8x7B 46.7 B total, 12.9 B active."""
-    assert arch_from_cfg(compose(["model=llama3_8b"])).total_params / 1e9 == pytest.approx(8.03, abs=0.01)
-    assert arch_from_cfg(compose(["model=starcoder2_15b"])).total_params / 1e9 == pytest.approx(15.96, abs=0.01)
+    assert arch_from_cfg(compose(["model=llama3_8b"]).model).total_params / 1e9 == pytest.approx(8.03, abs=0.01)
+    assert arch_from_cfg(compose(["model=starcoder2_15b"]).model).total_params / 1e9 == pytest.approx(15.96, abs=0.01)
     mixtral = arch_from_hf(AutoConfig.for_model("mixtral"))
     assert mixtral.total_params / 1e9 == pytest.approx(46.7, abs=0.05)
     active = mixtral.active_matmul_params + mixtral.embed_params  # Mistral's 12.9 B counts the embedding

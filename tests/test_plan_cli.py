@@ -128,7 +128,7 @@ def test_the_planner_takes_the_fused_loss_from_the_decision_record_and_refuses_w
 
     args = ["model=llama_1b", "cluster=h100_8x", "data.seq_len=2048", "data.global_batch=8"]
     cfg = compose(args, "plan")
-    arch = arch_from_cfg(cfg)
+    arch = arch_from_cfg(cfg.model)
     base = dict(world=8, micro_batch=1, global_batch=8, seq_len=2048, dtype="bf16", zero_stage=1)
     # each layout is asked with the opposite of what decide() settles, so an echo of the request fails
     fused = evaluate(cfg, arch, Layout(**base, fused_loss=False))

@@ -44,7 +44,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], 
 def test_model_state_bytes_match_engine(measured: dict, scenario: str) -> None:
     cfg = compose(scenario.split())
     for rank in (0, 1):
-        predicted = model_state_bytes(arch_from_cfg(cfg), layout_from_cfg(cfg, world=2), rank=rank)
+        predicted = model_state_bytes(arch_from_cfg(cfg.model), layout_from_cfg(cfg, world=2), rank=rank)
         row = measured[(scenario, rank)]
         for term in ("params", "grads", "optimizer"):
             name = "small" if "hidden_size" in scenario else "tiny"

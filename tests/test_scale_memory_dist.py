@@ -47,7 +47,7 @@ def _planner_construction_within_the_slack(ranks: list[dict], overrides: list[st
     from ultrascale.plan.search import layout_from_cfg
 
     cfg = compose([*MODEL, *overrides])
-    planned = construction_bytes(arch_from_cfg(cfg), layout_from_cfg(cfg, RANKS)) / 2**30
+    planned = construction_bytes(arch_from_cfg(cfg.model), layout_from_cfg(cfg, RANKS)) / 2**30
     peak = max(r["construct_peak_gb"] for r in ranks)
     assert planned <= peak <= planned + SLACK_GB, (planned, peak)
 
@@ -60,7 +60,7 @@ def _planner_within_15_percent(ranks: list[dict], overrides: list[str]) -> None:
     from ultrascale.plan.search import layout_from_cfg
 
     cfg = compose([*MODEL, *overrides])
-    planned = host_step_bytes(arch_from_cfg(cfg), layout_from_cfg(cfg, RANKS)) / 2**30
+    planned = host_step_bytes(arch_from_cfg(cfg.model), layout_from_cfg(cfg, RANKS)) / 2**30
     steady = max(r["after_step_gb"] for r in ranks)
     assert abs(planned / steady - 1) <= 0.15, (planned, steady)
 
@@ -102,7 +102,7 @@ def test_pipeline_stage_builds_only_its_layers_within_the_bound(tmp_path):
     layout = ["zero=stage1", f"parallel.pp={RANKS}"]
     ranks = _probe(tmp_path, layout)
     cfg = compose([*MODEL, *layout])
-    stage_gb = 4 * sum(rank_params(arch_from_cfg(cfg), layout_from_cfg(cfg, RANKS))) / 2**30  # the heaviest stage
+    stage_gb = 4 * sum(rank_params(arch_from_cfg(cfg.model), layout_from_cfg(cfg, RANKS))) / 2**30  # the heaviest stage
     bound = stage_gb + SLACK_GB
     _tight(bound, _model_gb(ranks))
     assert sorted(r["stage"] for r in ranks) == list(range(RANKS))

@@ -6,16 +6,17 @@ planner's memory model for this layout, and the search itself is built on the ru
 
 from __future__ import annotations
 
-from typing import Any
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING, Any
 
 from ultrascale.config.recompute import checkpointing_mode
 from ultrascale.cost.memory import Layout
 from ultrascale.model.adapters import planned_trainable
 
+if TYPE_CHECKING:
+    from ultrascale.config.root import RootConfig
 
-def layout_from_cfg(cfg: DictConfig, world: int) -> Layout:
+
+def layout_from_cfg(cfg: RootConfig, world: int) -> Layout:
     """The layout a composed config describes (what ``train.py`` would run)."""
     z, p = cfg.zero, cfg.parallel
     return Layout(
@@ -38,7 +39,7 @@ def layout_from_cfg(cfg: DictConfig, world: int) -> Layout:
         allgather_bucket_size=int(z.allgather_bucket_size),
         prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
         persistence_threshold=int(z.stage3_param_persistence_threshold),
-        trainable_params=planned_trainable(cfg),
+        trainable_params=planned_trainable(cfg.model, cfg.finetune),
     )
 
 

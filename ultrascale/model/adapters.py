@@ -20,11 +20,15 @@ import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ultrascale.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ultrascale.config.finetune import FinetuneConfig
+    from ultrascale.config.model import ModelConfig
 
 ADAPTER = "default"
 """peft's adapter name: it appears in the trained model's parameter names (``lora_A.default.weight``)."""
@@ -122,14 +126,13 @@ def planned_params(hf_config: Any, f: Any) -> tuple[int, int]:
                     tuple(str(m) for m in f.modules_to_save))  # fmt: skip
 
 
-def planned_trainable(cfg: Any) -> int | None:
-    """Trainable parameters of a composed config (None: ``finetune=none``, every parameter trains)."""
-    f = getattr(cfg, "finetune", None)
-    if f is None or str(f.method) == "none":
+def planned_trainable(model: ModelConfig, finetune: FinetuneConfig | None) -> int | None:
+    """Trainable parameters of a model under ``finetune`` (None: ``finetune=none``, every parameter trains)."""
+    if finetune is None or str(finetune.method) == "none":
         return None
     from ultrascale.model.build import build_hf_config
 
-    return planned_params(build_hf_config(cfg.model), f)[0]
+    return planned_params(build_hf_config(model), finetune)[0]
 
 
 def base_fingerprint(model_dir: str | Path) -> str:
@@ -152,14 +155,14 @@ def base_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def meta_record(cfg: Any) -> dict | None:
+def meta_record(model: ModelConfig, finetune: FinetuneConfig | None) -> dict | None:
     """What a checkpoint records about its adapters (None for a full fine-tune): a resume must match it."""
-    f = getattr(cfg, "finetune", None)
+    f = finetune
     if f is None or str(f.method) == "none":
         return None
     from ultrascale.paths import resolve_path
 
-    base = resolve_path(cfg.model.pretrained_path)
+    base = resolve_path(model.pretrained_path)
     return {"method": str(f.method), "r": int(f.r), "alpha": float(f.alpha),
             "target_modules": [str(t) for t in f.target_modules],
             "modules_to_save": [str(m) for m in f.modules_to_save],
@@ -223,7 +226,7 @@ def check_finetune_resume(saved: dict | None, now: dict | None, tag: str) -> Non
         )
 
 
-def build_quantized(model_cfg: Any, hf_config: Any) -> torch.nn.Module:
+def build_quantized(model_cfg: ModelConfig, hf_config: Any) -> torch.nn.Module:
     """QLoRA's base: ``model.pretrained_path`` loaded as 4-bit NF4 with double quantization and bf16 compute
     (bitsandbytes, on this rank's GPU), made ready for adapter training (norms in fp32, inputs that carry a
     gradient). Validation let this run only with CUDA and bitsandbytes installed."""

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ultrascale.config.model import ModelConfig
 
 _EXPERT = re.compile(r"\.experts\.")  # fused or per-expert routed weights; not shared_experts
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -155,8 +158,8 @@ def arch_from_hf(hf: Any) -> Arch:
     return _ARCH_CACHE[key]
 
 
-def arch_from_cfg(cfg: Any) -> Arch:
-    """Arch for the ``model`` group of a composed config (the HF config the trainer builds, built once)."""
+def arch_from_cfg(model: ModelConfig) -> Arch:
+    """Arch for a composed config's ``model`` group (the HF config the trainer builds, built once)."""
     from ultrascale.model.build import build_hf_config
 
-    return arch_from_hf(build_hf_config(cfg.model))
+    return arch_from_hf(build_hf_config(model))

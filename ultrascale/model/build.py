@@ -7,16 +7,18 @@ import copy
 import json
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig
 
 from ultrascale.errors import ConfigError
 from ultrascale.paths import resolve_path
 
+if TYPE_CHECKING:
+    from ultrascale.config.model import ModelConfig
 
-def build_hf_config(model_cfg) -> Any:
+
+def build_hf_config(model_cfg: ModelConfig) -> Any:
     """HF config from ``model.type`` + ``model.config`` overrides, or from ``model.pretrained_path``.
 
     Built once per distinct model group and copied out (callers such as the MoE setup write to it): the
@@ -125,7 +127,7 @@ def build_model(
     return model
 
 
-def grows_vocab(model_cfg, hf: Any) -> bool:
+def grows_vocab(model_cfg: ModelConfig, hf: Any) -> bool:
     """Whether the run's vocabulary (``model.config.vocab_size``) is above the pretrained checkpoint's: the tokens
     data prep's ``tokenizer.add_fim`` appended. Such a model is built from its config and read tensor by tensor,
     the new rows of the embedding and head at the mean of the old (:mod:`ultrascale.model.weights`), under every
@@ -190,7 +192,7 @@ def _no_zero_init_broadcast():
         Init._zero_init_param = original
 
 
-def count_params(model_cfg: DictConfig) -> dict[str, int]:
+def count_params(model_cfg: ModelConfig) -> dict[str, int]:
     """Parameter counts without allocating weights (meta device), for dry runs of 15B shapes on a laptop."""
     from transformers import AutoModelForCausalLM
 

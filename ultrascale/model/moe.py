@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as tdist
+
+if TYPE_CHECKING:
+    from ultrascale.config.parallel import MoEConfig
 
 log = logging.getLogger("ultrascale")
 
@@ -41,7 +44,7 @@ def _sparse_blocks(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
 
 
-def prepare_moe(model, moe_cfg: Any, where: str, leaf_modules: bool) -> str:
+def prepare_moe(model, moe: MoEConfig, where: str, leaf_modules: bool) -> str:
     """Turn on HF's router aux loss with our coefficient; with ``leaf_modules`` (ZeRO-3, experts replicated)
     mark the sparse-MoE blocks as ZeRO-3 leaf modules. Returns the banner line.
 
@@ -49,7 +52,7 @@ def prepare_moe(model, moe_cfg: Any, where: str, leaf_modules: bool) -> str:
     experts that received tokens run, so ranks would wait on different gathers and hang. As a leaf,
     the whole block is gathered at once on every rank.
     """
-    coef = float(moe_cfg.aux_loss_coef)
+    coef = float(moe.aux_loss_coef)
     model.config.output_router_logits = True
     model.config.router_aux_loss_coef = coef
     if hasattr(model, "router_aux_loss_coef"):  # HF copies it at __init__
@@ -62,7 +65,7 @@ def prepare_moe(model, moe_cfg: Any, where: str, leaf_modules: bool) -> str:
         if classes:
             set_z3_leaf_modules(model, classes)
             leaf = f", ZeRO-3 leaf modules: {[c.__name__ for c in classes]}"
-    k = int(getattr(model.config, "num_experts_per_tok", 0) or moe_cfg.top_k)
+    k = int(getattr(model.config, "num_experts_per_tok", 0) or moe.top_k)
     return f"{where}, top-{k}, router aux loss x {coef:g}{leaf}"
 
 
@@ -161,12 +164,12 @@ class MoEStats:
     """Accumulates routing statistics over the micro-batches since the last logged row; ``flush`` (for a logged row)
     reduces them over ranks."""
 
-    def __init__(self, model, moe_cfg: Any):
+    def __init__(self, model, moe: MoEConfig):
         config = model.config
         self.num_experts = num_experts(config)
-        self.top_k = int(getattr(config, "num_experts_per_tok", 0) or moe_cfg.top_k)
-        self.coef = float(moe_cfg.aux_loss_coef)
-        self.capacity_factor = float(moe_cfg.capacity_factor)
+        self.top_k = int(getattr(config, "num_experts_per_tok", 0) or moe.top_k)
+        self.coef = float(moe.aux_loss_coef)
+        self.capacity_factor = float(moe.capacity_factor)
         self._reset()
 
     def _reset(self) -> None:

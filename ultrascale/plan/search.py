@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -21,6 +21,11 @@ from ultrascale.errors import ConfigError
 from ultrascale.levers.decide import Decisions
 from ultrascale.levers.rules import validate
 from ultrascale.model.arch import Arch, arch_from_cfg
+
+if TYPE_CHECKING:
+    from ultrascale.config.cluster import ClusterConfig
+    from ultrascale.config.root import PlanRootConfig, RootConfig
+    from ultrascale.config.search import SearchConfig
 
 
 @dataclass
@@ -50,8 +55,8 @@ class Candidate:
         }
 
 
-def world_size(cfg: DictConfig) -> int:
-    return int(cfg.cluster.gpus_per_node * cfg.cluster.nodes)
+def world_size(cluster: ClusterConfig) -> int:
+    return int(cluster.gpus_per_node * cluster.nodes)
 
 
 def decided(lay: Layout, d: Decisions) -> Layout:
@@ -83,7 +88,7 @@ def layout_overrides(lay: Layout) -> list[str]:
     return out
 
 
-def _apply(cfg: DictConfig, lay: Layout) -> DictConfig:
+def _apply(cfg: RootConfig, lay: Layout) -> RootConfig:
     """Write a layout's knobs into ``cfg`` (a scratch copy: every knob is set, so it can be reused)."""
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp, cfg.parallel.ep = lay.tp, lay.pp, lay.sp, lay.ep
     cfg.zero.stage = lay.zero_stage
@@ -95,7 +100,12 @@ def _apply(cfg: DictConfig, lay: Layout) -> DictConfig:
 
 
 def evaluate(
-    cfg: DictConfig, arch: Arch, lay: Layout, scratch: DictConfig | None = None, cluster: Any = None, search: Any = None
+    cfg: PlanRootConfig,
+    arch: Arch,
+    lay: Layout,
+    scratch: PlanRootConfig | None = None,
+    cluster: ClusterConfig | None = None,
+    search: SearchConfig | None = None,
 ) -> Candidate:
     """Validate one layout with the trainer's rules, then predict its memory and time and check the fit.
 
@@ -115,7 +125,7 @@ def evaluate(
     limit = c.gpu_memory_gib * GIB
     if cand.memory.total > limit:
         cand.rejected = f"does not fit: needs {cand.memory.total / GIB:.1f} GiB per rank > {c.gpu_memory_gib:g} GiB"
-    staging = checkpoint_staging_bytes(arch, lay) if _checkpoint_async(cfg) else 0.0
+    staging = checkpoint_staging_bytes(arch, lay) if cfg.train.checkpoint_async else 0.0
     host = (cand.memory.host + staging) * c.gpus_per_node
     if cand.rejected is None and host > c.host_memory_gib * GIB:
         what = "offload and the checkpoint writer's copy" if cand.memory.host and staging else \
@@ -124,11 +134,6 @@ def evaluate(
                          f"{c.host_memory_gib:g} GiB" + (" (train.checkpoint_async=false needs no copy)"
                                                          if staging else ""))  # fmt: skip
     return cand
-
-
-def _checkpoint_async(cfg: DictConfig) -> bool:
-    train = cfg.get("train") if isinstance(cfg, DictConfig) else None
-    return bool(train.get("checkpoint_async", False)) if train is not None else False
 
 
 def _plain(node: Any) -> Any:
@@ -149,9 +154,9 @@ def _zero_modes(stages: list[int], offload: bool) -> list[tuple[int, bool, bool]
     return modes
 
 
-def enumerate_layouts(cfg: DictConfig, arch: Arch) -> list[Layout]:
+def enumerate_layouts(cfg: PlanRootConfig, arch: Arch) -> list[Layout]:
     """Every combination the search group allows (before validation), for the cluster's world size."""
-    world, s = world_size(cfg), cfg.search
+    world, s = world_size(cfg.cluster), cfg.search
     base = layout_from_cfg(cfg, world)
     eps = list(s.ep) if arch.experts else [1]
     out = []
@@ -189,10 +194,10 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
     return ok + [c for c in cands if not c.fits]
 
 
-def plan(cfg: DictConfig) -> list[Candidate]:
+def plan(cfg: PlanRootConfig) -> list[Candidate]:
     """Search (or, with ``search.enabled=false``, evaluate the one configured layout) and rank."""
-    arch = arch_from_cfg(cfg)
-    world = world_size(cfg)
+    arch = arch_from_cfg(cfg.model)
+    world = world_size(cfg.cluster)
     layouts = enumerate_layouts(cfg, arch) if cfg.search.enabled else [layout_from_cfg(cfg, world)]
     scratch, cluster, search = copy.deepcopy(cfg), _plain(cfg.cluster), _plain(cfg.search)
     return rank([evaluate(cfg, arch, lay, scratch, cluster, search) for lay in layouts])

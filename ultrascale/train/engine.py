@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,10 @@ from ultrascale.runtime import hostmem
 from ultrascale.train.metrics import HostPeak
 from ultrascale.train.optim import build_optimizer, param_groups
 from ultrascale.train.stability import StepGate
+
+if TYPE_CHECKING:
+    from ultrascale.config.optim import OptimConfig
+    from ultrascale.config.root import RootConfig
 
 log = logging.getLogger("ultrascale")
 
@@ -37,7 +41,7 @@ class EngineInfo:
     ``deepspeed.initialize``), ``after_setup_gb`` (from before construction to the end of engine setup)."""
 
 
-def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineInfo]:
+def build_engine(cfg: RootConfig, d: Decisions, ds_config: dict) -> tuple[Any, EngineInfo]:
     """Return (engine, EngineInfo). The model is built identically on every rank from train.seed."""
     import deepspeed
 
@@ -57,7 +61,7 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
     _apply_loss(model, d)
     _apply_attention(model, d)
     _apply_autocast(model, d)
-    optimizer, params = _optimizer(model, cfg, d)
+    optimizer, params = _optimizer(model, cfg.optim, d)
     # No lr_scheduler: the trainer sets each step's lr from the step number (optim.apply_lr).
     with HostPeak() as setup, hostmem.construction():  # AutoTP shards and ZeRO flattens in here
         engine, _, _, _ = deepspeed.initialize(
@@ -78,7 +82,7 @@ def build_engine(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, EngineIn
     return engine, EngineInfo(n_params, gate=gate, extras=extras, memory=memory, n_trainable=n_trainable)
 
 
-def _construct(cfg: Any, d: Decisions, ds_config: dict) -> tuple[Any, int]:
+def _construct(cfg: RootConfig, d: Decisions, ds_config: dict) -> tuple[Any, int]:
     """(model, total parameters): a pipeline stage builds only its layers; ZeRO-3 builds partitioned."""
     require_attn_kernel(str(cfg.model.attn_implementation))
     if d.pipeline:
@@ -153,11 +157,11 @@ def _apply_compile(engine, scope: str) -> None:
     log.info(f"compile: {n} of {len(layers)} decoder layers compiled in place (train.compile_scope=layers)")
 
 
-def _optimizer(model, cfg: Any, d: Decisions) -> tuple[Any, Any]:
+def _optimizer(model, optim: OptimConfig, d: Decisions) -> tuple[Any, Any]:
     """(optimizer or None, model_parameters) for ``deepspeed.initialize``, per who owns the optimizer."""
     if d.optimizer_owner.value == "deepspeed":
-        return None, param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_embeddings)
-    optimizer = build_optimizer(model, cfg.optim)
+        return None, param_groups(model, optim.weight_decay, optim.decay_embeddings)
+    optimizer = build_optimizer(model, optim)
     if d.topo.ep > 1:  # built after AutoEP, with the expert params in their own groups
         from ultrascale.model.moe import deferred_optimizer
 
@@ -165,7 +169,7 @@ def _optimizer(model, cfg: Any, d: Decisions) -> tuple[Any, Any]:
     return optimizer, None
 
 
-def _wrap_for_parallel(model, cfg: Any, d: Decisions):
+def _wrap_for_parallel(model, cfg: RootConfig, d: Decisions):
     """(model, mpu, banner extras): Ulysses attention and MoE hooks, per the topology (pipeline stages are built
     as stages from the start, see ``build_engine``).
 

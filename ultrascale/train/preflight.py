@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from ultrascale.data.prepare import check_prepared
 from ultrascale.data.shards import MANIFEST, load_manifest
@@ -25,6 +24,11 @@ from ultrascale.model.build import build_hf_config
 from ultrascale.paths import resolve_path
 from ultrascale.train import checkpoint
 from ultrascale.train.resume import check_resume
+
+if TYPE_CHECKING:
+    from ultrascale.config.data import DataConfig
+    from ultrascale.config.root import RootConfig
+    from ultrascale.config.train import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class Preflight:
     """Allowed differences between this config and the checkpoint's run, in words."""
 
 
-def preflight(cfg: DictConfig, d: Decisions) -> Preflight:
+def preflight(cfg: RootConfig, d: Decisions) -> Preflight:
     """What was checked; raises the user error that would otherwise come mid-setup, after files were written.
 
     That includes a resume this config cannot continue (another layout, ZeRO stage, precision, model shape or a
@@ -49,7 +53,7 @@ def preflight(cfg: DictConfig, d: Decisions) -> Preflight:
     ``config.yaml`` and ``ds_config.json`` still describe the run that made the checkpoint."""
     hf = build_hf_config(cfg.model)  # a missing model.pretrained_path fails here
     data_checked = all((s.path / MANIFEST).exists() for s in sources(cfg.data))
-    dry = bool(cfg.get("dry_run", False))
+    dry = bool(cfg.dry_run)
     found = {"data": check_prepared(cfg.data, hf.vocab_size, dry_run=dry, model_dir=pretrained_dir(cfg.model))}
     if cfg.model.pretrained_path:
         found["weights"] = f"from {cfg.model.pretrained_path}"
@@ -76,7 +80,7 @@ def preflight(cfg: DictConfig, d: Decisions) -> Preflight:
         check_available()
         found["humaneval"] = f"greedy pass@1 on {n} problems at every eval, in the sandbox"
     if cfg.train.eval_fim:
-        found["fim"] = fim_check(cfg)
+        found["fim"] = fim_check(cfg.train, cfg.data)
     return Preflight(found, data_checked, tag_dir, tuple(skipped), tuple(changes))
 
 
@@ -91,17 +95,17 @@ def humaneval_tokenizer(data: Path, n: int) -> Path:
     return tok_dir
 
 
-def fim_check(cfg: DictConfig) -> str:
+def fim_check(train: TrainConfig, data_cfg: DataConfig) -> str:
     """In-training FIM (``train.eval_fim``): the data's tokenizer has FIM tokens and its validation repositories
     have files in ``train.eval_fim_input``; refused in one line before anything is written."""
     from transformers import AutoTokenizer
 
     from ultrascale.eval import fim
 
-    n, data = cfg.train.eval_fim, primary_path(cfg.data)
+    n, data = train.eval_fim, primary_path(data_cfg)
     if not (data / MANIFEST).exists():
         return f"FIM exact match on {n} held-out files at every eval (checked once {data} is prepared)"
     tok = AutoTokenizer.from_pretrained(str(humaneval_tokenizer(data, n)))
     fim.fim_tokens(tok, f"train.eval_fim={n}: the tokenizer of {data}")
-    docs = fim.held_out_documents(str(data), cfg.train.eval_fim_input)
+    docs = fim.held_out_documents(str(data), train.eval_fim_input)
     return f"FIM exact match (PSM, greedy) on {min(n, len(docs))} held-out files at every eval, on rank 0"

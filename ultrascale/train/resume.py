@@ -12,11 +12,16 @@ said in words. Pure: the checkpoint's meta in, findings out.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ultrascale.errors import CheckpointError
 from ultrascale.levers.decide import Decisions
 from ultrascale.train.optim import lr_multiplier
+
+if TYPE_CHECKING:
+    from ultrascale.config.optim import OptimConfig
+    from ultrascale.config.root import RootConfig
+    from ultrascale.config.train import TrainConfig
 
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
@@ -29,21 +34,21 @@ def model_signature(hf_config: Any) -> dict:
     return {k: getattr(hf_config, k) for k in MODEL_KEYS if getattr(hf_config, k, None) is not None}
 
 
-def schedule_record(cfg: Any) -> dict:
+def schedule_record(optim: OptimConfig, train: TrainConfig) -> dict:
     """The lr curve as the checkpoint's run followed it (``total_steps`` resolved to the length it ran with)."""
-    s = cfg.optim.sched
-    return {"lr": float(cfg.optim.lr), "name": str(s.name), "warmup_steps": int(s.warmup_steps),
+    s = optim.sched
+    return {"lr": float(optim.lr), "name": str(s.name), "warmup_steps": int(s.warmup_steps),
             "min_lr_ratio": float(s.min_lr_ratio), "decay_fraction": float(s.decay_fraction),
-            "total_steps": int(s.total_steps or cfg.train.steps)}  # fmt: skip
+            "total_steps": int(s.total_steps or train.steps)}  # fmt: skip
 
 
-def checkpoint_meta(cfg: Any, d: Decisions) -> dict:
+def checkpoint_meta(cfg: RootConfig, d: Decisions) -> dict:
     """What every checkpoint of this run records about the run (beside its step, data offset and files)."""
     from ultrascale.model.adapters import meta_record
 
     return {"world_size": d.topo.world, "topology": d.topo.as_dict(), "precision": str(cfg.precision.dtype),
-            "zero_stage": d.zero_stage, "model": model_signature(d.hf_config), "schedule": schedule_record(cfg),
-            "train_steps": int(cfg.train.steps), "finetune": meta_record(cfg)}  # fmt: skip
+            "zero_stage": d.zero_stage, "model": model_signature(d.hf_config), "schedule": schedule_record(cfg.optim, cfg.train),
+            "train_steps": int(cfg.train.steps), "finetune": meta_record(cfg.model, cfg.finetune)}  # fmt: skip
 
 
 def _lr(rec: dict, step: int) -> float:
@@ -55,15 +60,15 @@ def _lr(rec: dict, step: int) -> float:
     return rec["lr"] * lr_multiplier(step, s, rec["total_steps"])
 
 
-def _key_for_schedule(field: str, cfg: Any) -> str:
+def _key_for_schedule(field: str, optim: OptimConfig) -> str:
     if field == "lr":
         return "optim.lr"
     if field == "total_steps":
-        return "optim.sched.total_steps" if cfg.optim.sched.total_steps else "train.steps"
+        return "optim.sched.total_steps" if optim.sched.total_steps else "train.steps"
     return f"optim.sched.{field}"
 
 
-def check_resume(cfg: Any, d: Decisions, meta: dict, tag: str, universal: bool) -> list[str]:
+def check_resume(cfg: RootConfig, d: Decisions, meta: dict, tag: str, universal: bool) -> list[str]:
     """Raise :class:`CheckpointError` when this config cannot continue the checkpoint's run; return the allowed
     changes, in words (logged at start and kept in the ``resume`` event)."""
     step = int(meta.get("step", 0))
@@ -100,12 +105,13 @@ def check_resume(cfg: Any, d: Decisions, meta: dict, tag: str, universal: bool) 
             )
     from ultrascale.model.adapters import check_finetune_resume, meta_record
 
-    check_finetune_resume(meta.get("finetune"), meta_record(cfg), tag)  # the adapters' shapes, and their base
+    # the adapters' shapes, and their base
+    check_finetune_resume(meta.get("finetune"), meta_record(cfg.model, cfg.finetune), tag)
     _data_positions(cfg, meta, tag)
     return _schedule_changes(cfg, meta.get("schedule"), tag, step, meta.get("train_steps"))
 
 
-def _data_positions(cfg: Any, meta: dict, tag: str) -> None:
+def _data_positions(cfg: RootConfig, meta: dict, tag: str) -> None:
     """The mixture must put every source where the checkpoint's run was: the samples read after the resume are
     then the ones the uninterrupted run would have read. A mixture changed only after the checkpoint passes."""
     from ultrascale.data import sources
@@ -126,9 +132,9 @@ def _data_positions(cfg: Any, meta: dict, tag: str) -> None:
             )
 
 
-def _schedule_changes(cfg: Any, saved: dict | None, tag: str, step: int, saved_steps: int | None) -> list[str]:
+def _schedule_changes(cfg: RootConfig, saved: dict | None, tag: str, step: int, saved_steps: int | None) -> list[str]:
     """The lr the next update gets must be the one the run was heading for, unless the user says otherwise."""
-    now, notes = schedule_record(cfg), []
+    now, notes = schedule_record(cfg.optim, cfg.train), []
     if saved_steps is not None and saved_steps != cfg.train.steps:
         notes.append(f"train.steps {saved_steps} -> {cfg.train.steps}")
     if not saved or saved == now:
@@ -138,9 +144,9 @@ def _schedule_changes(cfg: Any, saved: dict | None, tag: str, step: int, saved_s
         return notes
     diff = [k for k in SCHEDULE_KEYS if saved.get(k) != now[k]]
     before, after = _lr(saved, step), _lr(now, step)
-    changed = ", ".join(f"{_key_for_schedule(k, cfg)} {saved.get(k)} -> {now[k]}" for k in diff)
+    changed = ", ".join(f"{_key_for_schedule(k, cfg.optim)} {saved.get(k)} -> {now[k]}" for k in diff)
     if not math.isclose(before, after, rel_tol=1e-9) and not cfg.train.allow_schedule_change:
-        key = _key_for_schedule(diff[0], cfg)
+        key = _key_for_schedule(diff[0], cfg.optim)
         keep = (f"optim.sched.total_steps={saved['total_steps']} (steps past {saved['total_steps']} run at its "
                 "final lr)" if diff == ["total_steps"] else f"{key}={saved.get(diff[0])}")  # fmt: skip
         raise CheckpointError(
