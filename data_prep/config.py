@@ -15,8 +15,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ultrascale.config.fields import num
+from ultrascale.data.problems_config import ProblemsConfig
 from ultrascale.errors import ConfigError
-from ultrascale.ssd.config import ProblemsConfig
 
 
 # Allowed choices are types: a value outside one fails at compose time with the key and the choices. Members
@@ -285,7 +285,7 @@ class ChatConfig:
 @dataclass
 class InstructConfig:
     """``python -m data_prep.instruct``: a chat JSONL of docstring -> function pairs from a corpus's train
-    repositories, decontaminated as SSD's prompts are (``ultrascale/ssd/prompts.py``)."""
+    repositories, decontaminated as SSD's prompts are (``ultrascale/data/prompts.py``)."""
 
     output: str = "data/instruct/docstring_functions.jsonl"
     """The chat JSONL written (and ``<output>.report.json`` beside it: counts per filter)."""

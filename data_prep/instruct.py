@@ -6,7 +6,7 @@ dataset ``problems.train_repos_from``, so its validation repositories, where hel
 out) becomes one docstring -> function pair: the user turn asks for the code and shows what HumanEval shows, the
 imports and helpers it uses, the signature and the docstring; the assistant turn is that code with the file's own
 body under it. The pairs are mined, filtered and decontaminated by SSD's prompt builder
-(:func:`ultrascale.ssd.prompts.build_prompts`): stubs, over-long prompts and bodies, duplicate prompts and bodies
+(:func:`ultrascale.data.prompts.build_prompts`): stubs, over-long prompts and bodies, duplicate prompts and bodies
 are dropped, and so is any pair whose word 10-grams overlap a HumanEval problem or a doctested problem of a
 validation repository, each counted under its reason in ``<output>.report.json``.
 
@@ -44,7 +44,7 @@ def conversation(record: dict, instruction: str) -> dict:
 def build(cfg) -> dict:
     """Mine, filter, decontaminate, write ``cfg.output`` and its report; returns the report."""
     from ultrascale.atomic import atomic_write_text
-    from ultrascale.ssd.prompts import build_prompts
+    from ultrascale.data.prompts import build_prompts
 
     records, report = build_prompts(cfg.problems)
     out = resolve_path(cfg.output)

@@ -22,8 +22,9 @@ from omegaconf import OmegaConf
 
 from tests.conftest import PY_ERROR, ROOT, TEST_ENV, needs, sandbox_missing
 from ultrascale.config.compose import compose
+from ultrascale.data.problems_config import DENY_NAMES
 from ultrascale.errors import ConfigError, DataError
-from ultrascale.ssd.config import DENY_NAMES, register_ssd_configs
+from ultrascale.ssd.config import register_ssd_configs
 
 FIXTURES = ROOT / "tests" / "fixtures" / "ssd"
 PROBLEMS = FIXTURES / "problems.jsonl"
@@ -75,7 +76,7 @@ def test_mining_keeps_solvable_problems_and_counts_every_drop():
 
 
 def test_mining_without_helpers_drops_what_needs_them():
-    from ultrascale.ssd.mine import MineOptions, mine_file
+    from ultrascale.data.mine import MineOptions, mine_file
 
     counts: Counter = Counter()
     opts = MineOptions(include_helpers=False, deny=frozenset(DENY_NAMES))
@@ -86,7 +87,7 @@ def test_mining_without_helpers_drops_what_needs_them():
 
 def test_humaneval_problem_is_decontaminated():
     from data_prep.decontam import Decontaminator
-    from ultrascale.ssd.mine import MineOptions, mine_file
+    from ultrascale.data.mine import MineOptions, mine_file
 
     mined = mine_file(MINING.read_text(), "m.py", MineOptions(deny=frozenset(DENY_NAMES)), Counter())
     p = next(p for p in mined if p["entry_point"] == "has_close_elements")

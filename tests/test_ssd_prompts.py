@@ -1,4 +1,4 @@
-"""Test-free SSD prompts (ultrascale/ssd/prompts.py): what becomes a prompt, what is dropped and why.
+"""Test-free SSD prompts (ultrascale/data/prompts.py): what becomes a prompt, what is dropped and why.
 
 Each test writes a small corpus (one directory per repository, as data prep reads a directory input) and
 builds prompts from it through the real reader, mining and decontamination code.
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
+from ultrascale.data.problems_config import ProblemsConfig
+from ultrascale.data.prompts import build_prompts, load_prompt_jsonl
 from ultrascale.errors import DataError
-from ultrascale.ssd.config import ProblemsConfig
-from ultrascale.ssd.prompts import build_prompts, load_prompt_jsonl
 
 GEOMETRY = '''\
 import math

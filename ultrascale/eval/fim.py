@@ -3,7 +3,7 @@ exact match and edit similarity.
 
 The files are the corpus's *validation repositories* (the ``repos.json`` of the prepared dataset: whole
 repositories no training sample came from), read as data prep reads them
-(:func:`ultrascale.ssd.problems.corpus_documents`). Each file, in a seeded order, gives one span of each kind, as
+(:func:`ultrascale.data.corpus.corpus_documents`). Each file, in a seeded order, gives one span of each kind, as
 the FIM papers evaluate infilling (Bavarian et al. 2022; SantaCoder; StarCoder):
 
 * ``single_line``: one non-blank line, its indentation included (SantaCoder's single-line infilling);
@@ -125,7 +125,7 @@ def held_out_documents(data: str, corpus: str) -> list[dict]:
     """The files of ``data``'s validation repositories, read from ``corpus`` as data prep read it."""
     from omegaconf import OmegaConf
 
-    from ultrascale.ssd.problems import corpus_documents
+    from ultrascale.data.corpus import corpus_documents
 
     cfg = OmegaConf.create({"input": corpus, "train_repos_from": data, "held_out": True})
     docs = corpus_documents(cfg, Counter())

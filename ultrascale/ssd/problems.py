@@ -2,7 +2,7 @@
 
 Problems must not be the evaluation set, must be solvable and must have sane tests. So, in order:
 
-1. static filters while mining (:mod:`ultrascale.ssd.mine`): self-contained, pure, short enough;
+1. static filters while mining (:mod:`ultrascale.data.mine`): self-contained, pure, short enough;
 2. duplicates (the same function copied between files) are dropped;
 3. HumanEval decontamination with data prep's own n-gram matcher (:mod:`data_prep.decontam`);
 4. in the sandbox, the reference must pass its own tests *and* a ``return None`` body must fail them:
@@ -18,7 +18,6 @@ come from held-out code.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import random
 from collections import Counter
@@ -26,14 +25,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ultrascale.data.corpus import corpus_documents
+from ultrascale.data.decontam import decontaminate
+from ultrascale.data.mine import MineOptions, mine_file
+from ultrascale.data.problems_config import ProblemSource
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.eval.sandbox import Limits
 from ultrascale.jsonio import iter_jsonl
 from ultrascale.paths import resolve_path
-from ultrascale.ssd.config import ProblemSource
-from ultrascale.ssd.decontam import decontaminate
 from ultrascale.ssd.execute import verdicts
-from ultrascale.ssd.mine import MineOptions, mine_file
 
 log = logging.getLogger("ultrascale")
 
@@ -41,38 +41,6 @@ REQUIRED = ("task_id", "prompt", "tests", "entry_point")
 VERIFY_CHUNK = 32
 """References are checked in chunks, in seeded order, until ``max_problems`` pass: a large corpus is not
 executed in full just to keep 128 problems."""
-
-
-def corpus_documents(cfg: DictConfig, counts: Counter) -> list[dict]:
-    """Source files of ``problems.input`` as data prep reads them (same files, same repository names)."""
-    from data_prep.config import register_configs as register_data_prep
-    from data_prep.sources import iter_documents
-    from ultrascale.config.compose import compose
-
-    register_data_prep()
-    source = cfg.input if cfg.input == "stdlib" else resolve_path(cfg.input)
-    dp = compose([f"input={source}"], "data_prep")
-    docs = list(iter_documents(dp, counts=Counter()))
-    counts["files"] = len(docs)
-    if cfg.train_repos_from:
-        path = resolve_path(cfg.train_repos_from) / "repos.json"
-        if not path.exists():
-            raise ConfigError(
-                f"problems.train_repos_from={cfg.train_repos_from}: {path} not found; point it at a prepared "
-                "dataset (python -m data_prep output_dir=...) or set it to null to mine every repository"
-            )
-        split = json.loads(path.read_text())
-        want = "validation" if cfg.get("held_out") else "train"
-        kept = [d for d in docs if split.get(d["repo"]) == want]
-        counts["files_held_out_repo"] = sum(split.get(d["repo"]) == "validation" for d in docs)
-        counts["files_not_in_prepared_data"] = sum(d["repo"] not in split for d in docs)
-        if docs and not kept:
-            raise ConfigError(
-                f"problems.train_repos_from={cfg.train_repos_from}: no repository of problems.input={cfg.input} "
-                f"is in its train split; was it prepared from the same input?"
-            )
-        docs = kept
-    return docs
 
 
 def mine(cfg: DictConfig, counts: Counter) -> list[dict]:

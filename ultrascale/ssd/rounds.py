@@ -183,7 +183,8 @@ class SSDRun:
 
     # ---- the stages --------------------------------------------------------------------------------------
     def _problems(self, rnd: Round) -> dict:
-        from ultrascale.ssd.config import Method, ProblemSource
+        from ultrascale.data.problems_config import ProblemSource
+        from ultrascale.ssd.config import Method
         from ultrascale.ssd.problems import build
 
         if rnd.index > 0:  # later rounds revisit the same problems with a better model (STaR / ReST style)
@@ -192,7 +193,7 @@ class SSDRun:
             rnd.path("problems.jsonl.tmp").replace(rnd.path("problems.jsonl"))
             return {"count": len(read_jsonl(first)), "from": str(first)}
         if self.cfg.method == Method.ssd:  # prompts only: no tests, no reference checked in the sandbox
-            from ultrascale.ssd.prompts import build_prompts, jsonl_prompts
+            from ultrascale.data.prompts import build_prompts, jsonl_prompts
 
             if self.cfg.problems.source == ProblemSource.jsonl:
                 problems, report = jsonl_prompts(self.cfg.problems)  # decontaminated like the corpus's

@@ -2,7 +2,7 @@
 instruction set's prompts, against HumanEval and the held-out repositories' problems.
 
 Its own module because both the problem miner (:mod:`ultrascale.ssd.problems`) and the prompt builder
-(:mod:`ultrascale.ssd.prompts`, which builds on the miner) drop contaminated records with it.
+(:mod:`ultrascale.data.prompts`, which builds on the miner) drop contaminated records with it.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 SSD (Zhang et al. 2026, "Embarrassingly Simple Self-Distillation Improves Code Generation") samples one
 solution per prompt from the frozen model and fine-tunes on the raw samples: nothing is executed, so a prompt
 needs no tests, only a docstring that says what the body should do. Demanding doctests (as
-:mod:`ultrascale.ssd.mine` must, for the sandboxed rounds) leaves a few dozen problems in the stdlib; any
+:mod:`ultrascale.data.mine` must, for the sandboxed rounds) leaves a few dozen problems in the stdlib; any
 docstring leaves thousands.
 
 A prompt is what the model reads before writing a body, laid out as HumanEval lays it out:
 
-* function: the imports and module-level helpers it uses (transitively, :mod:`ultrascale.ssd.mine`'s
+* function: the imports and module-level helpers it uses (transitively, :mod:`ultrascale.data.mine`'s
   machinery), then its signature and docstring;
 * method: the imports it and its class header use, the class header (decorators, bases, docstring), then
   the method's signature and docstring indented inside the class; ``entry_point`` is ``Class.method``.
@@ -34,12 +34,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ultrascale.data.corpus import corpus_documents
+from ultrascale.data.decontam import HELD_OUT_PREFIX, decontaminate
+from ultrascale.data.mine import BUILTINS, MineOptions, Module, closure, free_names, mine_file, used_modules_and_names
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.jsonio import iter_jsonl
 from ultrascale.paths import resolve_path
-from ultrascale.ssd.decontam import HELD_OUT_PREFIX, decontaminate
-from ultrascale.ssd.mine import BUILTINS, MineOptions, Module, closure, free_names, mine_file, used_modules_and_names
-from ultrascale.ssd.problems import corpus_documents
 
 log = logging.getLogger("ultrascale")
 
@@ -235,7 +235,7 @@ def _split_documents(cfg: DictConfig, counts: Counter) -> tuple[list[dict], list
 def held_out_problems(docs: list[dict]) -> tuple[list[tuple[str, str]], set[str]]:
     """The validation repositories' doctested problems as decontamination items, and their body keys.
 
-    Mined with :func:`ultrascale.ssd.mine.mine_file` under the loosest options (helpers, no deny list, no
+    Mined with :func:`ultrascale.data.mine.mine_file` under the loosest options (helpers, no deny list, no
     length limits), so they cover whatever a second evaluation set built from these repositories can hold.
     Each problem is two items, its signature + docstring and its body, without the helpers its prompt carries:
     n-gram overlap is a share of the *item's* n-grams, so a training copy of the body under another docstring

@@ -1,0 +1,48 @@
+"""The source files of a corpus, read as data prep reads them (same files, same repository names), split by a
+prepared dataset's ``repos.json`` so held-out repositories stay held out.
+
+Shared by everything that mines or cuts code from a corpus: SSD's problems and prompts, the instruction set
+(``python -m data_prep.instruct``) and the FIM evaluation's held-out files (:mod:`ultrascale.eval.fim`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from omegaconf import DictConfig
+
+from ultrascale.errors import ConfigError
+from ultrascale.paths import resolve_path
+
+
+def corpus_documents(cfg: DictConfig, counts: Counter) -> list[dict]:
+    """Source files of ``problems.input`` as data prep reads them (same files, same repository names)."""
+    from data_prep.config import register_configs as register_data_prep
+    from data_prep.sources import iter_documents
+    from ultrascale.config.compose import compose
+
+    register_data_prep()
+    source = cfg.input if cfg.input == "stdlib" else resolve_path(cfg.input)
+    dp = compose([f"input={source}"], "data_prep")
+    docs = list(iter_documents(dp, counts=Counter()))
+    counts["files"] = len(docs)
+    if cfg.train_repos_from:
+        path = resolve_path(cfg.train_repos_from) / "repos.json"
+        if not path.exists():
+            raise ConfigError(
+                f"problems.train_repos_from={cfg.train_repos_from}: {path} not found; point it at a prepared "
+                "dataset (python -m data_prep output_dir=...) or set it to null to mine every repository"
+            )
+        split = json.loads(path.read_text())
+        want = "validation" if cfg.get("held_out") else "train"
+        kept = [d for d in docs if split.get(d["repo"]) == want]
+        counts["files_held_out_repo"] = sum(split.get(d["repo"]) == "validation" for d in docs)
+        counts["files_not_in_prepared_data"] = sum(d["repo"] not in split for d in docs)
+        if docs and not kept:
+            raise ConfigError(
+                f"problems.train_repos_from={cfg.train_repos_from}: no repository of problems.input={cfg.input} "
+                f"is in its train split; was it prepared from the same input?"
+            )
+        docs = kept
+    return docs
