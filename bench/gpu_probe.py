@@ -3,16 +3,13 @@
 
 It installs the dependencies from the running Python's wheelhouse (``make wheelhouse PY_VERSION=X.Y``; the node's
 own torch, CUDA and Triton are used), then runs its sections (install, data, llama_1b, sampler, trainer, zero,
-export, levers) as subprocesses under their own time limits, so a failed or slow section is a row with its error,
-never the end of the probe. The default run is the sections whose limits fit ``--budget``; ``--dry-run`` prints
-that plan and the further calls for the rest. Nothing a step starts outlives it, and the JSON (``--json``) is
-rewritten after every step with each step's log beside it. What each section runs and reports: bench/README.md,
-"The GPU probe".
+export, levers) as subprocesses under their own time limits, so a failed or slow section is a row with its error.
+The default run is the sections whose limits fit ``--budget``; ``--dry-run`` prints that plan and the further
+calls. The JSON (``--json``) is rewritten after every step, logs beside it. ``--job tiny`` runs the sections on
+the tiny model on a CPU host, which is how the probe is checked. Each section: bench/README.md, "The GPU probe".
 
     python bench/gpu_probe.py [--dry-run] [--sections llama_1b,trainer] [--levers train.compile] [--budget 470]
                               [--wheelhouse wheelhouse/py3.12] [--work DIR] [--json PATH] [--job gpu|tiny]
-
-``--job tiny`` runs the same sections on the tiny model on a CPU host, which is how the probe itself is checked.
 """
 
 from __future__ import annotations

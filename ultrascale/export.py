@@ -5,18 +5,11 @@
 Writes ``config.json``, ``generation_config.json``, the tokenizer, and ``model-0000i-of-0000n.safetensors``
 shards with ``model.safetensors.index.json``; ``AutoModelForCausalLM.from_pretrained(out)`` loads it.
 
-Memory: DeepSpeed's ``zero_to_fp32`` concatenates every rank's flat fp32 partition for ZeRO-1/2 (the
-whole model in RAM, twice for a moment) — the reason conversions of 80B models need over a terabyte.
-Here checkpoint files are memory-mapped, each tensor is gathered, cast and written straight into its
-shard through a hand-written safetensors writer (the header is computed from shapes first), then freed.
-Anonymous memory therefore peaks at about one tensor in two dtypes; mapped checkpoint pages are page
-cache the kernel can drop. Both are measured and returned.
-
-Sources: ZeRO-0/1/2 keep the full (training-precision) weights in ``mp_rank_00_model_states.pt``;
-ZeRO-3 keeps only fp32 partitions in the optimizer files, gathered lazily via DeepSpeed's
-``GatheredTensor``; pipeline-parallel checkpoints keep one file per layer, mapped back to HF names;
-tensor-parallel (AutoTP) checkpoints keep one file per tp rank, and each sharded tensor is concatenated from
-the memory-mapped shards when it is written.
+Memory: DeepSpeed's ``zero_to_fp32`` concatenates every rank's flat fp32 partition for ZeRO-1/2 (the whole model
+in RAM, twice for a moment). Here checkpoint files are memory-mapped, each tensor is gathered, cast and written
+straight into its shard through a hand-written safetensors writer (the header is computed from shapes first),
+then freed: anonymous memory peaks at about one tensor in two dtypes, and both are measured and returned. Where
+each layout keeps its tensors: :func:`checkpoint_tensors`.
 """
 
 from __future__ import annotations
@@ -199,7 +192,12 @@ def checkpoint_tensors(
     tag_dir: Path, zero_stage: int, hf_config=None, tp: int = 1, shapes: dict | None = None
 ) -> dict[str, Callable[[], torch.Tensor] | torch.Tensor]:
     """Name -> tensor (ZeRO 0-2, pipeline: memory-mapped) or lazy reader (ZeRO-3, tensor parallel). Nothing is
-    materialized here."""
+    materialized here.
+
+    ZeRO-0/1/2 keep the full (training-precision) weights in ``mp_rank_00_model_states.pt``; ZeRO-3 keeps only
+    fp32 partitions in the optimizer files, gathered lazily via DeepSpeed's ``GatheredTensor``; pipeline-parallel
+    checkpoints keep one file per layer, mapped back to HF names; tensor-parallel (AutoTP) checkpoints keep one
+    file per tp rank, and each sharded tensor is concatenated from the memory-mapped shards when it is written."""
     if any(tag_dir.glob("layer_*-model_states.pt")):
         return _pipeline_tensors(tag_dir, hf_config)
     if tp > 1:

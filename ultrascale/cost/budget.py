@@ -7,14 +7,9 @@ surface L(N, D) = E + A/N^alpha + B/D^beta and minimise training plus inference 
     minimise   6·N·D_train + 2·N·D_inference     subject to  L(N, D_train) = target loss
 
 A model served for many tokens should be smaller and trained longer. This module holds that arithmetic and
-nothing else: no config, no I/O. ``budget_from_cfg`` turns the ``budget`` group into a :class:`BudgetPlan`.
-
-Both optima have an exact one-dimensional form. Write the reducible loss ``ell - E`` as shares
-``t`` (parameter term, ``A/N^alpha = t·(ell-E)``) and ``1-t`` (data term). Setting the derivative of the cost
-along that curve to zero gives ``alpha·t·r = beta·(1-t)``, where ``r = 6D / (6D + 2·w·D_inf)`` is training's
-share of the marginal cost (w weighs an inference FLOP against a training FLOP). The left side increases
-in ``t``, the right side decreases, so there is exactly one root, found by bisection to machine
-precision. With no inference ``r = 1`` and ``t = beta/(alpha+beta)``: the Chinchilla point in closed form.
+nothing else: no config, no I/O. ``budget_from_cfg`` turns the ``budget`` group into a :class:`BudgetPlan`;
+how the optimum is solved is in :func:`inference_aware_optimal`, the fits and a worked example in
+ultrascale/plan/README.md.
 """
 
 from __future__ import annotations
@@ -22,12 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
 
 from ultrascale.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ultrascale.config.root import PlanRootConfig
 
 TRAIN_FLOPS_PER_TOKEN = 6  # per parameter: forward 2 + backward 4 (the same convention as model/flops.py)
 INFERENCE_FLOPS_PER_TOKEN = 2  # per parameter: forward only, prompt and generated tokens alike
@@ -153,7 +146,14 @@ def inference_aware_optimal(
     """The (N, D) that reaches ``target_loss`` for the least 6·N·D + w·2·N·D_inf (Sardana et al. 2024).
 
     ``inference_weight`` w is what an inference FLOP costs in training FLOPs (1 for the FLOP count,
-    train_mfu/inference_mfu for GPU-hours or dollars on one accelerator type)."""
+    train_mfu/inference_mfu for GPU-hours or dollars on one accelerator type).
+
+    The optimum has an exact one-dimensional form. Write the reducible loss ``ell - E`` as shares ``t``
+    (parameter term, ``A/N^alpha = t·(ell-E)``) and ``1-t`` (data term). Setting the derivative of the cost
+    along that curve to zero gives ``alpha·t·r = beta·(1-t)``, where ``r = 6D / (6D + 2·w·D_inf)`` is
+    training's share of the marginal cost. The left side increases in ``t``, the right side decreases, so there
+    is exactly one root, found by bisection to machine precision. With no inference ``r = 1`` and
+    ``t = beta/(alpha+beta)``: the Chinchilla point in closed form."""
     _check_loss(law, target_loss)
     if inference_tokens < 0 or inference_weight <= 0:
         raise ValueError(
@@ -233,10 +233,10 @@ def plan_budget(law: ScalingLaw, costing: Costing, inference_tokens: float, *, t
     return BudgetPlan(law, costing, bar, chin, same_loss, same_cost)
 
 
-def budget_from_cfg(cfg: PlanRootConfig) -> BudgetPlan:
+def budget_from_cfg(cfg: DictConfig) -> BudgetPlan:
     """Validate the ``budget`` group (one-line errors naming the key) and build the plan on ``cfg.cluster``."""
     b, c = cfg.budget, cfg.cluster
-    if cfg.plot:
+    if cfg.get("plot"):
         raise ConfigError(f"plot={cfg.plot} draws layouts, and budget mode plans none: drop plot= (output_json= works)")
     law = ScalingLaw(b.law.E, b.law.A, b.law.B, b.law.alpha, b.law.beta, b.law.name)
     given = [k for k in ("train_flops", "train_gpu_hours", "target_loss") if b[k] is not None]

@@ -1,43 +1,9 @@
 """Per-rank memory: each term separately, in bytes, for one layout.
 
 Model states follow what DeepSpeed 0.19 actually allocates (measured by ``tests/test_plan_model_states.py``
-against the engine's own tensors), not the textbook alone. With 16-bit weights (w=2) and Adam:
-
-=====  ==================  =====================  ==========================
-stage  params              grads (at rest)        optimizer (fp32 master+m+v)
-=====  ==================  =====================  ==========================
-0      w·Ψ                 w·Ψ                    12·Ψ
-1      w·Ψ                 w·Ψ (w·Ψ/N if no GA)   12·Ψ/N
-2      w·Ψ                 w·Ψ/N                  12·Ψ/N
-3      w·Ψ/N + persistent  w·Ψ/N                  12·Ψ/N
-=====  ==================  =====================  ==========================
-
-DeepSpeed's stage 1 reduces only at the gradient-accumulation boundary: with accumulation it holds the
-full 16-bit gradient (the textbook 2+2+12/N); without, it reduces through buckets straight into the
-partition like stage 2 and holds w·Ψ/N at rest (2+14/N, measured). At the optimizer step an
-fp32 copy of the gradient partition (4·Ψ/N) exists transiently; it is its own term, which is also what
-makes DeepSpeed's estimator (2Ψ + 18Ψ/N for stage 2) agree with this model. Stage 3 keeps parameters
-smaller than ``stage3_param_persistence_threshold`` whole on every rank.
-
-Activations are counted tensor by tensor from what HF decoder layers save for backward (bytes per token;
-e = bytes of the compute dtype; h = hidden; h_q = heads·head_dim; kv = kv_heads·head_dim; I = MLP width):
-
-- RMSNorm: fp32 input copy + normalised x + weighted output: 4h + 2e·h. LayerNorm: input + output 2e·h.
-- attention, SDPA/flash: q, k, v, output, fp32 log-sum-exp: e·(2h_q + 2kv) + 4·heads.
-- attention, eager: q, repeated k and v, output: 4e·h_q, plus softmax fp32 and probabilities e per score:
-  (4 + e)·heads·span (the s² term SDPA removes).
-- MLP: SwiGLU gate, act, up, act·up: 4e·I; GELU in and out: 2e·I.
-- MoE (top-k): router fp32 softmax 4E; per routed copy gathered input, gate_up, act, act·up, output:
-  k·(2e·h + 4e·I).
-- head: final norm + fp32 log-softmax of the logits 4V + ids and labels (16); with the fused loss no logits
-  are kept, only the fp32 gradient of the hidden state it computes in its forward (4h).
-- activation checkpointing, ``full``, keeps only each layer's input e·h (plus one layer recomputed at a time);
-  ``selective`` (per-op, ``ultrascale/model/recompute.py``) keeps the input and what the matmuls and the attention
-  kernel output: q, k, v, the attention output and its fp32 log-sum-exp, o_proj: e·(h + 2h_q + 2kv + h) + 4·heads;
-  SwiGLU gate, up, down: e·(2I + h), GELU in and out: e·(I + h); MoE: router logits e·E and per routed copy
-  gate_up and down k·(2e·I + e·h). Eager attention's scores are batched matmuls, which the policy recomputes.
-TP divides everything but the norms (AutoTP replicates them); Ulysses SP divides everything by sp;
-pipeline stage 0 keeps min(pp, micro_batches) micro-batches in flight (1F1B).
+against the engine's own tensors), not the textbook alone; activations are counted tensor by tensor from what HF
+decoder layers save for backward (``tests/test_plan_activations.py``). The per-stage table of model states and
+the per-tensor activation formulas: ultrascale/plan/README.md, "The memory model".
 """
 
 from __future__ import annotations

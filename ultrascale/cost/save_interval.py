@@ -1,16 +1,9 @@
 """How often to checkpoint without killing throughput: Young/Daly from the save's cost and the job's MTBF.
 
 A job on N nodes fails about N times as often as one node (MTBF_job = MTBF_node / N). Between checkpoints
-every interval tau of training risks being recomputed; each checkpoint costs the time training waits for it.
-To first order the share of wall time lost is
-
-    saves:      C / tau                 (C: the stall per checkpoint)
-    rework:     (tau / 2 + W + R) / M   (on average half an interval is lost per failure, plus a background
-                                         write W that had not finished, plus R to restart; M = MTBF_job)
-
-which is smallest at tau* = sqrt(2 C M) (Young 1974; Daly 2006 adds higher-order terms that matter only when
-C is not small against M), where the two main terms are equal. With the background writer the stall C is the
-snapshot copy, not the write, so tau* shrinks; it cannot go below W (one write in flight at a time).
+every interval of training risks being recomputed, and each checkpoint costs the time training waits for it;
+:func:`lost_share` is that first-order trade and :func:`young_daly` its optimum. With the background writer the
+stall is the snapshot copy, not the write, so the interval shrinks; it cannot go below one write.
 
 Pure arithmetic: the planner and the dry run pass in the byte counts and rates they estimate or measured.
 """
@@ -22,13 +15,22 @@ from dataclasses import asdict, dataclass
 
 
 def young_daly(stall_s: float, mtbf_s: float) -> float:
-    """The checkpoint interval (seconds of training between saves) that minimises the expected loss."""
+    """The checkpoint interval (seconds of training between saves) that minimises the expected loss.
+
+    tau* = sqrt(2 C M) for a stall C per checkpoint and a job MTBF M (Young 1974; Daly 2006 adds higher-order
+    terms that matter only when C is not small against M): where :func:`lost_share`'s two main terms are equal.
+    """
     return math.sqrt(2.0 * stall_s * mtbf_s)
 
 
 def lost_share(interval_s: float, stall_s: float, mtbf_s: float, write_s: float = 0.0,
                restart_s: float = 0.0) -> tuple[float, float]:  # fmt: skip
-    """(share of wall time spent in checkpoint stalls, share spent recomputing lost work and restarting)."""
+    """(share of wall time spent in checkpoint stalls, share spent recomputing lost work and restarting).
+
+    To first order: saves cost C / tau (C: the stall per checkpoint, tau: the interval); rework costs
+    (tau / 2 + W + R) / M: on average half an interval is lost per failure, plus a background write W that had
+    not finished, plus R to restart, with M the job's MTBF.
+    """
     return stall_s / interval_s, (interval_s / 2 + write_s + restart_s) / mtbf_s
 
 

@@ -4,13 +4,11 @@ Convention (PaLM appendix B / Megatron): per token, a forward+backward pass cost
 weight the token touches, plus 12·L·(heads·head_dim)·s for the attention score and value matmuls.
 The trainer's MFU counts causal attention over the lower triangle only (``causal=True``, MaxText's
 convention): that is all a causal model needs and what a causal kernel computes, so MFU stays a fraction of
-a calibrated peak. In full, SmolLM2-135M at 2,048 tokens on this CPU read 103.6 % (its matmuls run at the
-GEMM peak and attention is 34 % of the full count); causal, 85.7 % (``make bench-train``). The planner's
-time model keeps the full count: its matmul efficiency is calibrated against published figures made so.
-Adaptations: the input embedding is a lookup (no FLOPs); the LM head always counts (tied or not);
-GQA is already in the parameter count (smaller k/v projections) and does not change the score matmuls;
-MoE counts routed experts at top_k/experts of their size; a sliding window caps the attended span.
-Recomputation (activation checkpointing) is *not* included: MFU counts model FLOPs, not hardware FLOPs.
+a calibrated peak. The planner's time model keeps the full count: its matmul efficiency is calibrated against
+published figures made so. Adaptations: the input embedding is a lookup (no FLOPs); the LM head always counts
+(tied or not); GQA is already in the parameter count and does not change the score matmuls; MoE counts routed
+experts at top_k/experts of their size; a sliding window caps the attended span. Recompute is *not* included:
+MFU counts model FLOPs, not hardware FLOPs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Activation checkpointing of an HF decoder: full (each layer recomputed from its input) or selective per-op.
+"""Activation recompute of an HF decoder: full (each layer recomputed from its input) or selective per-op.
 
 Selective is torchtitan's op-level selective activation checkpointing (``torchtitan/distributed/
 activation_checkpoint.py``, ``selective_ac_option="op"``), on ``torch.utils.checkpoint``'s
@@ -6,16 +6,9 @@ activation_checkpoint.py``, ``selective_ac_option="op"``), on ``torch.utils.chec
 of the attention kernel are kept from the forward (they cost FLOPs to recompute) and everything else (norms,
 RoPE, the MLP's activation and product, residual adds, dtype casts) is recomputed in the backward (cheap,
 memory-bound kernels). Per token and layer that keeps the layer input, q/k/v, the attention output and its
-log-sum-exp (SDPA's, flash-attn's or FlexAttention's), and the o/gate/up/down projections' outputs: about half of
-what an unchecked layer saves on a Llama-shaped model, for a recompute of a few elementwise kernels instead of a
-whole forward.
-
-torchtitan's classic policy also recomputes every second matmul to save more memory; here every matmul output is
-kept, because ``auto`` already falls back to full checkpointing when selective does not fit
-(``ultrascale/levers/decide.py``), and ``ultrascale/cost/memory.py`` counts exactly what this policy keeps.
-
-HF's ``gradient_checkpointing_enable`` passes ``context_fn`` through to ``torch.utils.checkpoint.checkpoint``,
-which takes it only with ``use_reentrant=False``.
+log-sum-exp, and the o/gate/up/down projections' outputs: about half of what an unchecked layer saves on a
+Llama-shaped model, for a recompute of a few elementwise kernels instead of a whole forward. Why every matmul
+output is kept: :func:`selective_policy`.
 """
 
 from __future__ import annotations
@@ -75,7 +68,11 @@ def save_ops() -> frozenset:
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-    """Keep what costs FLOPs to recompute; recompute the rest."""
+    """Keep what costs FLOPs to recompute; recompute the rest.
+
+    torchtitan's classic policy also recomputes every second matmul to save more memory; here every matmul
+    output is kept, because ``auto`` (``ultrascale/levers/``) already falls back to full recompute when selective
+    does not fit, and ``ultrascale/cost/memory.py`` counts exactly what this policy keeps."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if func in save_ops() else CheckpointPolicy.PREFER_RECOMPUTE
@@ -89,7 +86,10 @@ def selective_context(policy: Callable = selective_policy) -> Any:
 
 
 def checkpoint_kwargs(mode: str) -> dict:
-    """``gradient_checkpointing_kwargs`` for HF's ``gradient_checkpointing_enable`` in ``mode`` (full/selective)."""
+    """``gradient_checkpointing_kwargs`` for HF's ``gradient_checkpointing_enable`` in ``mode`` (full/selective).
+
+    HF passes ``context_fn`` through to ``torch.utils.checkpoint.checkpoint``, which takes it only with
+    ``use_reentrant=False``."""
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode {mode!r}: use full or selective")
     kwargs: dict = {"use_reentrant": False}

@@ -2,18 +2,12 @@
 
 Averages hide the comb. A run that waits on data for a third of every step after step 400 looks merely
 "a bit slow" in its mean tokens/s, so besides the shares over the whole run this finds *where* the largest
-stall lives: the step window in which its share of step time is highest, fitted as one level inside the
-window and one outside (least squares over time-weighted shares), and reported only when the split explains
-most of the variation and moves the share by at least 5 points.
+stall lives: the step window in which its share of step time is highest (:func:`find_window`).
 
 A stall is any time not spent in forward/backward compute: inside a step the data wait, communication,
 optimizer and "other" parts; between steps the checkpoint saves, the evaluations, and whatever else the wall
 clock shows (start-up, logging), which is estimated as the remainder. They are ranked by estimated seconds of
 wall time, so a 4 s checkpoint every 30 steps and a 30 ms data wait every step compete on equal terms.
-
-Step rows are samples (one every ``train.log_interval`` steps), so a row stands for the steps since the
-previous one. The first step row after a start or resume carries warm-up and compilation; the "steady"
-numbers leave it out, and its extra time is not multiplied by the steps it stands for.
 """
 
 from __future__ import annotations
@@ -320,6 +314,11 @@ def _event_stall(key: str, ticks: list[Tick], denom: float, noun: str) -> Stall 
 
 
 def analyze(run: Run) -> Analysis:
+    """The shares, stalls and windows of one run.
+
+    Step rows are samples (one every ``train.log_interval`` steps), so a row stands for the steps since the
+    previous one. The first step row after a start or resume carries warm-up and compilation; the "steady"
+    numbers leave it out, and its extra time is not multiplied by the steps it stands for."""
     comb, wall, resumes, executed = _comb(run)
     steps = [t for t in comb if t.kind == "step"]
     has_comm = any("comm_s" in t.row for t in steps)

@@ -4,16 +4,9 @@ Every rank usually hits the same config or data error; one line is wanted, rank 
 makes the launcher SIGTERM the rest, so rank 0 must not be beaten to the exit, and a rank that waits for rank 0
 must not die silently if rank 0 never speaks (it was killed, or its error was another). The ranks of one node
 leave each other notes in a directory of their own launch (in the temp dir, keyed by the launcher's pid, the
-master port and the restart count):
-
-- ``passed``: the node's speaker (local rank 0; global rank 0 on the first node) got through the checks every
-  rank makes before the process group starts (composing, validating, the preflight). A rank that failed those
-  checks while its speaker passed them has an error of its own: it speaks at once.
-- ``said``: the error a rank printed. A rank that finds its own error already said stays silent.
-
-A rank other than the speaker holding an error waits until the speaker has said it (then stays silent), or
-passed the checks, or the launcher SIGTERMs it (a peer exited), or a deadline passes; in the last three cases it
-says ``error: rank N: ...`` itself, unless the same line was said meanwhile.
+master port and the restart count): ``passed``, the node's speaker (local rank 0; global rank 0 on the first
+node) got through the checks every rank makes before the process group starts (composing, validating, the
+preflight); ``said``, the error a rank printed. Who speaks when: :func:`wait_for_speaker`.
 """
 
 from __future__ import annotations
@@ -94,7 +87,13 @@ def say(message: str, rank: int) -> None:
 
 def wait_for_speaker(initialized: bool) -> bool:
     """A rank other than the speaker, holding an error: True once the speaker has said one (stay silent), False
-    when this rank must speak (the speaker passed the checks this rank failed, a SIGTERM came, or time ran out)."""
+    when this rank must speak (the speaker passed the checks this rank failed, a SIGTERM came, or time ran out).
+
+    A rank that failed the shared checks while its speaker passed them has an error of its own: it speaks at
+    once. Otherwise it waits until the speaker has said its line, or passed the checks, or the launcher SIGTERMs
+    it (a peer exited), or the deadline passes; in the last three cases it says ``error: rank N: ...`` itself
+    (:func:`say`: unless the same line was said meanwhile). A rank that finds its own error already said stays
+    silent."""
     ended: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: ended.append(signum))
     try:

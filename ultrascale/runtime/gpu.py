@@ -1,17 +1,13 @@
 """What this GPU is: its name, memory, compute capability and SMs, read once from torch, and which datasheet
 card that is.
 
-The GPU levers (the fused loss's chunk, activation checkpointing, the attention kernel) are decided from a
-:class:`GpuInfo` by pure functions in ``ultrascale/levers/`` (hardware.py, decide.py), and MFU divides by the card's datasheet
-peak for the run's dtype (``ultrascale/runtime/peak.py``), so a rule measured on one card is not carried to the next as a
+The GPU levers (the fused loss's chunk, activation recompute, the attention kernel) are decided from a
+:class:`GpuInfo` by pure functions in ``ultrascale/levers/``, and MFU divides by the card's datasheet peak for the
+run's dtype (``ultrascale/runtime/peak.py``), so a rule measured on one card is not carried to the next as a
 constant. A name alone does not tell cards apart: "H100" is a 989 TFLOP/s SXM5 part, a 756 TFLOP/s PCIe part or
-an 835 TFLOP/s NVL part, and torch names the SXM5 one "NVIDIA H100 80GB HBM3". :func:`identify` reads the name,
-then the SM count (132 SXM5/NVL, 114 PCIe) and the memory, and says "unknown" rather than guess.
-
-A planned run (the dry run for ``cluster=...``) builds the same record without a GPU:
-``GpuInfo.from_cluster(cfg.cluster, "H100 SXM")`` takes the card's capability and SMs from :data:`CARDS` and the
-memory, reserve and GPUs per node from the cluster's fields (``gpu_memory_gib``, ``reserved_gib``,
-``gpus_per_node``).
+an 835 TFLOP/s NVL part, and torch names the SXM5 one "NVIDIA H100 80GB HBM3": :func:`identify` says "unknown"
+rather than guess. A planned run (the dry run for ``cluster=...``) builds the same record without a GPU
+(:meth:`GpuInfo.from_cluster`).
 """
 
 from __future__ import annotations

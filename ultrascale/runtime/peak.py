@@ -2,20 +2,14 @@
 calibrated GEMM rate.
 
 A GPU's figure is its card's dense (no 2:4 sparsity) tensor-core peak for the dtype the matmuls run in, from
-the datasheet table :data:`ultrascale.runtime.gpu.CARDS` (sources named there): bf16/fp16 for 16-bit weights or
-autocast, TF32 for fp32 weights where torch lets matmuls use it (``torch.backends.cuda.matmul.allow_tf32``,
-``torch.set_float32_matmul_precision("high")``), plain fp32 otherwise. An H100 PCIe (756 TFLOP/s bf16) is not
-divided by the SXM5's 989, nor an fp32 run by the bf16 figure. A card the table does not know gets no MFU, and
-the banner says so, rather than a borrowed number.
+:data:`ultrascale.runtime.gpu.CARDS`: bf16/fp16 for 16-bit weights or autocast, TF32 for fp32 weights where torch
+lets matmuls use it, plain fp32 otherwise. A card the table does not know gets no MFU, rather than a borrowed
+number. A CPU has no datasheet peak a run can reach, so MFU there is ``achieved / calibrated``: what a large, long
+GEMM reaches per rank with the run's threads while every rank of the node runs it at once, stored per CPU, dtype,
+threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` so a machine measures it once (why not a quick
+matmul at start-up: bench/README.md, "The CPU peak MFU divides by"). To measure it again, on a quiet machine:
 
-A CPU has no datasheet peak a run can reach, so MFU there is ``achieved / calibrated``, where *calibrated* is
-what a large, long GEMM reaches per rank with the thread count the run uses while every rank of the node
-runs it at once (ranks that share cores share the rate). A short, small matmul at start-up, measured while
-the other ranks were still importing, read high and low at random; it made a SmolLM2-135M run log 88-100 %
-MFU. The steady-state figure is the median of timed windows after a warm-up, and is stored per CPU (name and
-fingerprint), dtype, threads and ranks in ``$ULTRASCALE_CACHE_DIR/peak_flops.json`` (default the project's ``.cache/ultrascale``),
-so a machine measures it once. ``torchrun --nproc_per_node 2 -m ultrascale.runtime.peak --remeasure`` measures it again
-for 2 ranks per node (do it on a quiet machine: a reading taken under load inflates every later MFU).
+    torchrun --nproc_per_node 2 -m ultrascale.runtime.peak --remeasure
 """
 
 from __future__ import annotations

@@ -4,17 +4,9 @@ Under the ``deepspeed`` launcher (which sets ``LOCAL_SIZE``) every CPU rank crea
 ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` (69 MB) when the process group starts, maps
 every local peer's, and never unlinks any of them (DeepSpeed 0.19.8, ``ops/csrc/cpu/comm/shm.cpp``): each launch,
 finished or killed, leaves 69 MB per rank in RAM-backed ``/dev/shm``, and fresh ports pile them up until the box
-runs out of memory (11 GB were seen).
-
-Two remedies, both here:
-
-- :func:`release_own` (every rank, right after the process group starts): once every local rank has mapped every
-  peer's buffer (DeepSpeed's ``shm_initialize`` blocks until it has), the names are no longer needed; each rank
-  unlinks its own. The mappings stay valid, and the kernel frees the memory when the last rank exits, however it
-  exits (a SIGKILL included), so a launch leaves nothing behind.
-- :func:`remove_stale` (at the same point, and in the test suite's teardown): buffers left by launches from before
-  that, or killed before it: a buffer nobody holds open or mapped (``/proc/*/fd`` and ``/proc/*/maps``) belongs to
-  a dead launch and is removed; one a live process holds is kept, whoever's it is.
+runs out of memory. Two remedies: :func:`release_own` (every rank, right after the process group starts) unlinks
+each rank's own name once every peer has mapped it, so a launch leaves nothing behind; :func:`remove_stale` (at the
+same point, and in the test suite's teardown) removes the buffers of launches from before that, or killed before it.
 """
 
 from __future__ import annotations
@@ -74,7 +66,10 @@ def held() -> set[str]:
 
 
 def remove_stale(min_age_s: float = MIN_AGE_S) -> list[Path]:
-    """Remove this user's buffers that no live process holds (a dead launch's); returns what was removed."""
+    """Remove this user's buffers that no live process holds (a dead launch's); returns what was removed.
+
+    A buffer nobody holds open or mapped (``/proc/*/fd`` and ``/proc/*/maps``) belongs to a dead launch; one a
+    live process holds is kept, whoever's it is."""
     found = buffers()
     if not found:
         return []
@@ -104,8 +99,8 @@ def own_path() -> Path | None:
 
 def release_own(barrier) -> None:
     """Collective, once the process group is up: after ``barrier()`` every local rank has mapped every peer's
-    buffer, so each unlinks its own name (the memory lives on until the last rank exits); then dead launches'
-    buffers go too."""
+    buffer, so each unlinks its own name (the mappings stay valid, and the kernel frees the memory when the last
+    rank exits, however it exits, a SIGKILL included); then dead launches' buffers go too."""
     own = own_path()
     if own is None:  # decided by the environment alone, so every rank takes the same branch into the barrier
         return

@@ -4,31 +4,11 @@ Averages hide the comb: a run that is 30 % idle looks fine in tokens/s until som
 30 % went. Backward, gradient reduction and optimizer come from DeepSpeed's own engine timers
 (``wall_clock_breakdown``); the forward is timed here around the engine call, because DeepSpeed times it
 from module hooks, and a ``time.time()`` inside a compiled module's hooks breaks the ``torch.compile``
-graph. The parts are disjoint, and ``other_s`` is the rest of the step's wall time (our own bookkeeping, Python):
+graph. The parts are disjoint, and ``other_s`` is the rest of the step's wall time:
 
     data_wait_s + fwd_s + bwd_s + comm_s + opt_s + other_s = step_s
 
-On CPU ``other_s`` is measured, not taken as the remainder: the step's wall time outside every timed call
-(the batch fetch, the forward, our loss all-reduce, and ``engine.backward``/``engine.step`` clocked from
-outside). The identity then checks DeepSpeed's inner timers against our outer clock: a part counted twice
-shows as parts summing above ``step_s``; what DeepSpeed does inside backward/step but times in no part,
-as a sum below it. On GPU host clocks around asynchronous calls mean nothing, so there it is the remainder.
-
-``comm_s`` is what DeepSpeed exposes as a separate phase, the gradient reduction at the end of backward
-(``bwd_allreduce``), plus our own loss all-reduce. Reductions that overlap the backward (ZeRO ``overlap_comm``
-buckets) are inside ``bwd_s``; ZeRO-1/2's parameter all-gather after the update is inside ``opt_s``.
-
-Host clocks on CPU. On a GPU the timers are CUDA events, and reading one waits for its end event: DeepSpeed
-0.19.8 reads every engine timer after every micro-step (``engine._update_wall_clock_timers``, each a
-``end_event.synchronize()``), a stall of the host on each ``engine.step()``. With ``lazy`` (the decision's
-``events``, every nccl run) that read is switched off: the events stay queued, are read only for a row the
-trainer logs (one wait, for that step's update) and dropped unread otherwise, so a step whose row is not
-logged adds no synchronisation. (DeepSpeed's throughput timer, which synchronises the device twice per
-micro-step, is off in the DeepSpeed JSON: ``levers/deepspeed.py``.)
-
-The pipeline engine cannot run with ``wall_clock_breakdown`` in DeepSpeed 0.19.8 (its backward starts a micro
-timer the base engine's hook already started), so pipeline runs record the data wait and the step time, and
-the rest of the step stays in ``other_s``.
+How ``other_s`` and ``comm_s`` are taken, the GPU's lazy timer reads and the pipeline engine: :class:`StepBreakdown`.
 """
 
 from __future__ import annotations
@@ -46,8 +26,29 @@ _ENGINE = {"bwd_s": BACKWARD_INNER_MICRO_TIMER, "comm_s": BACKWARD_REDUCE_MICRO_
 class StepBreakdown:
     """Accumulates one optimizer step's parts; ``finish()`` returns the row fields.
 
+    On CPU ``other_s`` is measured, not taken as the remainder: the step's wall time outside every timed call
+    (the batch fetch, the forward, our loss all-reduce, and ``engine.backward``/``engine.step`` clocked from
+    outside). The identity then checks DeepSpeed's inner timers against our outer clock: a part counted twice
+    shows as parts summing above ``step_s``; what DeepSpeed does inside backward/step but times in no part, as a
+    sum below it. On GPU host clocks around asynchronous calls mean nothing, so there it is the remainder.
+
+    ``comm_s`` is what DeepSpeed exposes as a separate phase, the gradient reduction at the end of backward
+    (``bwd_allreduce``), plus our own loss all-reduce. Reductions that overlap the backward (ZeRO
+    ``overlap_comm`` buckets) are inside ``bwd_s``; ZeRO-1/2's parameter all-gather after the update is inside
+    ``opt_s``.
+
     ``lazy`` (default: on a GPU; the trainer passes the decision, ``step_breakdown.value == "events"``): the
-    engine timers are read in ``finish(read=True)`` only, not after every micro-step."""
+    engine timers are read in ``finish(read=True)`` only, not after every micro-step. On a GPU the timers are
+    CUDA events, and reading one waits for its end event: DeepSpeed 0.19.8 reads every engine timer after every
+    micro-step (``engine._update_wall_clock_timers``, each a ``end_event.synchronize()``), a stall of the host on
+    each ``engine.step()``. Lazy, the events stay queued, are read only for a row the trainer logs (one wait,
+    for that step's update) and dropped unread otherwise, so a step whose row is not logged adds no
+    synchronisation. (DeepSpeed's throughput timer, which synchronises the device twice per micro-step, is off in
+    the DeepSpeed JSON: ``levers/deepspeed.py``.)
+
+    The pipeline engine (``pipe``) cannot run with ``wall_clock_breakdown`` in DeepSpeed 0.19.8 (its backward
+    starts a micro timer the base engine's hook already started), so pipeline runs record the data wait and the
+    step time, and the rest of the step stays in ``other_s``."""
 
     def __init__(self, engine, enabled: bool, pipe: bool, lazy: bool | None = None):
         self.engine = engine

@@ -3,19 +3,12 @@
 Why here and not in DeepSpeed: DeepSpeed's ZeRO and bf16/fp16 wrappers already refuse an update whose
 gradient norm is not finite (and count it in ``skipped_steps``), but they know nothing of loss spikes,
 never roll back, and a plain fp32 ZeRO-0 optimizer steps straight into NaN weights. This module adds the
-policy layer on top:
-
-* the decision is taken before the step's last backward, from the step's loss all-reduced over every rank,
-  so a NaN planted on one rank is seen by all of them;
-* the verdict itself is all-reduced (MAX over an ordered action code), so ranks cannot disagree even if
-  floating point ever differed;
-* a skipped update is skipped at the innermost optimizer (:class:`StepGate`): the optimizer state
-  (Adam moments, step count) is untouched and the parameters stay bit-identical, for every ZeRO stage
-  and every optimizer DeepSpeed wraps;
-* consecutive bad steps and rollbacks are capped, ending the run with one clear error.
-
-A fault-injection hook (``ULTRASCALE_INJECT``) plants a NaN or a spike at a chosen step on a chosen rank,
-so the tests exercise the real path end to end.
+policy layer on top: the decision is taken before the step's last backward from the step's loss all-reduced
+over every rank; the verdict itself is agreed (:func:`agree`), so ranks cannot disagree; a skipped update is
+skipped at the innermost optimizer (:class:`StepGate`), leaving the optimizer state and the parameters
+bit-identical; consecutive bad steps and rollbacks are capped, ending the run with one clear error. A
+fault-injection hook (``ULTRASCALE_INJECT``) plants a NaN or a spike at a chosen step on a chosen rank, so the
+tests exercise the real path end to end.
 """
 
 from __future__ import annotations
@@ -25,15 +18,12 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as tdist
+from omegaconf import DictConfig
 
 from ultrascale.errors import UltrascaleError
-
-if TYPE_CHECKING:
-    from ultrascale.config.stability import StabilityConfig
 
 ACTIONS = ("ok", "lr_cut", "skip", "rollback", "stop")
 """Ordered by severity: when ranks are merged with MAX, the strongest action wins."""
@@ -86,7 +76,7 @@ class SpikeDetector:
 class StabilityMonitor:
     """Judges each step, tracks lr cuts and the consecutive-bad-step cap. Same state on every rank."""
 
-    def __init__(self, cfg: StabilityConfig):
+    def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         self.detector = SpikeDetector(cfg.spike_window, cfg.spike_min_history, cfg.spike_min_rel_std)
         self.consecutive = 0

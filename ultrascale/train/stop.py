@@ -6,28 +6,8 @@ process of the terminal's group, a scheduler's SIGTERM may reach one node first,
 the batch script). Raising there would leave the other ranks waiting in a collective for a rank that is gone,
 and the steps since the last periodic checkpoint would be lost. Instead the handler only records the signal;
 the trainer sends the record through the all-gather it already makes for the stability verdict, so every rank
-learns of it in the same step, finishes that step, saves and stops together.
-
-A second signal during the save is reported and ignored: the save finishes and ``latest`` moves atomically
-(a SIGKILL at that point leaves the previous checkpoint as ``latest``, so nothing is corrupted either way).
-
-Who cannot send a signal to every rank (a Slurm batch script whose job steps run on other nodes, a driver
-process, a user) writes the request file ``<output_dir>/STOP`` (its first line, e.g. ``USR1``, names the cause;
-a ``writer: HOST PID`` line names who asked); rank 0 looks for it once per step and removes it once the run has
-stopped. A request nobody answered (its writer died before the ranks started, or before it could remove it) must
-not stop the next attempt right after its resume: rank 0 removes, at start, a request written before this launch
-began whose writer is gone (:meth:`StopRequest.drop_stale_request`).
-
-A rank can only act on a signal at a step boundary; one stuck in a collective whose peer died (a killed rank:
-gloo, DeepSpeed's shared-memory all-reduce and NCCL all wait for it) never gets there. So the first signal also
-starts a watchdog thread (woken through ``signal.set_wakeup_fd``, which the C-level handler writes even while
-the main thread is blocked in C++): if the rank makes no progress for ``30 s + 3 x its longest step`` after
-the signal, it exits at once with code 1 and a line saying why, keeping the newest complete checkpoint, so a
-launcher restarts the job in seconds instead of waiting out its shutdown timeout.
-
-And a launcher that dies is a stop too: the ``deepspeed`` command does not forward SIGTERM on one node (it
-dies of it and leaves its ``launch.py`` and the ranks running, unwatched), so each rank also checks, once per
-step, that the launcher processes above it are still there.
+learns of it in the same step, finishes that step, saves and stops together. The request file, the watchdog of a
+rank stuck in a collective and the launcher check: :class:`StopRequest`.
 """
 
 from __future__ import annotations
@@ -86,7 +66,27 @@ def signal_name(code: int) -> str:
 
 
 class StopRequest:
-    """This process's pending stop: the first signal (or the request file) it saw, and how many more came."""
+    """This process's pending stop: the first signal (or the request file) it saw, and how many more came.
+
+    A second signal during the save is reported and ignored: the save finishes and ``latest`` moves atomically
+    (a SIGKILL at that point leaves the previous checkpoint as ``latest``, so nothing is corrupted either way).
+
+    Who cannot send a signal to every rank (a Slurm batch script whose job steps run on other nodes, a driver
+    process, a user) writes the request file ``<output_dir>/STOP`` (its first line, e.g. ``USR1``, names the
+    cause; a ``writer: HOST PID`` line names who asked); rank 0 looks for it once per step and removes it once the
+    run has stopped. A request nobody answered must not stop the next attempt right after its resume
+    (:meth:`drop_stale_request`).
+
+    A rank can only act on a signal at a step boundary; one stuck in a collective whose peer died (a killed
+    rank: gloo, DeepSpeed's shared-memory all-reduce and NCCL all wait for it) never gets there. So the first
+    signal also starts a watchdog thread (woken through ``signal.set_wakeup_fd``, which the C-level handler
+    writes even while the main thread is blocked in C++): if the rank makes no progress for ``30 s + 3 x its
+    longest step`` after the signal, it exits at once with code 1 and a line saying why, keeping the newest
+    complete checkpoint, so a launcher restarts the job in seconds instead of waiting out its shutdown timeout.
+
+    And a launcher that dies is a stop too: the ``deepspeed`` command does not forward SIGTERM on one node (it
+    dies of it and leaves its ``launch.py`` and the ranks running, unwatched), so each rank also checks, once per
+    step, that the launcher processes above it are still there (:func:`launcher_ancestors`)."""
 
     def __init__(self, rank: int, request_file: Path | None = None):
         self.rank, self.request_file = rank, request_file
