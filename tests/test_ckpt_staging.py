@@ -10,7 +10,8 @@ import torch
 
 from tests.conftest import FAST, check, launch, metrics
 from ultrascale.errors import ConfigError
-from ultrascale.train.ckpt_writer import BackgroundWriter, Staging, staging_mode
+from ultrascale.levers.decide import staging_mode
+from ultrascale.train.ckpt_writer import BackgroundWriter, Staging
 
 
 def gpu_probe():
@@ -86,6 +87,25 @@ def test_the_staging_mode_follows_the_device():
     assert Staging("pinned").mode == ("pinned" if torch.cuda.is_available() else "pageable")
     with pytest.raises(ValueError, match="expected one of auto, pinned, pageable"):
         staging_mode("locked", cuda=True)
+
+
+def test_the_staging_is_the_runs_decision():
+    """The rule runs once, in the levers: the run's Decisions carry the mode for its device (an nccl run has CUDA)
+    and the trainer hands that value to the checkpointer."""
+    from ultrascale.config.compose import compose
+    from ultrascale.levers.decide import decide
+    from ultrascale.levers.rules import validate
+
+    cfg = compose([])
+    d = validate(cfg, 1, backend="gloo")
+    assert d.checkpoint_staging.value == "pageable"  # a CPU run: nothing to pin for
+    assert d.checkpoint_staging.on == bool(cfg.train.checkpoint_async)
+    gpu = decide(cfg, d.topo, d.hf_config, "nccl", None, None)
+    assert gpu.checkpoint_staging.value == "pinned" and "train.checkpoint_staging=auto" in gpu.checkpoint_staging.why
+    pageable = compose(["train.checkpoint_staging=pageable"])
+    assert decide(pageable, d.topo, d.hf_config, "nccl").checkpoint_staging.value == "pageable"
+    sync = compose(["train.checkpoint_async=false"])
+    assert not decide(sync, d.topo, d.hf_config, "nccl").checkpoint_staging.on
 
 
 def test_checkpoint_staging_is_a_typed_key():

@@ -10,7 +10,7 @@ tells it for this machine, the planner passes the cluster's).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ultrascale.config.recompute import AC_MODES, checkpointing_mode
 from ultrascale.config.topology import Topology
@@ -27,6 +27,9 @@ from ultrascale.levers.hardware import (
 )
 from ultrascale.runtime.cpu import CpuInfo
 from ultrascale.runtime.gpu import GpuInfo
+
+if TYPE_CHECKING:
+    from ultrascale.config.train import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class Decisions:
     """The GPU the levers were decided for (this rank's, or a planned cluster's); None on CPU ranks."""
     finetune: Choice = Choice(False, "full: every parameter trains (finetune=none)", "none")
     """``value``: ``none``, ``lora`` or ``qlora`` (``finetune.method``): adapters over a frozen pretrained model."""
+    checkpoint_staging: Choice = Choice(False, "pageable (train.checkpoint_async=false)", "pageable")
+    """``value``: where the background checkpoint writer's snapshot lands, ``pinned`` or ``pageable``
+    (``train.checkpoint_staging``); off when checkpoints are written on the training thread."""
 
     @property
     def pipeline(self) -> bool:
@@ -142,6 +148,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
         hf_config=hf_config,
         gpu=gpu,
         finetune=_finetune(cfg),
+        checkpoint_staging=_checkpoint_staging(cfg.train, backend),
     )
 
 
@@ -158,6 +165,30 @@ def _finetune(cfg: Any) -> Choice:
     return Choice(True, f"{method}: r={f.r} alpha={f.alpha:g} dropout={f.dropout:g} on {targets}{saved}; {base} "
                         f"from {cfg.model.pretrained_path}: only adapter weights get gradients and optimizer state "
                         f"(finetune={method})", method)  # fmt: skip
+
+
+STAGING_MODES = ("auto", "pinned", "pageable")
+
+
+def staging_mode(requested: str, cuda: bool) -> str:
+    """``train.checkpoint_staging`` as it runs: ``auto`` is pinned where CUDA is, pageable elsewhere; pinned
+    without CUDA is pageable too (there is no DMA engine to pin for). The run's decision asks it with the
+    backend (:func:`_checkpoint_staging`); :class:`ultrascale.train.ckpt_writer.Staging` with the device at hand."""
+    if requested not in STAGING_MODES:
+        raise ValueError(f"checkpoint staging {requested!r}: expected one of {', '.join(STAGING_MODES)}")
+    return "pinned" if requested in ("auto", "pinned") and cuda else "pageable"
+
+
+def _checkpoint_staging(train: TrainConfig, backend: str) -> Choice:
+    """``train.checkpoint_staging`` on this run's device (an ``nccl`` run has CUDA)."""
+    requested = str(train.checkpoint_staging)
+    mode = staging_mode(requested, cuda=backend == "nccl")
+    if not train.checkpoint_async:
+        return Choice(False, f"{mode}, unused: every rank writes on the training thread (train.checkpoint_async=false)",
+                      mode)  # fmt: skip
+    how = "page-locked buffers, non-blocking copies" if mode == "pinned" else "ordinary buffers, blocking copies"
+    return Choice(True, f"{mode} host buffers for the background writer ({how}; train.checkpoint_staging="
+                        f"{requested})", mode)  # fmt: skip
 
 
 def _partitioned_build(stage: int, topo: Topology, experts: int) -> Choice:

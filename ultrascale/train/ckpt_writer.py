@@ -47,8 +47,9 @@ import numpy as np
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
+from ultrascale.levers.decide import staging_mode
+
 log = logging.getLogger("ultrascale")
-STAGING_MODES = ("auto", "pinned", "pageable")
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
@@ -87,15 +88,6 @@ def snapshot(obj: Any, memo: dict | None = None, copy: Callable[[torch.Tensor], 
             return obj  # nothing mutable inside (torch.Size, plain tuples): keep its type
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     return obj
-
-
-def staging_mode(requested: str, cuda: bool | None = None) -> str:
-    """``train.checkpoint_staging`` as it runs here: ``auto`` is pinned where CUDA is, pageable elsewhere; pinned
-    without CUDA is pageable too (there is no DMA engine to pin for)."""
-    if requested not in STAGING_MODES:
-        raise ValueError(f"checkpoint staging {requested!r}: expected one of {', '.join(STAGING_MODES)}")
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    return "pinned" if requested in ("auto", "pinned") and cuda else "pageable"
 
 
 PAGE = mmap.PAGESIZE
@@ -241,7 +233,7 @@ class Staging:
     """
 
     def __init__(self, mode: str = "auto", cuda: bool | None = None) -> None:
-        self.mode = staging_mode(mode, cuda)
+        self.mode = staging_mode(mode, torch.cuda.is_available() if cuda is None else cuda)
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.allocations = 0
         """Allocations so far (a slab counts once, an ordinary buffer once); a save that allocates nothing leaves
