@@ -1,4 +1,4 @@
-"""The sampler (``ultrascale/generate.py``) against HF: the same greedy tokens as ``model.generate`` whatever the
+"""The sampler (``ultrascale/generate/``) against HF: the same greedy tokens as ``model.generate`` whatever the
 batching does (refills, compaction, padding), on the dynamic path and on the static cache (the path CUDA graphs
 replay, run eagerly here), sampling processed in HF's order and drawn on the device, per-row stopping, one
 prefill per prompt for its n samples, and every generating path going through it."""
@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from tests.test_eval import make_tokenizer
-from ultrascale.generate import Sampler, SamplingParams, _lookup, process_logits, sample_tokens
-from ultrascale.static_decode import bucket, decide_static
+from ultrascale.generate import Sampler, SamplingParams
+from ultrascale.generate.draft import lookup
+from ultrascale.generate.sampling import process_logits, sample_tokens
+from ultrascale.generate.static import decide_static
+from ultrascale.generate.static_cache import bucket
 
 PROMPTS = [
     "def add(a, b):\n",
@@ -116,22 +119,22 @@ def test_decode_attention_switches_the_implementation_and_puts_it_back(tiny, mon
     """While generating, the decoding steps go through ``decode_attn_forward``; afterwards (also after an error,
     and for training's blocked implementation) the model has the implementation it had before: the in-training
     eval generates with the model being trained."""
-    import ultrascale.generate as gen
+    import ultrascale.generate.attention as attn
     from ultrascale.model.attention import implementation_name
 
     model, tok = tiny
     seen = []
-    real = gen.decode_attn_forward
+    real = attn.decode_attn_forward
 
     def spy(module, *args, **kw):
         seen.append(module.config._attn_implementation)
         return real(module, *args, **kw)
 
-    monkeypatch.setattr(gen, "decode_attn_forward", spy)
+    monkeypatch.setattr(attn, "decode_attn_forward", spy)
     before = model.config._attn_implementation
     assert before == "sdpa"
     Sampler(model, tok, batch_size=2).generate(PROMPTS[:2], SamplingParams(max_new_tokens=4))
-    assert seen and set(seen) == {gen.DECODE_ATTENTION}
+    assert seen and set(seen) == {attn.DECODE_ATTENTION}
     assert model.config._attn_implementation == before
     assert all(m.config._attn_implementation == before for m in model.modules() if hasattr(m, "config"))
     blocked = implementation_name(8)
@@ -141,10 +144,10 @@ def test_decode_attention_switches_the_implementation_and_puts_it_back(tiny, mon
         assert model.config._attn_implementation == blocked
 
         def boom(*args, **kw):
-            assert model.config._attn_implementation == gen.DECODE_ATTENTION
+            assert model.config._attn_implementation == attn.DECODE_ATTENTION
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(gen.Sampler, "_generate", boom)
+        monkeypatch.setattr(Sampler, "_generate", boom)
         with pytest.raises(KeyboardInterrupt):
             Sampler(model, tok).generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))
         assert model.config._attn_implementation == blocked
@@ -203,31 +206,32 @@ def test_a_sampled_step_reads_nothing_back_to_the_host(tiny):
     dynamic path hands the rows' keys and steps in; the static path keeps them on the device, next test)."""
     model, tok = tiny
     sampler = Sampler(model, tok)
-    from ultrascale.generate import _Row, row_key
+    from ultrascale.generate.rows import Row
+    from ultrascale.generate.sampling import pick_tokens, row_key
 
-    rows = [_Row(0, s, row_key(1, 0, s), tokens=[1] * s) for s in range(4)]
+    rows = [Row(0, s, row_key(1, 0, s), tokens=[1] * s) for s in range(4)]
     logits = torch.randn(4, len(tok))
     params = SamplingParams(n=4, temperature=0.8, top_k=20, top_p=0.9)
-    ops = _ops_in(lambda: sampler._pick(logits, rows, params))
+    ops = _ops_in(lambda: pick_tokens(logits, rows, params, sampler.pad))
     assert "aten.argmax.default" in ops and not ops & HOST_READS, ops & HOST_READS
 
 
 def test_the_static_step_is_capturable_no_host_value_enters_or_leaves(tiny):
     """What a CUDA graph would hold (the static step over the full width, then the draw) reads no device value
     back and builds no tensor from host data: CPU stands in for the capture CI cannot run."""
-    import ultrascale.generate as gen
+    from ultrascale.generate.attention import decode_attention
 
     model, tok = tiny
     sampler = Sampler(model, tok, batch_size=4, static="on")
     sampler.generate(PROMPTS[:4], SamplingParams(max_new_tokens=6))
-    slots = sampler._slots
+    slots = sampler.static_decoder.slots
     params = SamplingParams(n=4, temperature=0.8, top_k=20, top_p=0.9)
 
     def step():
-        logits = slots.forward(sampler.head[0], sampler._head_logits, 4, slots.width)
+        logits = slots.forward(sampler.lm.base, sampler.lm.head_logits, 4, slots.width)
         sample_tokens(logits, params, slots.keys[:4], slots.steps[:4])
 
-    with torch.no_grad(), gen.decode_attention(model):
+    with torch.no_grad(), decode_attention(model):
         ops = _ops_in(step)
     assert "aten.index_put_.default" in ops and not ops & {*HOST_READS, HOST_DATA}, ops & {*HOST_READS, HOST_DATA}
 
@@ -280,10 +284,10 @@ def test_prompt_lookup_drafts_are_verified_so_greedy_output_does_not_change(tiny
 
 def test_the_draft_is_what_followed_the_last_ngram_most_recently():
     prompt = [5, 6, 7, 8, 9, 5, 6, 1, 2]
-    assert _lookup(prompt, [5, 6], k=3) == [1, 2, 5]  # the 2-gram (5, 6) last occurred at 5..6: 1, 2, then 5, 6
-    assert _lookup(prompt, [7, 8], k=2) == [9, 5]  # a 3-gram (6, 7, 8) has no earlier match; (7, 8) does
-    assert _lookup(prompt, [42], k=4) == []  # never seen: no draft
-    assert _lookup([], [3, 3, 3], k=2) == [3]  # only what exists is copied
+    assert lookup(prompt, [5, 6], k=3) == [1, 2, 5]  # the 2-gram (5, 6) last occurred at 5..6: 1, 2, then 5, 6
+    assert lookup(prompt, [7, 8], k=2) == [9, 5]  # a 3-gram (6, 7, 8) has no earlier match; (7, 8) does
+    assert lookup(prompt, [42], k=4) == []  # never seen: no draft
+    assert lookup([], [3, 3, 3], k=2) == [3]  # only what exists is copied
 
 
 def test_sampling_applies_temperature_then_top_k_then_top_p_as_hf_does():
@@ -341,19 +345,18 @@ def test_the_samples_of_a_prompt_share_one_prefill_and_still_differ(tiny):
 
 def test_in_training_humaneval_and_ssd_sampling_generate_through_the_sampler(tiny, monkeypatch, tmp_path):
     """Both callers end in Sampler.generate (spied on), with their own settings."""
-    import ultrascale.generate as gen
     from ultrascale.eval import humaneval
     from ultrascale.ssd.sample import generate_all
 
     model, tok = tiny
     calls = []
-    real = gen.Sampler.generate
+    real = Sampler.generate
 
     def spy(self, prompts, params, progress=False, extra_stops=None):
         calls.append(params)
         return real(self, prompts, params, progress, extra_stops)
 
-    monkeypatch.setattr(gen.Sampler, "generate", spy)
+    monkeypatch.setattr(Sampler, "generate", spy)
     monkeypatch.setattr(humaneval, "check_available", lambda: None)
     monkeypatch.setattr(humaneval, "run_many", lambda programs, limits, workers: [_Out() for _ in programs])
     # the in-training evaluator, on the engine's module (a stand-in trainer with just what it reads)
@@ -388,9 +391,9 @@ def test_a_reused_static_cache_gives_the_same_tokens(tiny):
     sampler = Sampler(model, tok, batch_size=3, static="on")
     params = SamplingParams(max_new_tokens=24, stop=("ar", "VE"))
     first = sampler.generate(PROMPTS, params)
-    slots = sampler._slots
+    slots = sampler.static_decoder.slots
     again = sampler.generate(PROMPTS[::-1], params)
-    assert sampler._slots is slots
+    assert sampler.static_decoder.slots is slots
     assert [c.ids for (c,) in again] == [c.ids for (c,) in first][::-1]
     fresh = Sampler(model, tok, batch_size=3, static="on")
     fresh.generate(PROMPTS[::-1], params)

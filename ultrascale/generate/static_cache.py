@@ -1,70 +1,23 @@
-"""The sampler's decoding step over a static KV cache, replayed as CUDA graphs in power-of-two batch buckets
-(gpt-fast's shape; vLLM captures one graph per batch size the same way).
-
-Why: on a GPU a small model's decoding step is launch-bound. SmolLM2-135M's step is some 450 kernels of a few
-microseconds each, and the eager sampler reached ~1,000 tokens/s on an H200 at 32 rows (issue 41), far below
-what the card reads and computes. A captured CUDA graph replays every kernel of the step with one launch, but
-only if each tensor the step touches lives at a fixed address and nothing inside it waits for the host. So:
-
-- every row owns a **slot** of a cache allocated once per layer ([slots, kv heads, width, head dim]): its
-  prompt's keys and values left-aligned in columns 0..L-1 (written by :meth:`StaticSlots.load` from a prefill),
-  then one column per step at the row's own next column (``lens``). Positions are columns, so no row is padded;
-- the step reads the last tokens and next columns from fixed tensors and builds its attention mask from them
-  (column <= own next column), so no host value enters it (:meth:`StaticSlots.forward`);
-- the rows the step computes are rounded up to a power of two (:func:`bucket`), one graph per bucket, all in one
-  memory pool and over the same buffers (slot views), so a batch that shrinks after its last refill replays a
-  smaller graph once its live rows are moved into the lowest slots (:meth:`StaticSlots.move`);
-- prefill stays eager (its shapes change with every group of prompts), as in gpt-fast.
-
-On CPU the same step runs eagerly over the columns in use (no graphs: there are no kernel launches to save).
-:func:`decide_static` says which path runs and why; the sampler (``ultrascale/generate.py``) owns the rows.
+"""The static KV cache the GPU decoding step runs over (gpt-fast's shape). Every row owns a **slot** of a cache
+allocated once per layer ([slots, kv heads, width, head dim]): its prompt's keys and values left-aligned in
+columns 0..L-1 (:meth:`StaticSlots.load`, from a prefill), then one column per step at the row's own next column
+(``lens``), so no row is padded. The step reads its last tokens and next columns from fixed tensors and builds
+its mask from them (:meth:`StaticSlots.forward`): nothing from the host enters it and nothing is read back, so a
+CUDA graph can hold it. Live rows move into the lowest slots (:meth:`StaticSlots.move`) so that a smaller
+power-of-two bucket (:func:`bucket`) serves a shrinking batch.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
-
-log = logging.getLogger("ultrascale")
-
-STATIC_CHOICES = ("auto", "on", "eager", "off")
-SYNC_EVERY_CUDA = 8
-"""Steps between host reads of the new tokens on a GPU: the host checks stop sequences while the next steps run.
-A row that finished mid-window computes at most this many steps too many; its text is cut where it stopped."""
 
 
 def bucket(rows: int) -> int:
     """The power of two at or above ``rows``: the batch sizes a graph is captured for."""
     return 1 << max(rows - 1, 0).bit_length()
-
-
-def decide_static(device: torch.device, asked: str, plain_head: bool, sdpa: bool) -> tuple[bool, bool, str]:
-    """(static cache on, CUDA graphs on, why), decided once per sampler.
-
-    ``auto``: on CUDA both (the step is launch-bound there); on CPU neither, since a CPU has no launches to save
-    and the dynamic path's prompt-lookup drafting decodes several tokens per step (``make bench-generate``
-    measures both). ``on``: the static cache, with graphs where CUDA is. ``eager``: the static cache, no graphs.
-    The static step computes the head itself and hands SDPA a boolean mask, so it needs both."""
-    if asked not in STATIC_CHOICES:
-        raise ValueError(f"static={asked!r}: choose one of {', '.join(STATIC_CHOICES)}")
-    if asked == "off":
-        return False, False, "off (static=off)"
-    if not (plain_head and sdpa):
-        return False, False, ("off: the static step needs a causal LM whose logits are a plain head product "
-                              "and SDPA attention (the dynamic path serves this model)")  # fmt: skip
-    cuda = device.type == "cuda"
-    if asked == "eager":
-        return True, False, "static cache, eager steps (static=eager)"
-    if cuda:
-        return True, True, "static cache + CUDA graphs per power-of-two bucket (decoding is launch-bound on a GPU)"
-    if asked == "on":
-        return True, False, "static cache, eager steps (CPU: no CUDA graphs)"
-    return False, False, ("off on CPU: no kernel launches to save, and the dynamic path drafts several tokens "
-                          "per step (static=on runs the static cache here)")  # fmt: skip
 
 
 def round_up(n: int, to: int) -> int:
@@ -177,36 +130,3 @@ class StaticSlots:
         h = base(input_ids=self.tok[:rows, None], attention_mask=mask, position_ids=lens,
                  past_key_values=self.view(rows, width), use_cache=True).last_hidden_state[:, -1]  # fmt: skip
         return head(h)
-
-
-class DecodeGraphs:
-    """One CUDA graph per bucket of the static step, captured on first use over the full width, all sharing one
-    memory pool (they are replayed one at a time, and each output is read before the next replay)."""
-
-    def __init__(self, step: Callable[[int], torch.Tensor], autocast: AbstractContextManager | None = None) -> None:
-        self.step, self.autocast = step, autocast
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
-
-    def __call__(self, rows: int) -> torch.Tensor:
-        if rows not in self.graphs:
-            self.graphs[rows] = self._capture(rows)
-        graph, out = self.graphs[rows]
-        graph.replay()
-        return out
-
-    def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        ctx = self.autocast or nullcontext()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), ctx:  # warm-up: cuBLAS workspaces, kernel choices, the allocator's blocks
-            for _ in range(2):
-                self.step(rows)  # writes this step's key/value at each row's next column: what the replay writes
-        torch.cuda.current_stream().wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), ctx:
-            out = self.step(rows)
-        log.debug(f"static decode: captured the step for {rows} rows")
-        return graph, out
