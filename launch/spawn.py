@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
@@ -32,6 +33,10 @@ from ultrascale.paths import PROJECT_ROOT, resolve_path
 from ultrascale.rundir import STOP_REQUEST, STOPPED
 from ultrascale.runtime.dist import RESTART_ENV, free_port
 from ultrascale.train.stop import write_request
+
+if TYPE_CHECKING:
+    from ultrascale.config.launcher import LauncherConfig
+    from ultrascale.config.root import RootConfig
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 CONFIG_ERROR = 2
@@ -84,6 +89,7 @@ def is_driver(cfg: DictConfig) -> bool:
     """True when this process should start a launcher (or submit to Slurm) rather than train itself.
 
     A process started by a launcher has ``WORLD_SIZE`` set; a dry run only prints, whatever the launcher.
+    ``cfg`` is any composed DictConfig (eval's and data prep's roots have no launcher group).
     """
     if "launcher" not in cfg or cfg.get("dry_run", False) or "WORLD_SIZE" in os.environ:
         return False
@@ -96,9 +102,8 @@ def _exe(name: str) -> str:
     return str(p) if p.exists() else name
 
 
-def launcher_argv(cfg: DictConfig, script: str, args: list[str], port: int | None = None) -> list[str]:
-    """The launcher command line for one run of ``script args`` with ``cfg.launcher``'s shape."""
-    lc = cfg.launcher
+def launcher_argv(lc: LauncherConfig, script: str, args: list[str], port: int | None = None) -> list[str]:
+    """The launcher command line for one run of ``script args`` with ``launcher``'s shape."""
     port = port or lc.master_port or free_port()
     if lc.name == "deepspeed":
         cmd = [_exe("deepspeed")]  # no restarts of its own: run() loops (launcher.max_restarts)
@@ -130,9 +135,9 @@ def launcher_argv(cfg: DictConfig, script: str, args: list[str], port: int | Non
     raise ConfigError(f"launcher.name={lc.name!r} does not spawn a launcher: choose one of {list(SPAWNING)}")
 
 
-def launch_env(cfg: DictConfig) -> dict[str, str]:
+def launch_env(launcher: LauncherConfig) -> dict[str, str]:
     """This environment plus the network preset, so the launcher (and pdsh to other nodes) carries it."""
-    return {**os.environ, **{k: str(v) for k, v in cfg.launcher.env.items()}, "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, **{k: str(v) for k, v in launcher.env.items()}, "PYTHONUNBUFFERED": "1"}
 
 
 def run_launcher(cmd: list[str], env: dict[str, str], out_dir: Path, restart: int = 0) -> LaunchResult:
@@ -164,14 +169,14 @@ def run_launcher(cmd: list[str], env: dict[str, str], out_dir: Path, restart: in
     return LaunchResult(0 if clean else rc, fwd.signal)
 
 
-def spawn(cfg: DictConfig, script: str, args: list[str]) -> LaunchResult:
+def spawn(cfg: RootConfig, script: str, args: list[str]) -> LaunchResult:
     """Start ``script args`` under ``cfg.launcher`` and wait; a failed deepspeed launch is started again up to
     ``launcher.max_restarts`` times (torchrun restarts its workers itself)."""
     out = resolve_path(cfg.output_dir)
     restarts = 0
     while True:
-        cmd = launcher_argv(cfg, str(Path(script).resolve()), args)
-        res = run_launcher(cmd, launch_env(cfg), out, restart=restarts)
+        cmd = launcher_argv(cfg.launcher, str(Path(script).resolve()), args)
+        res = run_launcher(cmd, launch_env(cfg.launcher), out, restart=restarts)
         res.restarts = restarts
         retry = cfg.launcher.name == LauncherName.deepspeed and restarts < cfg.launcher.max_restarts
         if res.returncode in (0, CONFIG_ERROR) or res.stopped or not retry:

@@ -16,6 +16,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -24,6 +25,9 @@ from launch.spawn import STATUS_FILE
 from ultrascale.errors import DataError
 from ultrascale.jsonio import read_json
 from ultrascale.paths import resolve_path
+
+if TYPE_CHECKING:
+    from ultrascale.config.logger import LoggerConfig
 
 SUMMARY_CSV = "sweep_summary.csv"
 COLUMNS = ["job", "overrides", "status", "final_loss", "eval_loss", "tokens_per_s", "mfu", "mem_gb", "run_dir", "best"]
@@ -49,13 +53,13 @@ def group_name(sweep_dir: str | Path) -> str:
     return p.name
 
 
-def job_extras(cfg: DictConfig, job_dir: str, sweep_dir: str, job_num: int) -> dict[str, str]:
+def job_extras(logger: LoggerConfig, job_dir: str, sweep_dir: str, job_num: int) -> dict[str, str]:
     """Per-job settings a sweep adds: its own run dir, the sweep's wandb group, a readable run name."""
-    group = cfg.logger.wandb_group or group_name(sweep_dir)
+    group = logger.wandb_group or group_name(sweep_dir)
     return {
         "output_dir": str(resolve_path(job_dir)),
         "logger.wandb_group": group,
-        "logger.run_name": cfg.logger.run_name or f"{group}-{job_num}",
+        "logger.run_name": logger.run_name or f"{group}-{job_num}",
     }
 
 

@@ -143,7 +143,7 @@ def test_hostfile(tmp_path, monkeypatch, capsys):
 
 def test_launcher_argv(tmp_path):
     cfg = compose(["launcher=deepspeed", "launcher.nproc_per_node=4"])
-    cmd = launcher_argv(cfg, "train.py", ["zero=stage2"], port=1234)
+    cmd = launcher_argv(cfg.launcher, "train.py", ["zero=stage2"], port=1234)
     assert cmd[0].endswith("deepspeed") and cmd[1:] == [
         "--num_gpus",
         "4",
@@ -153,17 +153,19 @@ def test_launcher_argv(tmp_path):
         "zero=stage2",
     ]
     with pytest.raises(ConfigError, match=r"needs launcher\.hostfile"):
-        launcher_argv(compose(["launcher=deepspeed", "launcher.nnodes=2"]), "train.py", [])
+        launcher_argv(compose(["launcher=deepspeed", "launcher.nnodes=2"]).launcher, "train.py", [])
     hf = tmp_path / "hostfile"
     hf.write_text("a slots=8\nb slots=8\n")
-    cmd = launcher_argv(compose(["launcher=deepspeed", "launcher.nnodes=2", f"launcher.hostfile={hf}"]), "t.py", [], 9)
+    cmd = launcher_argv(
+        compose(["launcher=deepspeed", "launcher.nnodes=2", f"launcher.hostfile={hf}"]).launcher, "t.py", [], 9
+    )
     assert cmd[1:5] == ["--hostfile", str(hf), "--num_nodes", "2"]
-    cmd = launcher_argv(compose(["launcher=torchrun"]), "train.py", [], port=77)
+    cmd = launcher_argv(compose(["launcher=torchrun"]).launcher, "train.py", [], port=77)
     assert cmd[0].endswith("torchrun") and cmd[1:] == ["--nproc_per_node", "2", "--master_port", "77",
                                                         "--max-restarts", "0", "--signals-to-handle",
                                                         "SIGTERM,SIGINT,SIGUSR1", "--shutdown-timeout", "300", "train.py"]  # fmt: skip
     with pytest.raises(ConfigError, match="one node per invocation"):
-        launcher_argv(compose(["launcher=torchrun", "launcher.nnodes=2"]), "train.py", [])
+        launcher_argv(compose(["launcher=torchrun", "launcher.nnodes=2"]).launcher, "train.py", [])
 
 
 def test_is_driver(monkeypatch):

@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -27,6 +27,9 @@ from ultrascale.config.describe import help_if_asked
 from ultrascale.errors import ConfigError, UltrascaleError
 from ultrascale.runtime import error_line
 from ultrascale.runtime.dist import apply_launcher_env, configure_env, strip_local_rank
+
+if TYPE_CHECKING:
+    from ultrascale.config.root import RootConfig
 
 HYDRA_FLAGS = {"-m", "--multirun", "--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve",
                "--package", "-p", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
@@ -93,7 +96,7 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def _drive(cfg: DictConfig, args: list[str]) -> int:
+def _drive(cfg: RootConfig, args: list[str]) -> int:
     """Start this run under ``cfg.launcher`` (or submit it to Slurm) from the driver process."""
     from launch.slurm import submit_run
     from launch.spawn import spawn
@@ -114,12 +117,13 @@ def _drive(cfg: DictConfig, args: list[str]) -> int:
 
 
 def _sweep_job(cfg: DictConfig, hc: Any, explicit_out: bool) -> Any:
-    """One ``-m`` job driven from the sweep process: its own launcher (or sbatch) and run directory."""
+    """One ``-m`` job driven from the sweep process: its own launcher (or sbatch) and run directory. ``cfg`` is
+    Hydra's composed DictConfig: the job's extras are written into it by key path."""
     from launch.slurm import submit_run
     from launch.spawn import JobFailed, spawn
     from launch.sweep import job_extras
 
-    extras = job_extras(cfg, hc.runtime.output_dir, hc.sweep.dir, hc.job.num)
+    extras = job_extras(cfg.logger, hc.runtime.output_dir, hc.sweep.dir, hc.job.num)
     if explicit_out:
         extras.pop("output_dir")
     for k, v in extras.items():
@@ -184,7 +188,7 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
                     return _objective(hc, cfg, _sweep_job(cfg, hc, explicit_out))
                 from launch.sweep import job_extras
 
-                extras = job_extras(cfg, hc.runtime.output_dir, hc.sweep.dir, hc.job.num)
+                extras = job_extras(cfg.logger, hc.runtime.output_dir, hc.sweep.dir, hc.job.num)
                 if not explicit_out:
                     cfg.output_dir = extras["output_dir"]  # one run dir per sweep job
                 cfg.logger.wandb_group, cfg.logger.run_name = extras["logger.wandb_group"], extras["logger.run_name"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,9 +35,14 @@ from ultrascale.errors import ConfigError
 from ultrascale.levers.decide import Decisions
 from ultrascale.levers.length import describe as run_length
 from ultrascale.model.arch import arch_from_hf
-from ultrascale.plan.search import decided, layout_from_cfg
+from ultrascale.plan.search import decided, layout_from_cfg, plain_node
 from ultrascale.runtime.gpu import GpuInfo
 from ultrascale.train.banner import batch_line, zero_line
+
+if TYPE_CHECKING:
+    from ultrascale.config.cluster import ClusterConfig
+    from ultrascale.config.precision import PrecisionConfig
+    from ultrascale.config.root import RootConfig
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Target:
     """The hardware a dry run speaks for: a planned GPU cluster, or (``cluster`` None) this machine."""
 
     world: int
-    cluster: Any = None
+    cluster: ClusterConfig | None = None
     """The recipe's ``cluster`` group as a plain ``ClusterConfig``, its ``nodes`` and ``gpus_per_node`` the
     launcher's (``launcher.nnodes`` x ``launcher.nproc_per_node``): the preset says what a node is, the launcher
     how many of them the run takes."""
@@ -58,13 +63,13 @@ class Target:
         return "nccl" if self.cluster is not None else None
 
 
-def target(cfg: DictConfig) -> Target:
+def target(cfg: RootConfig) -> Target:
     """The recipe's cluster where it names one with a GPU card, else this machine. Raises ConfigError for a
     launcher that asks a node for more GPUs than the cluster's nodes have, or a card the datasheet table lacks."""
     from ultrascale.runtime.dist import planned_world_size
 
     world = planned_world_size(cfg)
-    c = cfg.get("cluster")
+    c = cfg.cluster
     if c is None or not c.card:  # no cluster, or CPU ranks (cluster=cpu_local): this machine
         return Target(world)
     gpn = min(int(cfg.launcher.nproc_per_node), world)
@@ -73,7 +78,7 @@ def target(cfg: DictConfig) -> Target:
             f"launcher.nproc_per_node={gpn} but cluster={c.name} has {c.gpus_per_node} GPUs per node: lower "
             f"launcher.nproc_per_node, raise cluster.gpus_per_node, or pick another cluster"
         )
-    plain = replace(OmegaConf.to_object(c), nodes=-(-world // gpn), gpus_per_node=gpn)
+    plain = replace(plain_node(c), nodes=-(-world // gpn), gpus_per_node=gpn)
     try:
         gpu = GpuInfo.from_cluster(plain, str(c.card))
     except ValueError as e:
@@ -112,13 +117,13 @@ def target_lines(d: Decisions, t: Target) -> list[str]:
             f"{verdict}; this machine: {this_machine()}"]  # fmt: skip
 
 
-def planned_layout(cfg: DictConfig, d: Decisions) -> Layout:
+def planned_layout(cfg: RootConfig, d: Decisions) -> Layout:
     """The layout the run takes as the planner counts it: the config's knobs with what :class:`Decisions`
     settled (ZeRO stage, fused loss and its chunk, activation checkpointing)."""
     return decided(layout_from_cfg(cfg, d.topo.world), d)
 
 
-def plan_memory(cfg: DictConfig, d: Decisions, t: Target) -> Memory:
+def plan_memory(cfg: RootConfig, d: Decisions, t: Target) -> Memory:
     """Bytes per GPU of this layout (:func:`ultrascale.cost.memory.memory`), with the planner's fragmentation
     headroom and the cluster's runtime reserve."""
     from ultrascale.config.schema import SearchConfig
@@ -127,7 +132,7 @@ def plan_memory(cfg: DictConfig, d: Decisions, t: Target) -> Memory:
     return memory(arch_from_hf(d.hf_config), planned_layout(cfg, d), SearchConfig().fragmentation, reserved)
 
 
-def plan_timing(cfg: DictConfig, d: Decisions, t: Target) -> Timing:
+def plan_timing(cfg: RootConfig, d: Decisions, t: Target) -> Timing:
     """One optimizer step of this layout on the cluster (:func:`ultrascale.cost.timing.step_time`)."""
     from ultrascale.config.schema import SearchConfig
     from ultrascale.cost.timing import step_time
@@ -137,7 +142,7 @@ def plan_timing(cfg: DictConfig, d: Decisions, t: Target) -> Timing:
                      recompute_overhead=s.recompute_overhead)  # fmt: skip
 
 
-def hbm_line(cfg: DictConfig, d: Decisions, t: Target) -> str:
+def hbm_line(cfg: RootConfig, d: Decisions, t: Target) -> str:
     """The planner's peak HBM per GPU, by term, against the card's memory."""
     m = plan_memory(cfg, d, t)
     cap = t.gpu.memory_bytes if t.gpu is not None else d.gpu.memory_bytes
@@ -158,7 +163,7 @@ def hbm_line(cfg: DictConfig, d: Decisions, t: Target) -> str:
     return "\n".join(lines)
 
 
-def host_lines(cfg: DictConfig, d: Decisions, m: Memory, gpus_per_node: int, host_gib: float) -> list[str]:
+def host_lines(cfg: RootConfig, d: Decisions, m: Memory, gpus_per_node: int, host_gib: float) -> list[str]:
     """Host memory per node at steady state: offloaded state plus the background checkpoint writer's staging copy
     (:func:`ultrascale.cost.memory.checkpoint_staging_bytes`), against the node's RAM."""
     staging = checkpoint_staging_bytes(arch_from_hf(d.hf_config), planned_layout(cfg, d)) \
@@ -188,7 +193,7 @@ TIMING_TERMS = (
 """The step's terms as :class:`~ultrascale.cost.timing.Timing` sums them, in words."""
 
 
-def step_line(cfg: DictConfig, d: Decisions, t: Target) -> str:
+def step_line(cfg: RootConfig, d: Decisions, t: Target) -> str:
     """The planner's predicted step time, throughput and MFU on the cluster. MFU divides by the card's datasheet
     peak for the run's matmul dtype (``ultrascale.runtime.peak.gpu_peak``), the figure the run's own MFU divides by."""
     import torch
@@ -214,7 +219,7 @@ def step_line(cfg: DictConfig, d: Decisions, t: Target) -> str:
     )
 
 
-def host_memory_line(cfg: Any, d: Decisions, on_gpu: bool = False) -> str:
+def host_memory_line(cfg: RootConfig, d: Decisions, on_gpu: bool = False) -> str:
     """The planner's host-memory figures for this layout: what building the model costs beside the steady state
     (which, on GPUs, is the HBM section's)."""
     arch, lay = arch_from_hf(d.hf_config), planned_layout(cfg, d)
@@ -232,7 +237,7 @@ def host_memory_line(cfg: Any, d: Decisions, on_gpu: bool = False) -> str:
             f"~{host_step_bytes(arch, lay) / GIB:.2f} GiB")  # fmt: skip
 
 
-def checkpoint_line(cfg: Any, d: Decisions, cluster: Any = None) -> str:
+def checkpoint_line(cfg: RootConfig, d: Decisions, cluster: ClusterConfig | None = None) -> str:
     """The suggested checkpoint interval (Young/Daly) for this layout: from the run's own measured saves and
     steps when its output_dir has them, else from the planner's step time and checkpoint size on ``cluster``
     (the dry run's target: node MTBF, storage rate), or without one the default cluster at this launcher's node
@@ -286,7 +291,7 @@ def _measured_saves(metrics: Path) -> dict | None:
     return {"step_s": statistics.median(steps), "stall_s": stall, "write_s": statistics.median(writes or [stall])}
 
 
-def mixture_lines(cfg: DictConfig) -> list[str]:
+def mixture_lines(cfg: RootConfig) -> list[str]:
     """The mixture and the tokens each source gives over ``train.steps`` (nothing for one source)."""
     from ultrascale.data.sources import is_mixture, stage_table, tokens_per_source
 
@@ -299,7 +304,7 @@ def mixture_lines(cfg: DictConfig) -> list[str]:
             *(f"{n:<10} {t:,} tokens over {steps} steps ({t / total:.1%})" for n, t in per.items())]  # fmt: skip
 
 
-def finetune_lines(cfg: DictConfig, d: Decisions) -> list[str]:
+def finetune_lines(cfg: RootConfig, d: Decisions) -> list[str]:
     """``finetune=lora``: the adapters' trainable parameters against the total and the memory they save."""
     if not d.finetune.on:
         return []
@@ -313,7 +318,7 @@ def dry_run_report(
     cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[str, str], t: Target | None = None
 ) -> str:
     """The report, as text (rank 0 prints it). ``t``: the hardware ``d`` was decided for (default: this
-    machine)."""
+    machine). ``cfg`` is the composed DictConfig, not only a RootConfig: the report opens with its resolved YAML."""
     from ultrascale.model.build import count_params
     from ultrascale.model.flops import train_flops_per_token
 
@@ -350,7 +355,7 @@ def dry_run_report(
         checkpoint_line(cfg, d, t.cluster),
         "== decisions ==",
         f"{'zero':<10} {zero_line(cfg, d)}",
-        f"{'precision':<10} {precision_line(cfg, d)}",
+        f"{'precision':<10} {precision_line(cfg.precision, d)}",
         *(f"{k:<10} {'on ' if c.on else 'off'} {c.why}" for k, c in d.features().items()),
         "== checked before start ==",
         *(f"{k:<10} {v}" for k, v in found.items()),
@@ -360,12 +365,12 @@ def dry_run_report(
     return "\n".join(parts)
 
 
-def precision_line(cfg: DictConfig, d: Decisions) -> str:
+def precision_line(precision: PrecisionConfig, d: Decisions) -> str:
     """The weights' dtype and, on a GPU, the tensor-core rate its matmuls run at on this card."""
-    dtype = str(cfg.precision.dtype)
+    dtype = str(precision.dtype)
     if d.gpu is None:
-        return f"{dtype} weights on the CPU" + (f", autocast {cfg.precision.autocast}"
-                                                 if cfg.precision.autocast != "none" else "")  # fmt: skip
+        return f"{dtype} weights on the CPU" + (f", autocast {precision.autocast}"
+                                                 if precision.autocast != "none" else "")  # fmt: skip
     card = d.gpu.identified().card
     rate = card.tflops.get(dtype) if card is not None else None
     if dtype == "fp32":
@@ -375,7 +380,7 @@ def precision_line(cfg: DictConfig, d: Decisions) -> str:
     return f"{dtype} weights and matmuls on {card.name}'s tensor cores ({rate:g} TFLOP/s dense, datasheet)"
 
 
-def data_note(cfg: DictConfig, found: dict[str, str], t: Target) -> dict[str, str]:
+def data_note(cfg: RootConfig, found: dict[str, str], t: Target) -> dict[str, str]:
     """``found`` with the data line qualified for a cluster: the built-in stdlib corpus a real run would
     prepare on first use is a CPU demo corpus, not one for this model on that cluster."""
     from ultrascale.data.prepare import is_builtin_corpus
@@ -390,7 +395,8 @@ def data_note(cfg: DictConfig, found: dict[str, str], t: Target) -> dict[str, st
 
 def dry_run_text(cfg: DictConfig) -> str:
     """Validate for the target hardware (:func:`target`), check what a real run would check first (read-only:
-    nothing is prepared or written), and return the report."""
+    nothing is prepared or written), and return the report. ``cfg``: the composed DictConfig (the report prints
+    its YAML)."""
     from ultrascale.levers.deepspeed import build_ds_config
     from ultrascale.levers.rules import validate
     from ultrascale.train.preflight import preflight

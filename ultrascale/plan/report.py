@@ -6,13 +6,16 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from ultrascale.cost.budget import BudgetPlan, Point
 from ultrascale.model.arch import Arch
 from ultrascale.plan.search import GIB, Candidate
+
+if TYPE_CHECKING:
+    from ultrascale.config.root import PlanRootConfig
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers", "fragmentation", "reserved")
 CKPT_TAG = {"none": "", "selective": " sel-ckpt", "full": " ckpt"}
@@ -56,7 +59,7 @@ def rejection_summary(cands: list[Candidate], limit: int = 6) -> str:
     return "\n".join(lines)
 
 
-def override_line(cfg: DictConfig, best: Candidate) -> str:
+def override_line(cfg: PlanRootConfig, best: Candidate) -> str:
     """A ready command that runs what was planned: the model, the layout, the precision, the sequence length
     and the world (the launcher: one node spawns deepspeed, several go through Slurm)."""
     c = cfg.cluster
@@ -71,7 +74,7 @@ def override_line(cfg: DictConfig, best: Candidate) -> str:
     )
 
 
-def header(cfg: DictConfig, arch: Arch) -> str:
+def header(cfg: PlanRootConfig, arch: Arch) -> str:
     c = cfg.cluster
     return (
         f"model {cfg.model.name}: {arch.total_params / 1e9:.2f} B params ({arch.expert_params / 1e9:.2f} B in "
@@ -81,6 +84,8 @@ def header(cfg: DictConfig, arch: Arch) -> str:
 
 
 def write_json(path: str | Path, cfg: DictConfig, arch: Arch, cands: list[Candidate]) -> None:
+    """The whole result as JSON. ``cfg`` is the composed DictConfig: its cluster and search groups are written
+    resolved (``OmegaConf.to_container``)."""
     from omegaconf import OmegaConf
 
     best = next((c for c in cands if c.fits), None)
@@ -102,7 +107,7 @@ def write_json(path: str | Path, cfg: DictConfig, arch: Arch, cands: list[Candid
     Path(path).write_text(json.dumps(doc, indent=1))
 
 
-def plot(path: str | Path, cfg: DictConfig, cands: list[Candidate], top_n: int) -> None:
+def plot(path: str | Path, cfg: PlanRootConfig, cands: list[Candidate], top_n: int) -> None:
     """Stacked per-rank memory bars for the top layouts against the GPU limit, predicted tokens/s on top."""
     import matplotlib
 
@@ -219,7 +224,7 @@ def write_budget_json(path: str | Path, bp: BudgetPlan) -> None:
     Path(path).write_text(json.dumps(doc, indent=1))
 
 
-def checkpoint_advice(cfg: DictConfig, arch: Arch, best: Candidate) -> str:
+def checkpoint_advice(cfg: PlanRootConfig, arch: Arch, best: Candidate) -> str:
     """How often the best layout should checkpoint (Young/Daly), from the checkpoint's size and the cluster's
     storage rate and node MTBF."""
     from ultrascale.cost.memory import DTYPE_BYTES

@@ -118,7 +118,7 @@ def evaluate(
         cand.rejected = f"invalid: {e}"
         return cand
     cand.layout = lay = decided(lay, d)
-    c, s = cluster or _plain(cfg.cluster), search or _plain(cfg.search)
+    c, s = cluster or plain_node(cfg.cluster), search or plain_node(cfg.search)
     cand.memory = memory(arch, lay, fragmentation=s.fragmentation, reserved=c.reserved_gib * GIB)
     cand.build_host = construction_bytes(arch, lay)
     cand.timing = step_time(arch, lay, c, overlap=s.overlap, recompute_overhead=s.recompute_overhead)
@@ -136,7 +136,7 @@ def evaluate(
     return cand
 
 
-def _plain(node: Any) -> Any:
+def plain_node(node: Any) -> Any:
     """The dataclass behind a config node (attribute access on DictConfig costs ~10 us per key)."""
     from omegaconf import OmegaConf
 
@@ -199,5 +199,5 @@ def plan(cfg: PlanRootConfig) -> list[Candidate]:
     arch = arch_from_cfg(cfg.model)
     world = world_size(cfg.cluster)
     layouts = enumerate_layouts(cfg, arch) if cfg.search.enabled else [layout_from_cfg(cfg, world)]
-    scratch, cluster, search = copy.deepcopy(cfg), _plain(cfg.cluster), _plain(cfg.search)
+    scratch, cluster, search = copy.deepcopy(cfg), plain_node(cfg.cluster), plain_node(cfg.search)
     return rank([evaluate(cfg, arch, lay, scratch, cluster, search) for lay in layouts])
