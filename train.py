@@ -7,6 +7,8 @@ python train.py recipe=starcoder2_3b_zero2 dry_run=true # its cluster's decision
 python train.py --help                                  # groups, keys and their defaults
 """
 
+from pathlib import Path
+
 from omegaconf import DictConfig
 
 from ultrascale.cli import run_app
@@ -21,9 +23,17 @@ def main(cfg: DictConfig) -> dict | None:
     from ultrascale.runtime.dist import planned_world_size
 
     decisions = validate(cfg, planned_world_size(cfg))  # every rule, then what the run does, before anything is built
-    from ultrascale.train.trainer import run
+    from ultrascale.train.run import run
 
-    return run(cfg, decisions)
+    return run(cfg, decisions, report=_report)
+
+
+def _report(run_dir: Path) -> Path:
+    """The comb report of a finished run (report.md + report.png); the report sits above training, so it is handed
+    down from here rather than imported by the trainer."""
+    from ultrascale.report import write_report
+
+    return write_report([run_dir])[0]
 
 
 if __name__ == "__main__":

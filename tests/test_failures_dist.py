@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import BIN, FAST, ROOT, TEST_ENV, check, free_port, launch, losses, metrics
+from tests.support import faults
 
 pytestmark = pytest.mark.dist
 
@@ -199,7 +200,7 @@ def test_a_killed_rank_restarts_the_job_which_finishes_like_the_uninterrupted_ru
     restart and the 2 steps it lost are in metrics.jsonl and the comb report."""
     out, trace = tmp_path / "run", tmp_path / "trace"
     args = [*BASE, f"data.path={tiny_data}", f"output_dir={out}", f"launcher={launcher}", "launcher.max_restarts=1"]
-    proc = launch(args, nproc=0, env={"ULTRASCALE_FAULT_AT_STEP": "7:1", "ULTRASCALE_TRACE_SAMPLES": str(trace)})
+    proc = launch(args, nproc=0, env={**faults.env(kill_at="7:1"), "ULTRASCALE_TRACE_SAMPLES": str(trace)})
     check(proc)
     (resume,) = _events(out, "resume")
     assert resume["restart"] == 1 and resume["from_step"] == 5 and resume["steps_lost"] == 2, resume
@@ -234,7 +235,7 @@ def test_a_kill_during_the_background_write_keeps_the_previous_latest_and_resume
     uninterrupted run."""
     out, trace = tmp_path / "run", tmp_path / "trace"
     args = [*BASE, f"data.path={tiny_data}", f"output_dir={out}"]
-    killed = launch(args, env={"ULTRASCALE_INJECT": "slow_ckpt@10:0x60", "ULTRASCALE_FAULT_AT_STEP": "12",
+    killed = launch(args, env={"ULTRASCALE_INJECT": "slow_ckpt@10:0x60", **faults.env(kill_at="12"),
                                "ULTRASCALE_TRACE_SAMPLES": str(trace)})  # fmt: skip
     assert killed.returncode != 0, "the fault hook did not kill the run"
     assert (out / "checkpoints" / "latest").read_text() == "step_00000005"

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from tests.conftest import FAST, ROOT, TEST_ENV, check, free_port, launch, losses
+from tests.support import faults
 
 pytestmark = pytest.mark.dist
 
@@ -133,7 +134,7 @@ def test_failing_rank_stops_the_job(tiny_data, tmp_path):
     message names rank 1 and the error, and nothing hangs (launch() would time out)."""
     out = tmp_path / "run"
     args = [*BASE, f"data.path={tiny_data}", f"output_dir={out}", "launcher=torchrun", "launcher.nproc_per_node=2"]
-    proc = launch(args, launcher="python", env={"ULTRASCALE_RAISE_ON_RANK": "1"}, timeout=300)
+    proc = launch(args, launcher="python", env=faults.env(raise_on_rank=1), timeout=300)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]
     log1 = out / "logs" / "rank00001.log"
@@ -148,7 +149,7 @@ def test_failing_rank_zero_under_deepspeed(tiny_data, tmp_path):
     """The same under the deepspeed launcher, with rank 0 (the one that logs to the console) failing."""
     out = tmp_path / "run"
     args = [*BASE, f"data.path={tiny_data}", f"output_dir={out}"]
-    proc = launch(args, launcher="deepspeed", env={"ULTRASCALE_RAISE_ON_RANK": "0"}, timeout=300)
+    proc = launch(args, launcher="deepspeed", env=faults.env(raise_on_rank=0), timeout=300)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]
     log0 = out / "logs" / "rank00000.log"

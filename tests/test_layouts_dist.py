@@ -14,6 +14,7 @@ import json
 import pytest
 
 from tests.conftest import FAST, check, launch, losses, metrics
+from tests.support import faults
 
 pytestmark = pytest.mark.dist
 
@@ -62,7 +63,7 @@ def test_layout_with_data_parallelism_trains_agrees_and_resumes_after_a_kill(nam
         diffs = {s: abs(curve[s] - plain[s]) for s in plain}
         assert max(diffs.values()) <= TOL, f"{name} vs the 1-rank model: {diffs}"
     killed = tmp_path / "killed"
-    proc = launch([*args, f"output_dir={killed}"], nproc=4, env={"ULTRASCALE_FAULT_AT_STEP": "3"})
+    proc = launch([*args, f"output_dir={killed}"], nproc=4, env=faults.env(kill_at="3"))
     assert proc.returncode != 0 and (killed / "checkpoints" / "latest").read_text() == "step_00000002"
     check(launch([*args, f"output_dir={killed}"], nproc=4))
     assert json.loads((killed / "summary.json").read_text())["resumed_from"] == 2

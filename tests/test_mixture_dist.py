@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST, check, launch, losses, metrics
+from tests.support import faults
 from tests.wandb_files import read_run
 from ultrascale.config.compose import compose
 from ultrascale.train.optim import lr_multiplier
@@ -107,7 +108,7 @@ def test_summary_data_mix_is_the_count_of_the_traced_samples(uninterrupted):
 def test_a_kill_mid_stage_resumes_to_the_same_samples_across_the_stage_boundary(uninterrupted, tmp_path):
     ref_dir, ref_reads, args = uninterrupted
     out = tmp_path / "killed"
-    killed = launch([*args, f"output_dir={out}"], env={"ULTRASCALE_FAULT_AT_STEP": "5",
+    killed = launch([*args, f"output_dir={out}"], env={**faults.env(kill_at="5"),
                                                        "ULTRASCALE_TRACE_SAMPLES": str(tmp_path / "t1")})  # fmt: skip
     assert killed.returncode != 0, "the fault hook did not kill the run"
     assert (out / "checkpoints" / "latest").read_text() == "step_00000004"

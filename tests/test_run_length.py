@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import check, launch, metrics, write_byte_dataset
+from tests.support import faults
 from ultrascale.config.compose import compose
 from ultrascale.errors import CheckpointError, ConfigError
 from ultrascale.levers import length
@@ -161,7 +162,7 @@ def test_a_resume_under_half_the_global_batch_keeps_tokens_data_and_lr_curve(smo
         "train.checkpoint_interval=2",
         "train.checkpoint_async=false",
     ]
-    killed = launch(args, env={"ULTRASCALE_FAULT_AT_STEP": "3", "ULTRASCALE_TRACE_SAMPLES": str(t1)})
+    killed = launch(args, env={**faults.env(kill_at="3"), "ULTRASCALE_TRACE_SAMPLES": str(t1)})
     assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_00000002"
     proc = check(launch([*args, "data.global_batch=8"], env={"ULTRASCALE_TRACE_SAMPLES": str(t2)}))
     summary = json.loads((out / "summary.json").read_text())

@@ -21,6 +21,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import PY_ERROR, ROOT, TEST_ENV, needs, sandbox_missing
+from tests.support import faults
 from ultrascale.config.compose import compose
 from ultrascale.data.problems_config import DENY_NAMES
 from ultrascale.errors import ConfigError, DataError
@@ -496,7 +497,7 @@ def test_a_prompts_only_jsonl_runs_a_round_of_the_papers_method(tiny_start_model
     # resumes train.py from its newest checkpoint and ends with the uninterrupted run's weights.
     killed = tmp_path / "killed"
     kargs = [*args[:3], f"output_dir={killed}", *args[4:]]
-    dead = _ssd(kargs, {"ULTRASCALE_FAULT_AT_STEP": "2"})
+    dead = _ssd(kargs, faults.env(kill_at="2"))
     assert dead.returncode != 0 and "finetune (train.py) failed" in dead.stderr, (dead.stdout + dead.stderr)[-3000:]
     krnd = killed / "round_00"
     latest = (krnd / "train_run" / "checkpoints" / "latest").read_text().strip()

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from tests.conftest import FAST, check, launch, losses, metrics
+from tests.support import faults
 from tests.wandb_files import read_run
 
 pytestmark = pytest.mark.dist
@@ -87,7 +88,7 @@ def test_a_kill_after_the_rollback_resumes_with_the_window_still_skipped(rolled_
     # synchronous saves: the kill comes right after step 6's checkpoint, which must be `latest` by then (a
     # background write becomes `latest` only at the next step's agreement; test_failures_dist covers that case)
     args = [*ROLLBACK, f"data.path={tiny_data}", f"output_dir={out}", "train.checkpoint_async=false"]
-    killed = launch(args, env={"ULTRASCALE_INJECT": "spike@5:0", "ULTRASCALE_FAULT_AT_STEP": "6"})
+    killed = launch(args, env={"ULTRASCALE_INJECT": "spike@5:0", **faults.env(kill_at="6")})
     assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_00000006"
     check(launch(args))  # no fault this time: the resumed run must not need it
     assert _summary(out)["data_offset"] == 2
@@ -103,7 +104,7 @@ def test_a_kill_right_after_the_rollback_resumes_past_the_skipped_window(rolled_
     out = tmp_path / "killed"
     args = [*ROLLBACK, f"data.path={tiny_data}", f"output_dir={out}"]
     first, resumed = tmp_path / "trace_first", tmp_path / "trace_resumed"
-    env = {"ULTRASCALE_INJECT": "spike@5:0", "ULTRASCALE_FAULT_AFTER_ROLLBACK": "1",
+    env = {"ULTRASCALE_INJECT": "spike@5:0", **faults.env(kill_after_rollback=True),
            "ULTRASCALE_TRACE_SAMPLES": str(first)}  # fmt: skip
     killed = launch(args, env=env)
     assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_00000003"

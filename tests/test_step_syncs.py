@@ -24,7 +24,7 @@ import pytest
 STEPS, LOG_INTERVAL = 6, 3
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 """Every ``torch.Tensor`` method that hands a value to the host (on a GPU, a wait for the device)."""
-PROTOCOL = {"ultrascale/train/trainer.py:wait __float__", "ultrascale/train/stability.py:agree tolist"}
+PROTOCOL = {"ultrascale/train/step.py:wait __float__", "ultrascale/train/stability.py:agree tolist"}
 """The reads every step makes: the loss the verdict judges, and the agreement every rank adopts."""
 HOST_SIDE = ("ultrascale/data/",)
 """The loader's tensors are host tensors by construction (built before ``to_device``): never a device read."""

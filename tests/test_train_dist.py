@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from tests.conftest import FAST, check, launch, losses, metrics
+from tests.support import faults
 
 pytestmark = pytest.mark.dist
 
@@ -68,7 +69,7 @@ def test_zero1_trains_and_keeps_every_checkpoint(uninterrupted):
 def test_kill_then_resume_equals_uninterrupted(uninterrupted, tmp_path):
     ref_dir, args = uninterrupted
     out = tmp_path / "killed"
-    killed = launch([*args, f"output_dir={out}"], env={"ULTRASCALE_FAULT_AT_STEP": "5"})
+    killed = launch([*args, f"output_dir={out}"], env=faults.env(kill_at="5"))
     assert killed.returncode != 0, "the fault hook did not kill the run"
     assert (out / "checkpoints" / "latest").read_text() == "step_00000003"
     check(launch([*args, f"output_dir={out}"]))

@@ -169,7 +169,9 @@ def main() -> None:
     from ultrascale.levers.rules import validate
     from ultrascale.runtime import dist
     from ultrascale.train.preflight import preflight
-    from ultrascale.train.trainer import StepState, Trainer, _prepare_run_dir
+    from ultrascale.train.run import prepare_run_dir
+    from ultrascale.train.step import StepState
+    from ultrascale.train.trainer import Trainer
 
     cfg = compose(overrides)
     d = validate(cfg, 1)
@@ -177,7 +179,7 @@ def main() -> None:
     dist.init_distributed()
     run_dir = Path(cfg.output_dir)
     trainer = Trainer(OmegaConf.to_object(cfg), d, run_dir, OmegaConf.to_container(cfg, resolve=True), found)
-    _prepare_run_dir(cfg, run_dir, trainer.ds_config)
+    prepare_run_dir(cfg, run_dir, trainer.ds_config)
     trainer.setup()
 
     report: dict = {"paths": {}, "errors": {}}
@@ -226,7 +228,7 @@ def _pipeline_judge(trainer, step_state) -> None:
     real = trainer.engine._real
     trainer.engine.__dict__.update(is_last_stage=lambda: True, total_loss=torch.tensor(2.0))
     try:
-        trainer._judge_pipeline(step_state(0, None))
+        trainer.stepper.judge_pipeline(step_state(0, None))
     finally:
         for k in ("is_last_stage", "total_loss"):
             trainer.engine.__dict__.pop(k)

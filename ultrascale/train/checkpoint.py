@@ -22,15 +22,21 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ultrascale.atomic import atomic_write_text
 from ultrascale.errors import CheckpointError
-from ultrascale.rundir import LATEST, META
+from ultrascale.levers import length
+from ultrascale.rundir import LATEST, META, STOPPED
 from ultrascale.runtime import dist
 from ultrascale.train.ckpt_writer import BackgroundWriter
+
+if TYPE_CHECKING:
+    from ultrascale.train.loggers import MetricLogger
+    from ultrascale.train.stop import StopRequest
 
 log = logging.getLogger("ultrascale")
 UNIVERSAL_SUFFIX = "_universal"
@@ -135,7 +141,9 @@ def commit(ckpt_dir: Path, tag_dir: Path, meta: dict, keep: int) -> None:
 
 class Checkpointer:
     """Owns when the run saves (every ``interval`` steps and at its last step), what travels with it, and, with
-    ``background``, the write that goes on while training continues (one in flight at a time)."""
+    ``background``, the write that goes on while training continues (one in flight at a time): the snapshot, the
+    wait for the write, the commit of ``latest`` and the stop protocol's final save, each booked in ``metrics``
+    (set by the trainer once its logger exists)."""
 
     def __init__(self, ckpt_dir: Path, interval: int, keep: int, meta: dict, background: bool = False,
                  staging: str = "auto"):  # fmt: skip
@@ -150,6 +158,7 @@ class Checkpointer:
         """Seconds the background thread spent writing the checkpoint committed last."""
         self._alloc_seen = 0.0
         self._prestaged = False
+        self.metrics: MetricLogger | None = None
 
     def attach(self, engine) -> None:
         """Plug the background writer into the engine (after it is built, before any save)."""
@@ -207,6 +216,32 @@ class Checkpointer:
             self.pending = (step, tag_dir, meta)
         return waited
 
+    def save_step(self, engine, step: int, client: dict, delay: float = 0.0) -> None:
+        """Save step ``step``: whole (``latest`` moves before this returns), or with ``background`` a snapshot that is
+        written in the background and becomes ``latest`` once every rank has written it. ``checkpoint_s`` is what
+        training waited either way (the stall the comb report shows); ``delay`` is a planted slow disk."""
+        t0 = time.perf_counter()
+        if not self.background:
+            time.sleep(delay)
+        waited = self.save(engine, step, client, write_delay=delay)
+        secs = time.perf_counter() - t0
+        how = "snapshot taken, writing in the background" if self.background else "saved"
+        log.info(f"checkpoint {tag_for(step)} {how} in {secs:.1f}s")
+        self.metrics.event(step, "checkpoint", checkpoint_s=secs, wait_s=waited or None, console=False,
+                           background=self.background or None, **self.staging_record())  # fmt: skip
+
+    def restore(self, engine, tag_dir: Path, cfg: Any, same_world: bool) -> tuple[int, int, list, dict]:
+        """Collective. Load a checkpoint (engine, optimizer, RNG) with any rollback recorded since it. Returns its
+        step, the data offset in this run's global batch, the batch history continued from it, and the stability
+        state."""
+        step, client = load(engine, tag_dir, same_world=same_world)
+        client.update(rollback_since(tag_dir) or {})  # a rollback after this checkpoint was saved
+        history = length.history_for(read_meta(tag_dir), cfg)
+        # the offset counts steps of the batch that wrote it: another global batch goes on from the same sample
+        from_gb = int(client.get("global_batch") or history[-1].global_batch)
+        offset = length.convert_offset(step, int(client.get("data_offset", 0)), from_gb, cfg, tag_dir.name)
+        return step, offset, length.continued(history, step, cfg), client.get("stability", {})
+
     def staging_record(self) -> dict:
         """For the checkpoint event of the save just taken: the staging mode, its host bytes, and the seconds of the
         stall that went to allocating (and pinning) buffers (the first save's; 0 once they are reused)."""
@@ -233,6 +268,42 @@ class Checkpointer:
         if dist.is_rank0():
             commit(self.ckpt_dir, tag_dir, meta, self.keep)
         return tag_dir
+
+    def commit_agreed(self, step: int, agreed: int) -> None:
+        """After step ``step``: a background checkpoint every rank has written (``agreed``, from the step's
+        all-gather) becomes ``latest`` (rank 0 writes the pointer)."""
+        done = self.commit_written(agreed)
+        if done is not None:
+            self.metrics.event(step, "checkpoint_written", checkpoint=done.name, write_s=self.write_s, console=False)
+
+    def drain(self, step: int) -> None:
+        """Collective: wait for a background write in flight and make it ``latest`` (before a rollback reads
+        ``latest``, at a stop, and when the run ends). The wait is booked as checkpoint time."""
+        t0 = time.perf_counter()
+        done = self.flush()
+        if done is not None:
+            self.metrics.event(step, "checkpoint_written", checkpoint=done.name, write_s=self.write_s,
+                               wait_s=time.perf_counter() - t0, console=False)  # fmt: skip
+
+    def commit_stop(self, step: int, code: int, stop: StopRequest, run_dir: Path) -> str:
+        """Every rank agreed to stop after step ``step``, which is saved: wait for its write, make it ``latest``,
+        let the views go on, record the stop. Returns the stop's name."""
+        self.drain(step)
+        self.metrics.release()  # `latest` is step `step` now; the views may fail or stall without losing it
+        self.record_stop(step, code, stop, run_dir)
+        stop.settle()
+        return stop.describe(code)
+
+    def record_stop(self, step: int, code: int, stop: StopRequest, run_dir: Path) -> None:
+        """The stop's event, and on rank 0 ``STOPPED`` in the run directory (the request file answered)."""
+        name, tag_dir = stop.describe(code), self.latest()
+        self.metrics.event(step, "stop", signal=name, checkpoint=tag_dir.name if tag_dir else None)
+        if dist.is_rank0():
+            record = {"signal": name, "step": step, "checkpoint": str(tag_dir) if tag_dir else None,
+                      "time": time.time()}  # fmt: skip
+            atomic_write_text(run_dir / STOPPED, json.dumps(record) + "\n")
+            stop.consume_file()
+        log.info(f"stopped by {name} after step {step}: checkpoint {tag_dir}; run the same command again to resume")
 
     def flush_wait(self) -> float:
         """Collective: wait for the write in flight on every rank, then commit it. Returns the seconds waited."""

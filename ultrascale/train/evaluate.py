@@ -17,11 +17,33 @@ from ultrascale.data.loader import eval_batches
 from ultrascale.jsonio import write_jsonl
 from ultrascale.runtime import dist
 from ultrascale.runtime.device import coll_tensor
+from ultrascale.train.preflight import humaneval_tokenizer
 
 
 def eager(compiled: bool):
     """Evaluation and generation run eagerly: their shapes differ from training's and would recompile."""
     return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
+
+
+def eval_tokenizer(train: Any, data_path: Path) -> Any:
+    """The tokenizer for in-training HumanEval and FIM on rank 0 (None elsewhere or when off). Collective."""
+    n = train.eval_humaneval or train.eval_fim
+    if not n:
+        return None
+    tokenizer, error = None, None
+    if dist.is_rank0():
+        from transformers import AutoTokenizer
+
+        from ultrascale.errors import UltrascaleError
+
+        try:  # the sandbox was checked before the run started; the data may have been prepared since
+            tokenizer = AutoTokenizer.from_pretrained(str(humaneval_tokenizer(data_path, n)))
+        except UltrascaleError as e:
+            error = e
+    error = dist.broadcast_object(error)
+    if error is not None:
+        raise error
+    return tokenizer
 
 
 class Evaluator:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ultrascale.jsonio import read_jsonl
+from ultrascale.jsonio import read_jsonl, write_jsonl
 from ultrascale.train.parts import PARTS
 
 log = logging.getLogger("ultrascale")
@@ -180,6 +180,11 @@ class MetricLogger:
             line = f"step {step:>6} | {kind}: " + ", ".join(f"{k}={_short(v)}" for k, v in fields.items())
         self._show(step, numbers, line, warn=kind in STABILITY_EVENTS)
 
+    def verdict(self, step: int, verdict: Any, row: dict, **extra) -> None:
+        """A bad step's event (skip, lr_cut; a rollback is logged once it has happened): why, and the step's figures."""
+        self.event(step, verdict.action, reason=verdict.reason, loss=row["loss"], zscore=verdict.zscore,
+                   grad_norm=row["grad_norm"], **extra)  # fmt: skip
+
     def summary(self, values: dict) -> None:
         if self.wandb_run:
             self._view("wandb_run", lambda: [self.wandb_run.summary.__setitem__(k, v) for k, v in values.items()])
@@ -251,3 +256,40 @@ def _stop_wandb_service(wandb_cli: list[str], token: str) -> None:
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     return read_jsonl(path)
+
+
+def truncate_metrics(path: Path, step: int) -> tuple[int, float]:
+    """At a start, drop rows logged past the checkpoint (step 0 for a fresh start): they will be recomputed
+    identically. Returns what the interrupted attempt lost: the steps it had run past the checkpoint and
+    their logged seconds (the cost of the interval between checkpoints, which the report books as "lost").
+
+    Rollback events stay: a rollback after the checkpoint still holds (it is recorded beside the checkpoints).
+    """
+    if not path.exists():
+        return 0, 0.0
+    rows = read_metrics(path)
+    lost = [r for r in rows if r["step"] > step and "event" not in r]
+    write_jsonl(path, [r for r in rows if r["step"] <= step or r.get("event") == "rollback"])
+    steps = max((r["step"] for r in lost), default=step) - step
+    return steps, sum(float(r.get("step_s") or 0.0) for r in lost)
+
+
+def progress_bar(enabled: bool, total: int, initial: int) -> Any:
+    """A tqdm bar on a terminal's rank 0 (None elsewhere: logs and pipes get the metric rows only)."""
+    if not (enabled and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+def data_row(mixture: Any, data_step: int, seq_len: int) -> dict:
+    """The mixture as read so far: per source, tokens read, the share read in this stage against the share asked,
+    and epochs; plus the stage. The dashboards' ``data/`` group."""
+    r = mixture.realized(data_step)
+    row = {"data/stage": r["stage"]}
+    for i, n in enumerate(mixture.names):
+        row.update({f"data/{n}/tokens": int(r["samples"][i]) * seq_len, f"data/{n}/share": float(r["share"][i]),
+                    f"data/{n}/asked": float(r["asked"][i]),
+                    f"data/{n}/epoch": float(r["samples"][i]) / mixture.sizes[i]})  # fmt: skip
+    return row

@@ -8,6 +8,8 @@ import time
 import psutil
 import torch
 
+from ultrascale.runtime.peak import device_peak_flops
+
 
 def _status_kb(key: str) -> int:
     with open("/proc/self/status") as f:
@@ -143,3 +145,10 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, world: int, 
         "tflops": flops / 1e12,
         "mfu": flops / world / peak if peak > 0 else 0.0,
     }
+
+
+def peak_flops(dtype: str, autocast: bool, gpu) -> tuple[float, str]:
+    """The device's peak FLOP/s for MFU and where the figure comes from. The matmuls' dtype picks the peak's column:
+    autocast's reach the bf16 peak, fp16 weights the fp16 one."""
+    mm = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    return device_peak_flops(torch.bfloat16 if autocast else mm, gpu)
