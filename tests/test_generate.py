@@ -12,8 +12,8 @@ from tests.test_eval import make_tokenizer
 from ultrascale.generate import Sampler, SamplingParams
 from ultrascale.generate.draft import lookup
 from ultrascale.generate.sampling import process_logits, sample_tokens
-from ultrascale.generate.static import decide_static
 from ultrascale.generate.static_cache import bucket
+from ultrascale.levers.decide import decide_static
 
 PROMPTS = [
     "def add(a, b):\n",

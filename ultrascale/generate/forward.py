@@ -62,25 +62,3 @@ class LM:
         """[rows, hidden] -> fp32 [rows, vocab]. W @ h^T rather than h @ W^T: with a few rows, MKL's tall-skinny
         GEMM reads the 49k x 576 head 1.5-1.8x faster than F.linear's (bench/README.md)."""
         return torch.mm(self.head[1], h.t()).t().float()
-
-
-def decide_autocast(model, asked: str = "none") -> tuple[tuple[str, torch.dtype] | None, str]:
-    """Whether the forward runs under bf16 autocast, decided once as training decides ``precision.autocast``: only
-    when asked (``bf16``; it changes greedy tokens against fp32, so it is never the default), and only where the
-    hardware computes bf16 natively (a CUDA GPU with bf16, a CPU with AVX-512 BF16 or AMX). (setting, why)."""
-    from ultrascale.runtime.cpu import detect
-
-    param = next(model.parameters())
-    if asked in (None, "none"):
-        return None, "off (autocast=none: fp32 decoding, the same tokens as HF generate)"
-    if asked != "bf16":
-        raise ValueError(f"autocast={asked!r}: choose none or bf16")
-    if param.dtype != torch.float32:
-        return None, f"off: the weights are already {param.dtype}"
-    if param.device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return ("cuda", torch.bfloat16), "bf16 (the GPU computes bf16 natively)"
-        return None, "off: this GPU has no native bf16"
-    if detect().bf16_native:
-        return ("cpu", torch.bfloat16), "bf16 (this CPU has AVX-512 BF16/AMX)"
-    return None, "off: this CPU has no AVX-512 BF16 or AMX (bf16 would be emulated, slower than fp32)"

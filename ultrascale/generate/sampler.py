@@ -13,12 +13,13 @@ from collections.abc import Sequence
 import torch
 
 from ultrascale.generate.attention import decode_attention, decode_attention_fits
-from ultrascale.generate.forward import LM, decide_autocast
+from ultrascale.generate.forward import LM
 from ultrascale.generate.output import Completion, GenerationStats
 from ultrascale.generate.rows import Collector
 from ultrascale.generate.sampling import SamplingParams
 from ultrascale.generate.scheduler import run_dynamic
-from ultrascale.generate.static import StaticDecoder, decide_static
+from ultrascale.generate.static import StaticDecoder
+from ultrascale.levers.decide import decide_autocast, decide_static
 
 ADD_SPECIAL_TOKENS = False
 """How prompts are tokenized, here and on HF's side of ``bench/bench_generate.py``."""

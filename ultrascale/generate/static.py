@@ -1,5 +1,5 @@
 """The static path: decoding over the static KV cache (:mod:`~ultrascale.generate.static_cache`), its step
-replayed as CUDA graphs (:mod:`~ultrascale.generate.graphs`) where :func:`decide_static` turns them on. Rows own
+replayed as CUDA graphs (:mod:`~ultrascale.generate.graphs`) where ``levers.decide.decide_static`` says so. Rows own
 slots; a refill prefills the next prompts eagerly and loads their rows into free slots; the new tokens come back
 to the host once every ``sync_every`` steps, where stops are checked. On CPU (no launches to save) the same step
 runs eagerly over the columns in use."""
@@ -21,35 +21,9 @@ from ultrascale.generate.static_cache import StaticSlots, bucket, round_up
 
 log = logging.getLogger("ultrascale")
 
-STATIC_CHOICES = ("auto", "on", "eager", "off")
 SYNC_EVERY_CUDA = 8
 """Steps between host reads of the new tokens on a GPU: the host checks stop sequences while the next steps run.
 A row that finished mid-window computes at most this many steps too many; its text is cut where it stopped."""
-
-
-def decide_static(device: torch.device, asked: str, plain_head: bool, sdpa: bool) -> tuple[bool, bool, str]:
-    """(static cache on, CUDA graphs on, why), decided once per sampler.
-
-    ``auto``: on CUDA both (the step is launch-bound there); on CPU neither, since a CPU has no launches to save
-    and the dynamic path's prompt-lookup drafting decodes several tokens per step (``make bench-generate``
-    measures both). ``on``: the static cache, with graphs where CUDA is. ``eager``: the static cache, no graphs.
-    The static step computes the head itself and hands SDPA a boolean mask, so it needs both."""
-    if asked not in STATIC_CHOICES:
-        raise ValueError(f"static={asked!r}: choose one of {', '.join(STATIC_CHOICES)}")
-    if asked == "off":
-        return False, False, "off (static=off)"
-    if not (plain_head and sdpa):
-        return False, False, ("off: the static step needs a causal LM whose logits are a plain head product "
-                              "and SDPA attention (the dynamic path serves this model)")  # fmt: skip
-    cuda = device.type == "cuda"
-    if asked == "eager":
-        return True, False, "static cache, eager steps (static=eager)"
-    if cuda:
-        return True, True, "static cache + CUDA graphs per power-of-two bucket (decoding is launch-bound on a GPU)"
-    if asked == "on":
-        return True, False, "static cache, eager steps (CPU: no CUDA graphs)"
-    return False, False, ("off on CPU: no kernel launches to save, and the dynamic path drafts several tokens "
-                          "per step (static=on runs the static cache here)")  # fmt: skip
 
 
 class StaticDecoder:

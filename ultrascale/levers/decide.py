@@ -29,6 +29,8 @@ from ultrascale.runtime.cpu import CpuInfo
 from ultrascale.runtime.gpu import GpuInfo
 
 if TYPE_CHECKING:
+    import torch
+
     from ultrascale.config.train import TrainConfig
 
 
@@ -462,3 +464,57 @@ def _activation_checkpointing(cfg: Any, topo: Topology, hf_config: Any, backend:
     modes = tuple(m for m in AC_MODES if m != "selective" or not selective_unavailable(topo))
     mode, why = auto_checkpointing(predicted_peaks(cfg, topo, hf_config, fused.on, fused.value, modes), gpu)
     return Choice(mode != "none", f"{what[mode]} ({why})", mode)
+
+
+# ---- generation (ultrascale/generate/): asked once per Sampler, not part of a training run's Decisions ----------
+STATIC_CHOICES = ("auto", "on", "eager", "off")
+
+
+def decide_autocast(model: Any, asked: str = "none") -> tuple[tuple[str, torch.dtype] | None, str]:
+    """Whether the sampler's forward runs under bf16 autocast, decided once as training decides
+    ``precision.autocast``: only when asked (``bf16``; it changes greedy tokens against fp32, so it is never the
+    default), and only where the hardware computes bf16 natively (a CUDA GPU with bf16, a CPU with AVX-512 BF16
+    or AMX). (setting, why)."""
+    import torch
+
+    from ultrascale.runtime.cpu import detect
+
+    param = next(model.parameters())
+    if asked in (None, "none"):
+        return None, "off (autocast=none: fp32 decoding, the same tokens as HF generate)"
+    if asked != "bf16":
+        raise ValueError(f"autocast={asked!r}: choose none or bf16")
+    if param.dtype != torch.float32:
+        return None, f"off: the weights are already {param.dtype}"
+    if param.device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return ("cuda", torch.bfloat16), "bf16 (the GPU computes bf16 natively)"
+        return None, "off: this GPU has no native bf16"
+    if detect().bf16_native:
+        return ("cpu", torch.bfloat16), "bf16 (this CPU has AVX-512 BF16/AMX)"
+    return None, "off: this CPU has no AVX-512 BF16 or AMX (bf16 would be emulated, slower than fp32)"
+
+
+def decide_static(device: torch.device, asked: str, plain_head: bool, sdpa: bool) -> tuple[bool, bool, str]:
+    """The sampler's (static cache on, CUDA graphs on, why), decided once per sampler.
+
+    ``auto``: on CUDA both (the step is launch-bound there); on CPU neither, since a CPU has no launches to save
+    and the dynamic path's prompt-lookup drafting decodes several tokens per step (``make bench-generate``
+    measures both). ``on``: the static cache, with graphs where CUDA is. ``eager``: the static cache, no graphs.
+    The static step computes the head itself and hands SDPA a boolean mask, so it needs both."""
+    if asked not in STATIC_CHOICES:
+        raise ValueError(f"static={asked!r}: choose one of {', '.join(STATIC_CHOICES)}")
+    if asked == "off":
+        return False, False, "off (static=off)"
+    if not (plain_head and sdpa):
+        return False, False, ("off: the static step needs a causal LM whose logits are a plain head product "
+                              "and SDPA attention (the dynamic path serves this model)")  # fmt: skip
+    cuda = device.type == "cuda"
+    if asked == "eager":
+        return True, False, "static cache, eager steps (static=eager)"
+    if cuda:
+        return True, True, "static cache + CUDA graphs per power-of-two bucket (decoding is launch-bound on a GPU)"
+    if asked == "on":
+        return True, False, "static cache, eager steps (CPU: no CUDA graphs)"
+    return False, False, ("off on CPU: no kernel launches to save, and the dynamic path drafts several tokens "
+                          "per step (static=on runs the static cache here)")  # fmt: skip
