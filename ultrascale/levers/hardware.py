@@ -36,10 +36,9 @@ def bf16_matmuls(precision: PrecisionConfig, cpu: CpuInfo | None) -> bool:
 
 BLOCKS_PER_ROW = {"fp32": 4, "bf16": 2}
 """Query blocks per row of the blocked attention, by the attention's matmul dtype. A block costs one SDPA call
-and saves its share of the upper-triangle tiles; how many pay off depends on how cheap a tile is. fp32 (FMA
-units): 4 blocks (62.5 % of the tiles): 1.48x over SDPA's masked kernel at seq 2,048 on the AMX Xeon (blocks of
-128: 1.23x), and the Zen 4's best at seq 256 (blocks of 64). bf16 on a matrix unit (AMX: each tile ~5x cheaper):
-2 blocks (75 %): 1.25x, where blocks of 128 ran 0.62x (``python bench/bench_cpu_levers.py --dtype bf16``)."""
+and saves its share of the upper-triangle tiles; how many pay off depends on how cheap a tile is: 4 blocks (62.5 %
+of the tiles) on fp32 FMA units, 2 (75 %) for bf16 on a matrix unit, whose tiles are ~5x cheaper. The measured
+tables: bench/README.md, "The CPU levers, per CPU" (``python bench/bench_cpu_levers.py [--dtype bf16]``)."""
 MIN_BLOCK = 64
 """Below this a block's SDPA call costs more than the tiles it skips on every CPU measured."""
 CHUNK_LOGITS_CAP_MIB = 256
@@ -61,8 +60,8 @@ def cpu_loss_chunk(cpu: CpuInfo, vocab: int, bf16: bool) -> tuple[int, str]:
     """(tokens per chunk of the fused loss, why). Every chunk pays one pass over the head's gradient (``V x h``,
     fp32, plus its bf16 product under autocast) besides its GEMMs, so the faster the GEMMs run, the more tokens a
     chunk needs for that pass to stay small: 128 with fp32 GEMMs, 8x that where autocast puts them on a bf16
-    matrix unit (4.8x the fp32 GEMM rate on the AMX Xeon, 4.9x on the Zen 4; at 49k the bf16 loss ran 0.67x the
-    plain head at 128 tokens and 1.28x at 1,024), capped so one chunk's fp32 logits stay within 256 MiB."""
+    matrix unit (~5x the fp32 GEMM rate), capped so one chunk's fp32 logits stay within 256 MiB. The measured
+    tables: bench/README.md, "The CPU levers, per CPU"."""
     from ultrascale.model.loss import CPU_MAX_CHUNK_TOKENS
 
     native = bf16 and cpu.bf16_native
@@ -79,8 +78,8 @@ def cpu_loss_chunk(cpu: CpuInfo, vocab: int, bf16: bool) -> tuple[int, str]:
 
 GPU_LOSS_FRACTION = 64
 """One chunk's fp32 logits get 1/64 of the GPU's free memory: 1.2 GiB on an 80 GB card (2,048 tokens at vocab
-128,256), 0.34 GiB on a 24 GB one (512). The 32 MiB budget it replaces gave 65 tokens at that vocabulary: ~500
-GEMMs of 65 rows per micro-batch of 32k tokens, each too thin to fill a GPU's tensor cores."""
+128,256), 0.34 GiB on a 24 GB one (512): each chunk's GEMM is thick enough to fill a GPU's tensor cores (the
+fixed budget this replaced: bench/README.md, "The fused loss chunk")."""
 GPU_MAX_CHUNK_TOKENS = 8192
 """Past this a chunk's GEMM ([chunk, h] x [h, V]) is long past filling the GPU; more only holds more memory."""
 AC_HEADROOM = 0.10

@@ -7,15 +7,9 @@ data.seq_len`` tokens. ``train.tokens=2B`` sets ``train.steps`` to the steps tha
 as ``optim.sched.warmup_tokens`` converts the same way. When ``train.tokens`` is set it decides the length: the
 ``train.steps`` a recipe or an override gives is replaced, and the banner prints both.
 
-A resume under another global batch (same world size, another ``data.global_batch``: more or fewer
-accumulation steps) keeps what the run was asked for. Every checkpoint records the run's batch history (the
-step each global batch started at), so the tokens trained by any step are known exactly. With ``train.tokens``
-the resumed run takes the steps that train the rest of them, and the lr schedule keeps its curve over tokens:
-its steps stay the first batch's (``optim.sched.total_steps`` and ``warmup_steps`` are pinned to the checkpoint's)
-and the trainer reads the schedule at the tokens trained (:func:`schedule_position`). With ``train.steps`` the
-step count is kept. Either way the data goes on from the sample the checkpoint reached: one source is addressed by
-sample, so the step offset is converted; where it cannot be (a mixture apportions each step's batch between its
-sources, or the samples read are not a whole number of new batches) the resume is refused in one line.
+A resume under another global batch (same world size, another ``data.global_batch``) keeps what the run was
+asked for: every checkpoint records the run's batch history, so the tokens trained by any step are known exactly
+(:func:`on_resume`).
 """
 
 from __future__ import annotations
@@ -167,7 +161,17 @@ def convert_offset(step: int, offset: int, from_gb: int, cfg: Any, tag: str) -> 
 def on_resume(cfg: Any, meta: dict, tag: str) -> list[str]:
     """Before the resume's other checks: refuse a batch change the data cannot follow, or adjust this run to it
     (``train.tokens``: the steps that train the rest, the schedule pinned to the checkpoint's steps). Returns the
-    changes, in words."""
+    changes, in words.
+
+    A resume under another global batch (same world size, more or fewer accumulation steps): the checkpoint's batch
+    history (the step each global batch started at) gives the tokens trained by any step. With ``train.tokens``
+    the resumed run takes the steps that train the rest of them, and the lr schedule keeps its curve over tokens:
+    its steps stay the first batch's (``optim.sched.total_steps`` and ``warmup_steps`` are pinned to the
+    checkpoint's) and the trainer reads the schedule at the tokens trained (:func:`schedule_position`). With
+    ``train.steps`` the step count is kept. Either way the data goes on from the sample the checkpoint reached: one
+    source is addressed by sample, so the step offset is converted; where it cannot be (a mixture apportions each
+    step's batch between its sources, or the samples read are not a whole number of new batches) the resume is
+    refused in one line."""
     from ultrascale.data.sources import is_mixture
 
     old = batch_changed(meta, cfg)

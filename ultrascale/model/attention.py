@@ -2,20 +2,14 @@
 
 Why: a packed row holding several documents gives SDPA an explicit ``[b, 1, s, s]`` mask, and with a mask
 PyTorch's fused CPU kernel computes every query x key tile, including the upper triangle that causality masks
-out anyway (a one-document row has no mask: HF leaves it to SDPA's ``is_causal`` kernel, which skips those
-tiles itself and is left alone here: spelling its mask out for the blocks ran 0.63x at seq 2,048). Cutting
-the queries into blocks of ``B`` and giving block ``i`` only keys ``[0, (i + 1) * B)`` skips those tiles:
-with ``n`` blocks the attention does ``(n + 1) / 2n`` of the work (62.5 % at 4 blocks).
-Every key dropped is one the causal mask forbids, so the output is the same function of the inputs (the
-test compares it with HF's ``sdpa`` to float rounding). ``make bench-attention``: fwd+bwd 1.065x faster
-compiled on the tiny model (eager only breaks even; the history, SmolLM2 and train.py figures are in
-bench/README.md).
+out anyway. Cutting the queries into blocks of ``B`` and giving block ``i`` only keys ``[0, (i + 1) * B)`` skips
+those tiles: with ``n`` blocks the attention does ``(n + 1) / 2n`` of the work (62.5 % at 4 blocks). Every key
+dropped is one the causal mask forbids, so the output is the same function of the inputs (the test compares it
+with HF's ``sdpa`` to float rounding). What it gains, per model and CPU: bench/README.md.
 
-It is registered as its own HF attention implementation (``AttentionInterface``, with HF's SDPA mask
-builder) and set on the model by ``install_blocked_attention`` at train time, so the model's config still
-says ``sdpa``. The block size is the run's decision (``ultrascale/levers/decide.py``: blocks per row by the
-CPU's matrix unit). Calls that are not a full causal square with a mask (a one-document row, decoding with a
-KV cache, a short prompt, a paged cache, position bias) go to HF's ``sdpa`` unchanged.
+Registered as its own HF attention implementation and set by ``install_blocked_attention`` at train time (the
+config still says ``sdpa``), with the block size the run decided (``ultrascale/levers/``). Calls that are not a
+full causal square with a mask (a one-document row, a KV cache, a short prompt, position bias) go to ``sdpa``.
 """
 
 from __future__ import annotations
@@ -98,23 +92,7 @@ def implementation_name(block: int) -> str:
     return name
 
 
-def blockable_reason(config, attn_implementation: str) -> str | None:
-    """Why a model cannot run the blocked attention or FlexAttention (None: it can); asked by the run's decision
-    and by both installers, so the rule is stated once. Both keep HF's masks exactly only for causal decoders
-    whose masks come from HF's causal (or sliding-window) mask builder."""
-    if attn_implementation != "sdpa":
-        return f"model.attn_implementation={attn_implementation}; the blocks and FlexAttention replace sdpa only"
-    if config.model_type not in CAUSAL_MODEL_TYPES:
-        return f"model_type {config.model_type!r} is not in the causal-mask list of ultrascale/model/attention.py"
-    return None
-
-
-def install_blocked_attention(model, block: int) -> tuple[bool, str]:
-    """(installed?, why not / what): switch an ``sdpa`` causal decoder to the blocked implementation."""
-    if block < 1:
-        return False, f"off (train.attn_block_size={block})"
-    why = blockable_reason(model.config, getattr(model.config, "_attn_implementation", None))
-    if why:
-        return False, f"off ({why})"
+def install_blocked_attention(model, block: int) -> None:
+    """Switch the built model to the blocked implementation, as decided (``ultrascale.levers.decide``: a causal
+    ``sdpa`` decoder, ``block`` >= 1; the decision says why not, this only acts on it)."""
     model.set_attn_implementation(implementation_name(block))
-    return True, f"causal SDPA in query blocks of {block} (upper-triangle tiles skipped; train.attn_block_size)"

@@ -2,32 +2,13 @@
 
 Why: a packed row holding several documents must not attend across a document boundary. HF's ``sdpa`` path
 spells that out as a dense ``[b, 1, s, s]`` mask, and with an explicit mask SDPA cannot run its FlashAttention
-kernel: on the first H200 run llama_1b at seq 4,096 trained at 17.5 % MFU with it. FlexAttention takes a
-``BlockMask`` instead (per 128 x 128 tile: skipped, full, or partial with a ``mask_mod`` evaluated in the
-kernel), so the tiles above the diagonal and across documents are never computed and no mask is ever read.
+kernel (what that cost on a GPU: bench/README.md). FlexAttention takes a ``BlockMask`` instead (per 128 x 128
+tile: skipped, full, or partial with a ``mask_mod`` evaluated in the kernel), so the tiles above the diagonal and
+across documents are never computed and no mask is ever read. The mask is HF's own, built once per forward as a
+``BlockMask`` (:func:`flex_mask`, which also routes what is not a full causal square to SDPA).
 
-The mask is HF's own (``transformers.masking_utils``): causal (or sliding-window causal) AND same document, a
-document being a run of position ids that count up by one (``find_packed_sequence_indices``; the loader restarts
-them after every EOS). HF builds the model's masks once per forward in ``create_causal_mask`` and hands them to
-every layer, so registering :func:`flex_mask` as our implementation's mask builder makes that one mask a
-``BlockMask``: one per forward (per mask type, for models mixing sliding and full layers), not one per layer.
-We do not reuse HF's ``flex_attention_mask`` (it always compiles ``create_block_mask``, 18 s per shape on a
-CPU) nor its ``flex_attention_forward`` (it cannot train on CPU, and it copies the kv heads out whenever the query
-head count is not a power of two, e.g. SmolLM2's 9 over 3, where FlexAttention's ``enable_gqa`` shares them).
-
-Routing (:func:`flex_mask` decides, :func:`flex_attention_forward` follows the type of what it is given):
-
-- a full causal square with document boundaries (training, eval perplexity): a BlockMask -> FlexAttention;
-- a one-document row without padding: no mask -> SDPA's causal kernel (FlashAttention on a GPU; nothing to skip
-  that the causal kernel does not skip already);
-- everything else (decoding with a KV cache, ``q_len != kv_len``, padded prompts): HF's sdpa mask and sdpa.
-
-Devices (torch 2.13): on CUDA FlexAttention runs compiled (``torch.compile(flex_attention)``, or inlined into the
-compiled decoder layer) and the BlockMask comes from a compiled ``create_block_mask``. On CPU torch's compiled
-flex kernel is inference-only ("FlexAttention does not support backward on CPU"), so where gradients are needed
-the CPU runs FlexAttention's reference implementation (its higher-order op in eager: flex's own math and
-backward, the scores of a row materialized; what PyTorch's tests hold the GPU kernel against). That keeps the
-mask, the routing and GQA tested against masked SDPA in CI; it is slower than SDPA on a CPU, where
+On CUDA FlexAttention runs compiled. On CPU torch's compiled flex kernel is inference-only, so where gradients
+are needed it runs FlexAttention's reference implementation (:func:`flex`): slower than SDPA there, where
 ``train.attention_kernel=auto`` keeps the blocked SDPA (``ultrascale/model/attention.py``). The lever is for GPUs.
 """
 
@@ -59,7 +40,23 @@ def flex_mask(
     device: torch.device | str = "cpu",
     **kwargs,
 ) -> BlockMask | torch.Tensor | None:
-    """HF's ``AttentionMaskInterface`` signature: a BlockMask for a full square, else what ``sdpa`` would get."""
+    """HF's ``AttentionMaskInterface`` signature: a BlockMask for a full square, else what ``sdpa`` would get.
+
+    The mask is HF's own (``transformers.masking_utils``): causal (or sliding-window causal) AND same document, a
+    document being a run of position ids that count up by one (``find_packed_sequence_indices``; the loader
+    restarts them after every EOS). HF builds the model's masks once per forward in ``create_causal_mask`` and
+    hands them to every layer, so registering this as our implementation's mask builder makes that one mask a
+    ``BlockMask``: one per forward (per mask type, for models mixing sliding and full layers), not one per layer.
+    We do not reuse HF's ``flex_attention_mask`` (it always compiles ``create_block_mask``, 18 s per shape on a
+    CPU) nor its ``flex_attention_forward`` (it cannot train on CPU, and it copies the kv heads out whenever the
+    query head count is not a power of two, e.g. SmolLM2's 9 over 3, where FlexAttention's ``enable_gqa`` shares
+    them).
+
+    Routing (:func:`flex_attention_forward` follows the type of what it is given): a full causal square with
+    document boundaries (training, eval perplexity): a BlockMask -> FlexAttention; a one-document row without
+    padding: no mask -> SDPA's causal kernel (FlashAttention on a GPU; nothing to skip that the causal kernel
+    does not skip already); everything else (decoding with a KV cache, ``q_len != kv_len``, padded prompts):
+    HF's sdpa mask and sdpa."""
     square = q_length == kv_length and _zero(q_offset) and _zero(kv_offset)
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if not square or (padding is not None and not bool(padding.all())):
@@ -109,7 +106,14 @@ def flex_attention_forward(
 def flex(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, scale: float | None = None
 ) -> torch.Tensor:
-    """FlexAttention of ``[b, h, s, d]`` queries over ``[b, h_kv, s, d]`` keys/values (GQA without copies)."""
+    """FlexAttention of ``[b, h, s, d]`` queries over ``[b, h_kv, s, d]`` keys/values (GQA without copies).
+
+    Devices (torch 2.13): on CUDA FlexAttention runs compiled (``torch.compile(flex_attention)``, or inlined into
+    the compiled decoder layer) and the BlockMask comes from a compiled ``create_block_mask``. On CPU torch's
+    compiled flex kernel is inference-only ("FlexAttention does not support backward on CPU"), so where gradients
+    are needed the CPU runs FlexAttention's reference implementation (its higher-order op in eager: flex's own
+    math and backward, the scores of a row materialized; what PyTorch's tests hold the GPU kernel against). That
+    keeps the mask, the routing and GQA tested against masked SDPA in CI."""
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     if grad and query.device.type == "cpu":
         return _reference(query, key, value, mask, scale)
@@ -147,12 +151,7 @@ def implementation_name() -> str:
     return NAME
 
 
-def install_flex_attention(model) -> tuple[bool, str]:
-    """(installed?, why not / what): switch an ``sdpa`` causal decoder to FlexAttention for packed rows."""
-    from ultrascale.model.attention import blockable_reason
-
-    why = blockable_reason(model.config, getattr(model.config, "_attn_implementation", None))
-    if why:
-        return False, f"off ({why})"
+def install_flex_attention(model) -> None:
+    """Switch the built model to FlexAttention for packed rows, as decided (``ultrascale.levers.decide``: a causal
+    ``sdpa`` decoder; the decision says why not, this only acts on it)."""
     model.set_attn_implementation(implementation_name())
-    return True, "FlexAttention over document blocks (no dense s x s mask)"

@@ -1,22 +1,15 @@
 """Linear cross-entropy that never holds the ``[tokens, vocab]`` logits at once, and its hook into HF models.
 
 At a 49k vocabulary the logits are the largest activation of a small model: 2,048 tokens x 49,152 x 4 bytes
-is 384 MiB in fp32. HF's plain path (``ForCausalLMLoss``) upcasts them to fp32, keeps their log-softmax from
-the forward to the backward and then allocates their gradient: about three such buffers at its peak.
-``linear_cross_entropy`` walks the tokens in chunks instead: each chunk's logits, log-sum-exp, loss and
-*gradients* are computed in the forward and the chunk's logits are dropped, so only the gradients w.r.t. the
-hidden states (``N x h``) and the head (``V x h``), in fp32, survive to the backward, which merely scales them
-by ``grad_output``. Peak extra memory is one chunk's logits (``chunk x V x 4`` bytes) plus those gradients.
-The cost: the head's gradient (``V x h x 4`` bytes) is held from the forward to the backward.
-
-``install_fused_loss`` makes a stock HF ``*ForCausalLM`` compute its training loss this way without changing
+is 384 MiB in fp32, and HF's plain path (``ForCausalLMLoss``) holds about three such buffers at its peak.
+:func:`linear_cross_entropy` walks the tokens in chunks instead (how, and what it holds: its docstring);
+:func:`install_fused_loss` makes a stock HF ``*ForCausalLM`` compute its training loss this way without changing
 its class, parameters or behaviour without labels (generation and logit-wanting eval are untouched).
 
 GPU: with ``impl="auto"`` on a CUDA tensor the Triton kernels of ``liger-kernel`` or ``cut-cross-entropy`` are
-used where they import and run a trial row on that GPU (``kernel_unusable``; they are not in requirements.txt:
-both need Triton and CUDA). Those paths are written to
-the libraries' documented APIs but are **not exercised on the CPU-only machine this module was developed and
-tested on**; the chunked path is, and is what ``auto`` always picks on CPU.
+used where they import and run a trial row on that GPU (``kernel_unusable``). Those paths are written to the
+libraries' documented APIs but are **not exercised on the CPU-only machine this module was developed and tested
+on**; the chunked path is, and is what ``auto`` always picks on CPU.
 """
 
 from __future__ import annotations
@@ -31,12 +24,12 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 CHUNK_BUDGET_BYTES = 32 * 2**20
-"""A byte budget for one chunk's fp32 logits (the only vocab-sized buffer): 170 tokens at a 49k vocabulary.
-Peak memory is flat up to ~256 tokens at 2,048 x 49,152 (`python bench/bench_loss.py --sweep`; bench/README.md)."""
+"""A byte budget for one chunk's fp32 logits (the only vocab-sized buffer): 170 tokens at a 49k vocabulary,
+inside the range where the loss's peak memory stays flat (bench/README.md, "The fused loss chunk")."""
 CPU_MAX_CHUNK_TOKENS = 128
-"""The CPU chunk with fp32 GEMMs: the start of a plateau (128..1,024 within 5 % at 49k on the AMX Xeon; the
-fastest of 32..1,024 on the Zen 4) and the smallest logits buffer on it (bench/README.md). The run's chunk is
-decided per CPU from it (``ultrascale.levers.hardware.cpu_loss_chunk``)."""
+"""The CPU chunk with fp32 GEMMs: the start of the measured plateau of chunk sizes and the smallest logits buffer
+on it (bench/README.md, "The fused loss chunk" and "The CPU levers, per CPU"). The run's chunk is decided per CPU
+from it (``ultrascale.levers.hardware.cpu_loss_chunk``)."""
 
 _IMPLS = ("auto", "chunked", "liger", "cce")
 
@@ -247,6 +240,14 @@ def linear_cross_entropy(
     impl: str = "auto",
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels)`` in fp32 without ever holding the full logits.
+
+    HF's plain path upcasts the logits to fp32, keeps their log-softmax from the forward to the backward and
+    then allocates their gradient. Here each chunk's logits, log-sum-exp, loss and *gradients* are computed in
+    the forward and the chunk's logits are dropped, so only the gradients w.r.t. the hidden states (``N x h``)
+    and the head (``V x h``), in fp32, survive to the backward, which merely scales them by ``grad_output``.
+    Peak extra memory is one chunk's logits (``chunk x V x 4`` bytes) plus those gradients; the cost is the
+    head's gradient (``V x h x 4`` bytes), held from the forward to the backward. liger-kernel and
+    cut-cross-entropy (``impl``) are not in requirements.txt: both need Triton and CUDA.
 
     hidden ``[N, h]`` (any float dtype, any strides), weight ``[V, h]``, labels ``[N]``: each row's own
     target, already shifted (``ignore_index`` = no target). ``reduction="mean"`` divides by the number of

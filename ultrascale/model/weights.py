@@ -1,10 +1,9 @@
 """An HF safetensors checkpoint read tensor by tensor, by name, through its index: what a pipeline stage and a
 ZeRO-3 rank load instead of the whole model.
 
-``from_pretrained`` under transformers' ZeRO-3 integration measured 3.04 GiB peak per rank while loading a
-0.51B model (1.90 GiB in fp32) on 2 ranks: more than the whole model. Read one module's tensors at a time into a
-model built partitioned, each rank keeping only its slice, the same load peaks at the rank's shard plus one
-tensor (`make bench-scale`, row ``zero3_load``).
+``from_pretrained`` under transformers' ZeRO-3 integration peaks above the whole model on every rank while
+loading. Read one module's tensors at a time into a model built partitioned, each rank keeping only its slice,
+the same load peaks at the rank's shard plus one tensor (the figures: bench/README.md, "bench/scale_memory.py").
 
 A model whose vocabulary grew past the checkpoint's (``model.config.vocab_size`` above its ``config.json``'s, for
 the tokens data prep's ``tokenizer.add_fim`` appends) reads the old rows of the embedding and the head as they are
