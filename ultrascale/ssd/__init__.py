@@ -8,9 +8,5 @@ dev split). ``method=rft`` (rejection-sampling finetuning) differs in three plac
 samples several completions per problem, and it executes each in the kernel sandbox and keeps only those that pass.
 
 ``python -m ultrascale.ssd ssd=smollm2_135m`` runs it; ultrascale/ssd/README.md has the whole chain (import,
-data prep, continued pretraining, SSD rounds, eval). One module per job: ``prompts`` (the paper's prompts, from
-a corpus or a JSONL) and ``mine`` + ``problems`` (RFT's tested problems), ``sample`` (generation and both
-filters), ``execute`` (the sandbox verdict, RFT only), ``sft`` (the loss-masked finetuning set), ``finetune``
-(train.py + export), ``evaluate`` (HumanEval), ``compare`` + ``stats`` (dev/test choice and the paired CI),
-``mechanism`` (locks and forks) and ``rounds`` (stages, manifests, resume).
+data prep, continued pretraining, SSD rounds, eval) and, per stage of a round, the module that runs it.
 """

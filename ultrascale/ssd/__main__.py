@@ -1,17 +1,12 @@
-"""Self-distillation rounds for code models.
-
-    method=ssd (default): the SSD paper's method (Zhang et al. 2026, arXiv 2604.01193): sample from the frozen
-        input model at T_train with top-k/top-p truncation, drop only empty and single-line-stub responses,
-        finetune on the raw samples. No tests, nothing executed.
-    method=rft: rejection-sampling finetuning: execute every sample against its problem's tests in the sandbox,
-        finetune only on the passing ones.
+"""Self-distillation rounds for code models: ``method=ssd`` (default) is the SSD paper's method (sample from the
+frozen model, drop only empty and stub responses, finetune; nothing executed), ``method=rft`` finetunes only on
+samples that pass their problem's tests in the sandbox.
 
     python -m ultrascale.ssd ssd=smollm2_135m                                    # the paper's method, SmolLM2-135M
     python -m ultrascale.ssd ssd=smollm2_135m_rft                                # rejection-sampling finetuning
     python -m ultrascale.ssd ssd=smollm2_135m problems.source=jsonl problems.jsonl=prompts.jsonl   # {"prompt"} lines
     python -m ultrascale.ssd ssd=tiny start_model=DIR problems.jsonl=problems.jsonl output_dir=runs/ssd_tiny
     python -m ultrascale.ssd.evaluate --model base=DIR --model ssd=DIR           # dev/test, T_eval grid, paired CI
-    python -m ultrascale.ssd --help                                              # every key with its doc
 
 Rerunning with the same output_dir continues where it stopped (finished stages are skipped).
 HumanEval (and method=rft's execution) needs root for the sandbox (kernel namespaces), as eval.py's does.

@@ -2,16 +2,12 @@
 
 ``python -m ultrascale.ssd.evaluate`` (this module's :func:`main`) scores any models on HumanEval, split once
 by seed into a dev half and a test half (recorded in the output), and optionally on a second set: problems
-with tests mined from the corpus's *validation* repositories, which no SSD prompt comes from. For each model:
-
-1. every candidate (a checkpoint directory) x every decoding setting of the grid (greedy, and each T_eval with
-   and without the truncation) is scored on the dev half, ``n_dev`` samples per problem, by the unbiased
-   per-problem pass@1;
-2. the best (checkpoint, setting) on dev is scored on the test half with ``n_test`` samples per problem;
-3. each model after the first is compared with the first (the base) on the test half by a paired bootstrap
-   over problems (:mod:`ultrascale.ssd.stats`): an interval that holds 0 is reported as "no measurable gain".
-
-Nothing is tuned on the test half: the test half is generated only for the chosen setting.
+with tests mined from the corpus's *validation* repositories, which no SSD prompt comes from. For each model,
+every candidate checkpoint x decoding setting of the grid (greedy, and each T_eval with and without the
+truncation) is scored on the dev half by the unbiased per-problem pass@1; the best on dev is scored on the test
+half; each model after the first is compared with the first on the test half by a paired bootstrap over
+problems (:mod:`ultrascale.ssd.stats`): an interval that holds 0 is reported as "no measurable gain". Nothing is
+tuned on the test half: the test half is generated only for the chosen setting.
 """
 
 from __future__ import annotations

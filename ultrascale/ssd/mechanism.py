@@ -3,15 +3,12 @@
 The SSD paper explains its gain by the truncated, temperature-scaled samples: at a *lock* (one right token and a
 long tail of distractors) training on truncated samples moves mass from the tail to the head, while at a *fork*
 (several good continuations) the raised temperature keeps them all. On held-out code, for every position, this
-module computes under the base and the new model:
+module computes under the base and the new model the entropy of the next-token distribution (nats) and the
+probability mass outside the top-k (the tail the truncation cuts), averaged per bin of the base model's top-1
+probability. Locks are the high-confidence bins: the tail mass there should drop. Forks are the low-confidence
+bins: the entropy there should stay.
 
-- the base model's confidence (its top-1 probability), the bin each position falls in;
-- the entropy of the next-token distribution (nats);
-- the probability mass outside the top-k (the tail the truncation cuts).
-
-and averages each per confidence bin. Locks are the high-confidence bins: the tail mass there should drop.
-Forks are the low-confidence bins: the entropy there should stay. ``python -m ultrascale.ssd.mechanism
---base DIR --new DIR --data DIR`` writes the numbers as JSON and one plot (``mechanism.png``).
+    python -m ultrascale.ssd.mechanism --base DIR --new DIR --data DIR    # JSON and one plot, mechanism.png
 """
 
 from __future__ import annotations

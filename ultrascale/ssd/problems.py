@@ -1,18 +1,12 @@
 """The problem source: mined from a corpus (or read from JSONL), filtered, decontaminated, checked in the sandbox.
 
-Problems must not be the evaluation set, must be solvable and must have sane tests. So, in order:
-
-1. static filters while mining (:mod:`ultrascale.data.mine`): self-contained, pure, short enough;
-2. duplicates (the same function copied between files) are dropped;
-3. HumanEval decontamination with data prep's own n-gram matcher (:mod:`data_prep.decontam`);
-4. in the sandbox, the reference must pass its own tests *and* a ``return None`` body must fail them:
-   a problem whose tests accept anything would keep every sample, right or wrong. So must a body that
-   returns a documented answer as a constant (``return 44`` for a lone ``>>> f(22)`` / ``44``): the first
-   SmolLM2 round's only kept sample was exactly that, a memorised answer rather than a solution.
-
-Every drop is counted per reason; :func:`build` returns the problems and that report. With
-``train_repos_from`` only the repositories data prep put in the *train* split are mined, so problems never
-come from held-out code.
+Problems must not be the evaluation set, must be solvable and must have sane tests. So, in order: static filters
+while mining (:mod:`ultrascale.data.mine`: self-contained, pure, short enough); duplicates (the same function
+copied between files) dropped; HumanEval decontamination with data prep's own n-gram matcher
+(:mod:`ultrascale.data.decontam`); in the sandbox, the reference must pass its own tests *and* a ``return None`` body, or one returning a documented answer as a constant,
+must fail them (the first SmolLM2 round's only kept sample was such a memorised answer). Every drop is counted per
+reason; :func:`build` returns the problems and that report. With ``train_repos_from`` only the repositories data
+prep put in the *train* split are mined, so problems never come from held-out code.
 """
 
 from __future__ import annotations
@@ -171,7 +165,10 @@ def _verify(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict
 
 
 def build(cfg: DictConfig) -> tuple[list[dict], dict]:
-    """(problems, report): ``report`` counts every problem dropped, per reason, in filter order."""
+    """(problems, report): ``report`` counts every problem dropped, per reason, in filter order.
+
+    A problem whose tests accept anything would keep every sample, right or wrong; so must a body that returns a
+    documented answer as a constant (``return 44`` for a lone ``>>> f(22)`` / ``44``): both must fail the tests."""
     counts: Counter = Counter()
     if cfg.source == ProblemSource.jsonl:
         if not cfg.jsonl:

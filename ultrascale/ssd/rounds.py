@@ -1,17 +1,8 @@
 """Rounds of self-distillation, each a chain of stages that a rerun skips once done.
 
-::
-
-    <output_dir>/ssd_manifest.json        config, baseline eval, finished stages per round (the summary)
-                baseline/eval.json         HumanEval of the starting model (the 'before'; run before round 0's eval)
-                round_XX/manifest.json     per stage: done, wall time, its settings, its numbers
-                         problems.jsonl    the round's problems (round 0 mines them; later rounds reuse them)
-                         samples.jsonl     every completion with its verdict and why it was (not) kept
-                         kept.jsonl        the finetuning examples
-                         sft_data/         packed, loss-masked shards + the model's tokenizer
-                         train_run/        the train.py run (checkpoints, metrics, logs; auto-resumes)
-                         model/            the exported HF model: round r + 1 starts from it
-                         eval/, eval.json  HumanEval of model/
+Under ``<output_dir>``: ``ssd_manifest.json`` (config, baseline eval, finished stages per round),
+``baseline/eval.json`` (HumanEval of the starting model) and one ``round_XX/`` per round with its
+``manifest.json`` and each stage's output (the files: ultrascale/ssd/README.md, "What a round does").
 
 Each stage writes its output atomically (a temporary name, then a rename) and is marked done in the round
 manifest last, so a killed run leaves either a finished stage or one that reruns from scratch; a killed

@@ -1,17 +1,12 @@
 """The finetuning set: kept samples as prompt + completion + EOS, packed into shards, prompt tokens masked.
 
-Tokenized with the *model's* tokenizer and split where generation splits it
-(:func:`ultrascale.eval.humaneval.encode_sample`): the prompt without its trailing newline, encoded as the
-sampler encodes it (no special tokens), then the newline and the completion, so the model learns the token
-sequence it produces when sampled and scored (``sample.heal_newline``: newline + indent is one token, which a
-prompt ending in a bare newline token would never let it train). The loss mask is True on the
-completion and on the EOS after it (the model learns where to stop), False on the prompt and on the EOS
-padding at the end of a packed row. Rows hold several samples; the loader's document masking restarts
-position ids after every EOS and keeps attention inside one sample.
-
-Validation holds the kept samples of whole problems (``validation_fraction`` of them), so its loss is on
-problems the finetune never saw. The output is a standard prepared dataset (``manifest.json`` +
-``tokenizer/``), so ``train.py data.path=...`` trains on it and ``ultrascale.export`` finds its tokenizer.
+Tokenized with the *model's* tokenizer and split where generation splits it (:func:`encode`), so the model
+learns the token sequence it produces when sampled and scored. The loss mask is True on the completion and on
+the EOS after it (the model learns where to stop), False on the prompt and on the EOS padding at the end of a
+packed row. Rows hold several samples; the loader's document masking restarts position ids after every EOS and
+keeps attention inside one sample. Validation holds the kept samples of whole problems, so its loss is on
+problems the finetune never saw. The output is a standard prepared dataset (``manifest.json`` + ``tokenizer/``),
+so ``train.py data.path=...`` trains on it and ``ultrascale.export`` finds its tokenizer.
 """
 
 from __future__ import annotations
@@ -39,7 +34,11 @@ def encode(
     tokenizer, prompt: str, completion: str, eos: int, heal_newline: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ids, loss mask) of one sample: prompt (masked out) + completion + EOS (targets), split at the boundary
-    generation uses (:func:`ultrascale.eval.humaneval.encode_sample`, with the sampling's ``heal_newline``)."""
+    generation uses (:func:`ultrascale.eval.humaneval.encode_sample`, with the sampling's ``heal_newline``).
+
+    The prompt without its trailing newline, encoded as the sampler encodes it (no special tokens), then the
+    newline and the completion (``sample.heal_newline``: newline + indent is one token, which a prompt ending in
+    a bare newline token would never let the model train)."""
     from ultrascale.eval.humaneval import encode_sample
 
     p, c = encode_sample(tokenizer, prompt, completion, heal_newline)

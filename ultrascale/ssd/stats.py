@@ -1,18 +1,13 @@
 """The statistics behind an SSD before/after claim: a fixed dev/test split, per-problem scores, a paired bootstrap.
 
-HumanEval has 164 problems, so a 2-point change in pass@1 is about three problems: noise of that size is
-easy to read as a gain. Three habits keep the claim honest:
-
-* Settings (temperature, top_p, checkpoint) are chosen on a ``dev`` half of the problems and reported on the
-  ``test`` half only, so the number reported was never used to pick anything (``split_dev_test``,
-  ``choose_on_dev``, ``report_on_test``).
-* Scores are kept per problem (the unbiased pass@k of each problem, ``per_problem_pass_at_k``) rather than
-  as one average, because the uncertainty comes from which problems happened to be in the benchmark.
-* The two models are compared with a *paired* bootstrap over problems (``paired_bootstrap``): both models
-  see the same problems, and problem difficulty dominates the variance of either score, so resampling the
-  per-problem differences cancels it and leaves the variance of the change itself.
-
-``compare_models`` chains all three and states a verdict only where the interval excludes zero.
+HumanEval has 164 problems, so a 2-point change in pass@1 is about three problems: noise of that size is easy to
+read as a gain. Three habits keep the claim honest: settings are chosen on a ``dev`` half of the problems and
+reported on the ``test`` half only (``split_dev_test``, ``choose_on_dev``, ``report_on_test``); scores are kept
+per problem (``per_problem_pass_at_k``), because the uncertainty comes from which problems happened to be in the
+benchmark; and the two models are compared with a *paired* bootstrap over problems (``paired_bootstrap``): both
+see the same problems, and problem difficulty dominates the variance of either score, so resampling the
+per-problem differences cancels it and leaves the variance of the change itself. ``compare_models`` chains all
+three and states a verdict only where the interval excludes zero.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """Checkpoints that do not stall training: snapshot the state at the step boundary, write it in the background.
 
-DeepSpeed 0.19.8's own overlapped writer (``DecoupledCheckpointEngine``) runs ``FastCheckpointEngine`` in a
-spawned process, which writes through DeepNVMe's ``AsyncIOBuilder`` op: it needs libaio and a JIT build, and is
-made for GPU pinned buffers. So this module plugs a :class:`~deepspeed.runtime.checkpoint_engine.checkpoint_engine.
-CheckpointEngine` of our own into the engine (the interface DeepSpeed hands every state dict to, for every ZeRO
-stage, the pipeline engine's layer files and MoE expert files alike):
-
-- ``save()`` copies the state dict's tensors into host staging buffers (:class:`Staging`), so the training step
-  that follows may change the live tensors. The buffers are allocated once (on CUDA after the first step, see
-  :meth:`ultrascale.train.checkpoint.Checkpointer.prestage`; elsewhere by the first save) and reused by every
-  later save: copying into memory already touched is a memcpy (0.09 s for 0.8 GB here), while a fresh
-  allocation pays a page fault per 4 KiB under memory pressure (3-7 s for SmolLM2-135M's 0.8 GB optimizer shard
-  on this 2-core box: slower than the synchronous save it was meant to hide). On CUDA they are pinned
-  (``train.checkpoint_staging``; one page-locked slab, :class:`_Slab`): the copies run as non-blocking
-  device-to-host DMA on a side stream at the link's speed, with one synchronisation per checkpoint, where a copy
-  into pageable memory goes through the driver's bounce buffer one chunk at a time (the first GPU run: 17 GB at
-  ~1.9 GB/s, a 9.2 s stall);
-- one background thread per rank ``torch.save``\\ s the queue to disk and fsyncs each file;
-- the trainer learns which checkpoint every rank has finished through the all-gather it makes each step anyway,
-  and only then does rank 0 write the file list and move ``latest`` (:class:`ultrascale.train.checkpoint.
-  Checkpointer`). A crash while the thread writes leaves the previous checkpoint as ``latest``.
-
-The price is host memory for one snapshot (the checkpoint's size per rank, offloaded optimizer state included:
-the next step's CPU Adam updates it in place, so it is copied like the rest), kept between saves; one save is in
-flight at a time (a save waits for the previous one to be written, so the buffers are free again).
+DeepSpeed 0.19.8's own overlapped writer (``DecoupledCheckpointEngine``) writes through DeepNVMe's ``AsyncIOBuilder``
+op in a spawned process: it needs libaio and a JIT build, and is made for GPU pinned buffers. So this module plugs a
+checkpoint engine of our own into the engine (:class:`BackgroundWriter`; DeepSpeed hands it every state dict, for
+every ZeRO stage, the pipeline engine's layer files and MoE expert files alike). ``save()`` copies the tensors into
+host staging buffers allocated once and reused (:class:`Staging`), so the next step may change the live tensors;
+one background thread per rank writes the queue with ``torch.save`` and fsyncs each file; rank 0 moves ``latest``
+only once every rank has finished (:class:`ultrascale.train.checkpoint.Checkpointer`), so a crash while the thread
+writes leaves the previous checkpoint as ``latest``. The price is host memory for one snapshot per rank, kept
+between saves; one save is in flight at a time. Why the buffers are reused and pinned: bench/README.md,
+"bench/checkpoint_stall.py".
 """
 
 from __future__ import annotations
@@ -226,7 +212,9 @@ class Staging:
     on a side stream, which ``sync()`` waits for once per checkpoint; a changed layout re-carves a new slab (the
     old one is unregistered once the snapshots that hold it are written). Smaller device tensors and host
     tensors (offloaded state: pinning does nothing for a host-to-host copy) get ordinary buffers. ``pageable``:
-    ordinary buffers, blocking copies.
+    ordinary buffers, blocking copies. Offloaded optimizer state is staged like the rest: the next step's CPU Adam
+    updates it in place. The buffers are allocated on CUDA after the first step
+    (:meth:`ultrascale.train.checkpoint.Checkpointer.prestage`), elsewhere by the first save.
 
     Whether a tensor is on the device (``on_device``) and how it is copied there (``dma``) are attributes, so a
     CPU test can plant CUDA-ness and run the pinned layout.
