@@ -5,21 +5,10 @@ Each line of the input is ``{"messages": [{"role": "system"|"user"|"assistant", 
 keys are kept out of the shards; an ``id`` names the conversation in errors). A conversation is rendered by the
 tokenizer's own chat template (``tokenizer.apply_chat_template``: SmolLM2-Instruct's ChatML, a Llama or Qwen
 template, whatever the model was tuned with), so training sees exactly the text the model will be prompted with.
-
-Only assistant turns are targets. Where each one starts and ends is read off the template itself, not parsed
-from its markup: the conversation up to an assistant turn rendered with ``add_generation_prompt`` ends where that
-turn's content begins, and the conversation through the turn ends where it ends (its end-of-turn token included,
-so the model learns to stop; trailing whitespace the template adds between turns is not). Every token that
-overlaps such a span carries loss; system and user turns, the role headers and the template's own system prompt
-are context only. A template that does not render a conversation as its turns one after another cannot be split
-this way and is refused.
-
-Conversations are packed whole into rows of ``seq_len`` with a separator token between them (the manifest's
-``eos_token_id``, so the loader's document masking keeps each conversation's attention and positions to itself);
-it must never occur inside a rendered conversation, which rules out ChatML's ``<|im_end|>``: by default the first
-of the tokenizer's EOS and ``<|endoftext|>`` that does not. Packing, the seeded split of whole conversations into
-validation and the shard format are SSD's supervised set's (:func:`ultrascale.data.supervised.write_packed`): the output
-is a standard prepared dataset that ``train.py data.path=DIR`` trains on.
+Only assistant turns are targets, their spans read off the template itself (:func:`assistant_spans`).
+Conversations are packed whole into rows of ``seq_len`` with a separator token between them (:func:`separator`),
+by SSD's supervised-set writer (:func:`ultrascale.data.supervised.write_packed`): the output is a standard
+prepared dataset that ``train.py data.path=DIR`` trains on.
 """
 
 from __future__ import annotations
@@ -90,7 +79,14 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> 
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character span of each assistant turn: from where its content begins to
-    its end-of-turn markup, read off the template (see the module docstring)."""
+    its end-of-turn markup, read off the template.
+
+    Not parsed from the markup: the conversation up to an assistant turn rendered with ``add_generation_prompt``
+    ends where that turn's content begins, and the conversation through the turn ends where it ends (its
+    end-of-turn token included, so the model learns to stop; trailing whitespace the template adds between turns
+    is not). Every token that overlaps such a span carries loss; system and user turns, the role headers and the
+    template's own system prompt are context only. A template that does not render a conversation as its turns
+    one after another cannot be split this way and is refused."""
     text, spans = render(tokenizer, messages), []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -123,7 +119,13 @@ def encode_conversation(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np
 
 def separator(tokenizer, conversations: list[np.ndarray], asked: str | None) -> tuple[str, int]:
     """The token between packed conversations (the manifest's ``eos_token_id``): ``asked``, or the first candidate
-    that is a single token of the vocabulary and never occurs inside a conversation."""
+    that is a single token of the vocabulary and never occurs inside a conversation.
+
+    It is the manifest's EOS so that the loader's document masking keeps each conversation's attention and
+    positions to itself; it must never occur inside a rendered conversation, which rules out ChatML's
+    ``<|im_end|>``: by default the first of the tokenizer's EOS and ``<|endoftext|>`` that does not. Packing, the
+    seeded split of whole conversations into validation and the shard format are the supervised set's
+    (:func:`ultrascale.data.supervised.write_packed`)."""
     candidates = [asked] if asked else [t for t in (tokenizer.eos_token, *SEPARATOR_CANDIDATES) if t]
     inside: set[int] = set()
     for ids in conversations:

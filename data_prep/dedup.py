@@ -8,12 +8,7 @@ one small step, :func:`clusters`, joins the confirmed pairs and keeps the lowest
 result does not depend on input order or partitioning. :func:`near_duplicates` runs all of it in memory.
 
 Why our own code and not datatrove's steps or datasketch: ``make bench-data-scale`` times the three on the
-same texts (data_prep/README.md has the figures). The cost of a signature is shingling plus the
-shingles x permutations product. Here shingling has no per-n-gram Python: a document's UTF-8 bytes are
-split into words, each word hashed by a polynomial over its bytes and each n-gram by a polynomial over its
-words, all numpy; the permutations are datasketch's ``affine32`` scheme (MurmurHash3 finaliser, then
-``a * h + b`` in uint32 with ``a`` odd, a bijection), one uint32 multiply-add-min per shingle and slot
-instead of a 64-bit ``% (2**61 - 1)``.
+same texts (data_prep/README.md has the figures); what makes a signature cheap here: :class:`MinHasher`.
 """
 
 from __future__ import annotations
@@ -91,7 +86,13 @@ def shingle_hashes(text: str, ngram: int) -> np.ndarray:
 
 
 class MinHasher:
-    """``num_perm``-slot uint32 MinHash signatures of word ``ngram`` shingles (same ``seed``, same signatures)."""
+    """``num_perm``-slot uint32 MinHash signatures of word ``ngram`` shingles (same ``seed``, same signatures).
+
+    The cost of a signature is shingling plus the shingles x permutations product. Shingling has no per-n-gram
+    Python (:func:`shingle_hashes`: a document's UTF-8 bytes are split into words, each word hashed by a
+    polynomial over its bytes and each n-gram by a polynomial over its words, all numpy); the permutations are
+    datasketch's ``affine32`` scheme (MurmurHash3 finaliser, then ``a * h + b`` in uint32 with ``a`` odd, a
+    bijection), one uint32 multiply-add-min per shingle and slot instead of a 64-bit ``% (2**61 - 1)``."""
 
     def __init__(self, num_perm: int = 256, ngram: int = 5, seed: int = 1, chunk: int = 2048):
         rng = np.random.default_rng(seed)

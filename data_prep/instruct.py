@@ -9,9 +9,6 @@ body under it. The pairs are mined, filtered and decontaminated by SSD's prompt 
 (:func:`ultrascale.data.prompts.build_prompts`): stubs, over-long prompts and bodies, duplicate prompts and bodies
 are dropped, and so is any pair whose word 10-grams overlap a HumanEval problem or a doctested problem of a
 validation repository, each counted under its reason in ``<output>.report.json``.
-
-The assistant repeats the prompt before the body so that the body is learned right after the docstring, where a
-completion benchmark asks for it; the loss also covers the copied prompt, which the model learns quickly.
 """
 
 from __future__ import annotations
@@ -29,7 +26,10 @@ from ultrascale.paths import resolve_path
 
 
 def conversation(record: dict, instruction: str) -> dict:
-    """One chat line of a mined pair (``prompt`` ends after the docstring, ``reference`` is the body)."""
+    """One chat line of a mined pair (``prompt`` ends after the docstring, ``reference`` is the body).
+
+    The assistant repeats the prompt before the body so that the body is learned right after the docstring, where
+    a completion benchmark asks for it; the loss also covers the copied prompt, which the model learns quickly."""
     fence = "```"
     return {
         "id": record["task_id"],

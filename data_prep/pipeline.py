@@ -1,26 +1,14 @@
 """The pipeline: every stage is distributed through datatrove, and no process holds the corpus.
 
-Stages (each a datatrove step, :mod:`data_prep.stages`; what each unit does is in :mod:`data_prep.doc_stages`,
-:mod:`data_prep.split` and :mod:`data_prep.tokens`):
-
-    map         input files        read -> language -> quality -> content hash; scatter by document bucket
-    license     repository ranges  per-repository license verdicts from the map's per-task license sets
-    signatures  document buckets   license filter; content-hash and MinHash LSH band keys by key partition
-    near_dedup  key partitions     documents sharing a key: exact pairs (sha256) and near pairs (Jaccard)
-    cluster     one task           union of the pairs only; lowest id per cluster kept
-    split       one task           train/validation by repository, streamed over the sizes in key order
-    clean       document buckets   drop duplicates, redact PII, decontaminate; one more task trains the
-                                   BPE meanwhile on a bounded, seeded sample of train (or copies a local one)
-    tokenize    document buckets   FIM + tokens per split, one stream per bucket
-    pack        output shards      seeded global shuffle evaluated per shard, packed samples, shards
-    finalize    one task           manifest.json (last), report.md, decontamination.jsonl
-
-Locally the stages run one after the other on datatrove's ``LocalPipelineExecutor`` (its pool without the
-Manager process, :mod:`data_prep.local_executor`) or ``RayPipelineExecutor``;
-on Slurm they are one array job each, each depending on the one before (:mod:`data_prep.slurm`).
-Partitions are fixed by ``buckets`` and seeded hashes, never by the task count, and every random choice
-is a function of (seed, document id) or (seed, split), so any task count writes the same bytes. Every
-unit's files are written atomically and its stats last: a killed run resumes after the last finished unit.
+Stages, in run order (each a datatrove step, :mod:`data_prep.stages`; what each unit does is in
+:mod:`data_prep.doc_stages`, :mod:`data_prep.split` and :mod:`data_prep.tokens`): map, license, signatures,
+near_dedup, cluster, split, clean, tokenize, pack, finalize; what each owns and does: data_prep/README.md,
+"Stages". Locally the stages run one after the other on datatrove's ``LocalPipelineExecutor`` (its pool without
+the Manager process, :mod:`data_prep.local_executor`) or ``RayPipelineExecutor``; on Slurm they are one array
+job each, each depending on the one before (:mod:`data_prep.slurm`). Partitions are fixed by ``buckets`` and
+seeded hashes, never by the task count, and every random choice is a function of (seed, document id) or
+(seed, split), so any task count writes the same bytes. Every unit's files are written atomically and its
+stats last: a killed run resumes after the last finished unit.
 """
 
 from __future__ import annotations

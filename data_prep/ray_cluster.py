@@ -1,8 +1,6 @@
 """The Ray cluster a data-prep run uses (``executor.type=ray``): joined, or started for the run, before anything is
-written.
-
-datatrove's ``RayPipelineExecutor`` expects ``ray.init()`` to have happened; left to itself, its first ``ray.put``
-would start a private cluster silently, whatever address the user meant. Here the address is explicit:
+written. datatrove's ``RayPipelineExecutor`` expects ``ray.init()`` to have happened; left to itself, its first
+``ray.put`` would start a private cluster silently, whatever address the user meant. Here the address is explicit:
 
     local            a private Ray on this machine for the run (stopped when the run ends)
     auto             the cluster ``ray start`` runs on this node

@@ -4,18 +4,11 @@ Saved as an HF tokenizer directory (tokenizer.json + tokenizer_config.json) that
 written without importing transformers (it costs seconds at every prep). Special tokens take the first
 ids, inside the ``vocab_size`` budget, so a model with that vocabulary can embed every id.
 
-:func:`encode_texts` is the one place text becomes token ids. Profiling tokenize + pack showed 97 % of
-the time inside ``encode_batch_fast`` (about half of that malloc/free for per-word strings), so the
-lever is to hand the tokenizer less text. Byte-level BPE with the GPT-2 split regex never lets a token
-run from a non-space character into the whitespace after it, nor across a letter/punctuation border
-(apostrophes aside), so a text cut there encodes to the concatenation of its parts' ids. Source code
-repeats the same parts (`` self``, ``.``, ``    return``, ``(``) endlessly: on the 300-file benchmark
-corpus, 5.6 M characters are 479 k whitespace-led pieces, 116 k distinct, whose 453 k parts hold 61 k
-distinct ones of 0.85 M characters. Each distinct part is encoded once per batch, 64 to a tokenizer
-input joined by a special token (one input per part costs a third more), and the ids are gathered
-back with numpy. Tokenizers for which the cuts are not provably neutral (a normalizer, another split
-regex, truncation, added tokens with whitespace) are encoded whole; tests compare both paths against
-whole-document encoding on real text and check every cut rule against the tokenizer.
+:func:`encode_texts` is the one place text becomes token ids. It hands the tokenizer less text: byte-level BPE
+with the GPT-2 split regex never lets a token cross certain cuts, so each distinct part of a batch is encoded once
+and the ids are gathered back with numpy; tokenizers for which the cuts are not provably neutral are encoded
+whole (:func:`piece_cuts_are_neutral`). The profile behind it and its figures: data_prep/README.md, "Tokenize +
+pack".
 """
 
 from __future__ import annotations

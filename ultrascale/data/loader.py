@@ -5,13 +5,9 @@ no iterator state, no sampler state, nothing lost or repeated. Each optimizer st
 contiguous range [step*G, (step+1)*G) of a per-epoch permutation (G = global batch), split over
 micro-steps and data-parallel ranks. The set of samples per step is therefore the same for any
 (dp, grad-accum) layout with the same G, which is what lets a universal checkpoint resume on a
-different world size and still see exactly the data it would have seen.
-
-Packed rows hold several documents joined by EOS. With document masking (the default) each
-document is trained as if it were alone: position ids restart after every EOS, attention does not
-cross a document boundary, and the first token of a document is not a target (nothing in its own
-document predicts it). That is padding-free packing: no compute is spent on pad tokens, and no
-token learns from an unrelated file that happened to precede it in the row.
+different world size and still see exactly the data it would have seen. Packed rows hold several
+documents joined by EOS; with document masking (the default) each is trained as if it were alone
+(:func:`make_batch`).
 """
 
 from __future__ import annotations
@@ -71,7 +67,12 @@ class Batch:
 
 
 def make_batch(ids: np.ndarray, loss_mask: np.ndarray | None, eos_id: int | None, document_masking: bool) -> Batch:
-    """Labels and position ids for packed rows ``ids`` [b, s] (int64)."""
+    """Labels and position ids for packed rows ``ids`` [b, s] (int64).
+
+    With ``document_masking`` each document of a row is trained as if it were alone: position ids restart after
+    every EOS, attention does not cross a document boundary, and the first token of a document is not a target
+    (nothing in its own document predicts it). That is padding-free packing: no compute is spent on pad tokens,
+    and no token learns from an unrelated file that happened to precede it in the row."""
     input_ids = torch.from_numpy(ids)
     labels = input_ids.clone()
     if loss_mask is not None:

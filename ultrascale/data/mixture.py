@@ -4,17 +4,11 @@ A mixture is a set of prepared datasets (sources), each with a share of the trai
 list of stages (SmolLM3-style: a new mixture from a given step on, the last one often an annealing stage). A
 step's ``G`` samples (the global batch) are split between the sources by apportionment with carried remainders:
 inside a stage, after ``u`` steps source ``i`` has been given within one sample of ``share_i * G * u``, at every
-step, not only on average. That is what lets a test ask for the shares within 1 % over a short run, and what a
-seeded random draw cannot promise (its error shrinks only as one over the square root of the samples).
-
-Which slot of the step holds which source is then shuffled with a generator seeded by ``(seed, step)``, so every
-rank and micro-batch sees a mix, and the set of samples of a step does not depend on dp or gradient accumulation.
-Source ``i``'s ``j``-th sample overall is row ``perm_i(j // n_i)[j % n_i]``, a per-epoch permutation of its ``n_i``
-rows: a source smaller than its share repeats, epoch after epoch, and its epoch count is reported, never hidden.
-
-Everything is addressed by the step: the position in every source at any step follows from the weights and the
-stage table alone (:meth:`Mixture.cursors`). A resume needs the step number and nothing else; the checkpoint
-still records the positions so a resume with a mixture that would have read other samples is refused.
+step, not only on average, which a seeded random draw cannot promise. Which slot holds which source is then
+shuffled (:meth:`Mixture.slots`), so the set of samples of a step does not depend on dp or gradient accumulation;
+a source smaller than its share repeats, epoch after epoch, and its epoch count is reported (:meth:`Mixture.epochs`).
+A resume needs the step number and nothing else (:meth:`Mixture.cursors`); the checkpoint still records the
+positions so a resume with a mixture that would have read other samples is refused.
 """
 
 from __future__ import annotations
@@ -116,7 +110,8 @@ class Mixture:
             self._cum = np.concatenate([self._cum, np.asarray(rows, dtype=np.int64)])
 
     def cursors(self, step: int) -> np.ndarray:
-        """Samples taken from each source before data step ``step`` (its position in every source)."""
+        """Samples taken from each source before data step ``step`` (its position in every source): it follows
+        from the weights and the stage table alone."""
         if step >= len(self._cum):  # ahead, in blocks: one growth per step would copy the table every step
             self._extend(max(step, 2 * len(self._cum), len(self._cum) + 1024))
         return self._cum[step].copy()
@@ -130,7 +125,9 @@ class Mixture:
         """(source, row) for each of the step's ``G`` slots; slot order is what ranks and micro-batches split.
 
         Each source's positions are taken in order, then the slots are shuffled by a hash of (seed, step, slot):
-        a few microseconds, where a seeded generator per step costs more than the gather it feeds."""
+        a few microseconds, where a seeded generator per step costs more than the gather it feeds. Every rank and
+        micro-batch sees a mix. Source ``i``'s ``j``-th sample overall is row ``perm_i(j // n_i)[j % n_i]``, a
+        per-epoch permutation of its ``n_i`` rows."""
         if self._slots is not None and self._slots[0] == step:
             return self._slots[1], self._slots[2]
         if step + 1 >= len(self._cum):

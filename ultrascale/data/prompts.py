@@ -4,21 +4,9 @@ SSD (Zhang et al. 2026, "Embarrassingly Simple Self-Distillation Improves Code G
 solution per prompt from the frozen model and fine-tunes on the raw samples: nothing is executed, so a prompt
 needs no tests, only a docstring that says what the body should do. Demanding doctests (as
 :mod:`ultrascale.data.mine` must, for the sandboxed rounds) leaves a few dozen problems in the stdlib; any
-docstring leaves thousands.
-
-A prompt is what the model reads before writing a body, laid out as HumanEval lays it out:
-
-* function: the imports and module-level helpers it uses (transitively, :mod:`ultrascale.data.mine`'s
-  machinery), then its signature and docstring;
-* method: the imports it and its class header use, the class header (decorators, bases, docstring), then
-  the method's signature and docstring indented inside the class; ``entry_point`` is ``Class.method``.
-
-The prompt ends right after the docstring's newline, so the model writes the body. Since nothing runs, names
-that cannot be resolved and non-stdlib imports are no reason to drop a prompt, nor is the deny list (only on
-request): the model sees the same kind of code it will be asked to complete. What *is* dropped, with a reason
-counted in the report: bodies with nothing to learn (stubs), prompts or bodies too long for the sampling
-budget, duplicates, and anything overlapping an evaluation set: HumanEval, and (with ``train_repos_from``) the
-doctested problems of the corpus's *validation* repositories, which are the second evaluation set.
+docstring leaves thousands. A prompt is what the model reads before writing a body, laid out as HumanEval lays it
+out and ending right after the docstring's newline; how it is laid out, and what is dropped with a reason counted
+in the report: :func:`build_prompts`.
 """
 
 from __future__ import annotations
@@ -294,6 +282,15 @@ def build_prompts(cfg: DictConfig, *, deny: bool = False) -> tuple[list[dict], d
     ``cfg`` is the ``problems`` node. ``deny=True`` also drops prompts using ``deny_names``: off by default,
     because nothing is executed and code that opens files is still code to learn from. The report counts
     files, candidates (documented functions and methods), each drop reason, and what is kept, by kind.
+
+    A function's prompt is the imports and module-level helpers it uses (transitively, :mod:`ultrascale.data.mine`'s
+    machinery), then its signature and docstring; a method's is the imports it and its class header use, the class
+    header (decorators, bases, docstring), then the method's signature and docstring indented inside the class
+    (``entry_point`` is ``Class.method``). Since nothing runs, names that cannot be resolved and non-stdlib imports
+    are no reason to drop a prompt: the model sees the same kind of code it will be asked to complete. What *is*
+    dropped: bodies with nothing to learn (stubs), prompts or bodies too long for the sampling budget, duplicates,
+    and anything overlapping an evaluation set: HumanEval, and (with ``train_repos_from``) the doctested problems of
+    the corpus's *validation* repositories, which are the second evaluation set.
     """
     counts: Counter = Counter()
     train_docs, held_out_docs = _split_documents(cfg, counts)

@@ -5,16 +5,11 @@ A prepared dataset is a directory::
     manifest.json                 format, seq_len, dtype, tokenizer path, per-split shard list + sha256
     tokenizer/                    an HF tokenizer directory (AutoTokenizer loads it)
     train/shard_00000.npy ...     uint16/uint32 arrays of shape [num_samples, seq_len]
-    train/mask_00000.npy ...      optional: bool [num_samples, seq_len] loss masks (True = a training target)
+    train/mask_00000.npy ...      optional: bool loss masks of supervised data (True = a training target)
     validation/shard_00000.npy
 
-Loss masks exist for supervised data (prompt + completion), where the prompt must be read but not
-learned; pretraining corpora have none and every token is a target. A shard's mask is listed in its
-manifest entry (``loss_mask``) with its own sha256, so it is verified and versioned with the tokens.
-
-Samples are already packed (documents joined with EOS) and globally shuffled, so the reader can be a
-memory-map and an index: no tokenization, no worker processes, nothing to keep in sync on resume.
-Everything here is plain numpy + json so that a shard written on one machine reads on any other.
+Samples are already packed and globally shuffled, so the reader is a memory-map and an index (:class:`SplitReader`),
+and everything is plain numpy + json so that a shard written on one machine reads on any other.
 """
 
 from __future__ import annotations
@@ -201,7 +196,11 @@ class SplitReader:
         return self._gather(self.arrays, indices, np.int64)
 
     def get_loss_mask(self, indices: np.ndarray) -> np.ndarray | None:
-        """The samples' loss masks (bool [len(indices), seq_len]; True = a target), or None if unmasked."""
+        """The samples' loss masks (bool [len(indices), seq_len]; True = a target), or None if unmasked.
+
+        Loss masks exist for supervised data (prompt + completion), where the prompt must be read but not
+        learned; pretraining corpora have none and every token is a target. A shard's mask is listed in its
+        manifest entry (``loss_mask``) with its own sha256, so it is verified and versioned with the tokens."""
         return None if self.masks is None else self._gather(self.masks, indices, bool)
 
 

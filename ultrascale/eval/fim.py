@@ -4,23 +4,10 @@ exact match and edit similarity.
 The files are the corpus's *validation repositories* (the ``repos.json`` of the prepared dataset: whole
 repositories no training sample came from), read as data prep reads them
 (:func:`ultrascale.data.corpus.corpus_documents`). Each file, in a seeded order, gives one span of each kind, as
-the FIM papers evaluate infilling (Bavarian et al. 2022; SantaCoder; StarCoder):
-
-* ``single_line``: one non-blank line, its indentation included (SantaCoder's single-line infilling);
-* ``multi_line``: a block of 2 to ``max_lines`` whole lines starting at a non-blank one;
-* ``random_span``: a span of 1 to ``max_span_chars`` characters starting anywhere (random-span infilling).
-
-The prompt is the one data prep trains (``data_prep/pack.py``): PSM ``<fim_prefix>P<fim_suffix>S<fim_middle>``,
-SPM ``<fim_prefix><fim_suffix>S<fim_middle>P`` (StarCoder's SPM, the prefix right before the middle), with
-SantaCoder's hyphenated token names also recognised; ``l2r`` gives the prefix alone, the left-to-right baseline a
-model without FIM tokens can still be scored on. A model whose tokenizer lacks the tokens is refused in one line for
-``psm``/``spm``. Prefix and suffix are cut to ``max_context_chars`` around the span (a CPU's prefill budget).
-
-Completions come from the shared sampler (:func:`ultrascale.eval.humaneval.generate`, greedy), end at the model's
-EOS (data prep ends a FIM document's middle with it), and for ``single_line`` also at the first newline. Scores per
-(kind, mode): exact match of the middle with surrounding whitespace stripped, and edit similarity
-``1 - levenshtein(pred, target) / max(len)`` on the same strings (CodeXGLUE's line-level "Edit Sim" as a fraction):
-a perfect model scores 1.0 on both, an empty completion 0.
+the FIM papers evaluate infilling (Bavarian et al. 2022; SantaCoder; StarCoder): ``single_line``, ``multi_line``
+and ``random_span`` (:func:`cut`). The prompt is the one data prep trains, PSM or SPM, or ``l2r``, the prefix alone
+(:func:`prompt`); completions come from the shared sampler, greedy (:func:`evaluate`), and are scored by exact
+match and edit similarity (:func:`score`): a perfect model scores 1.0 on both, an empty completion 0.
 """
 
 from __future__ import annotations
@@ -68,7 +55,13 @@ def fim_tokens(tokenizer, model: str = "the model") -> tuple[str, str, str]:
 
 def prompt(span: Span, mode: str, tokens: tuple[str, str, str] | None, context: int) -> str:
     """The text the sampler is given (special tokens spelled out: the tokenizer splits on them, so each piece is
-    encoded on its own, as data prep encodes the pieces of a FIM sample)."""
+    encoded on its own, as data prep encodes the pieces of a FIM sample).
+
+    The layout is the one data prep trains (``data_prep/pack.py``): PSM ``<fim_prefix>P<fim_suffix>S<fim_middle>``,
+    SPM ``<fim_prefix><fim_suffix>S<fim_middle>P`` (StarCoder's SPM, the prefix right before the middle), with
+    SantaCoder's hyphenated token names also recognised; ``l2r`` gives the prefix alone, the left-to-right baseline
+    a model without FIM tokens can still be scored on. Prefix and suffix are cut to ``context`` characters around
+    the span (a CPU's prefill budget)."""
     pre, suf = span.prefix[-context:] if context else "", span.suffix[:context]
     if mode == "l2r":
         return pre
@@ -81,7 +74,11 @@ def _rng(seed: int, *key: str) -> random.Random:
 
 
 def cut(text: str, path: str, kind: str, seed: int, max_lines: int = 6, max_span_chars: int = 120) -> Span | None:
-    """One span of ``kind`` from a file (None when the file has nothing to cut), seeded by (seed, path, kind)."""
+    """One span of ``kind`` from a file (None when the file has nothing to cut), seeded by (seed, path, kind).
+
+    ``single_line``: one non-blank line, its indentation included (SantaCoder's single-line infilling);
+    ``multi_line``: a block of 2 to ``max_lines`` whole lines starting at a non-blank one; ``random_span``: a span
+    of 1 to ``max_span_chars`` characters starting anywhere (random-span infilling)."""
     rng = _rng(seed, path, kind)
     if kind == "random_span":
         if len(text.strip()) < 2:
@@ -157,7 +154,11 @@ def edit_similarity(pred: str, target: str) -> float:
 
 
 def score(rows: Sequence[tuple[Span, str, str]]) -> dict:
-    """``rows``: (span, mode, completion). Exact match and edit similarity per ``kind/mode`` and overall."""
+    """``rows``: (span, mode, completion). Exact match and edit similarity per ``kind/mode`` and overall.
+
+    Exact match of the middle with surrounding whitespace stripped, and edit similarity
+    ``1 - levenshtein(pred, target) / max(len)`` on the same strings (CodeXGLUE's line-level "Edit Sim" as a
+    fraction)."""
     groups: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for span, mode, pred in rows:
         em = float(pred.strip() == span.middle.strip())
@@ -176,7 +177,11 @@ def score(rows: Sequence[tuple[Span, str, str]]) -> dict:
 def evaluate(model, tokenizer, problems: Sequence[Span], *, modes: Sequence[str] = ("psm", "spm"),
              max_context_chars: int = 1000, max_new_tokens: int = 96, batch_size: int = 16,
              model_name: str = "the model", progress: bool = False) -> dict:  # fmt: skip
-    """Generate a middle for every (span, mode), greedy, and score. Returns the scores and ``samples``."""
+    """Generate a middle for every (span, mode), greedy, and score. Returns the scores and ``samples``.
+
+    Completions come from the shared sampler (:func:`ultrascale.eval.humaneval.generate`) and end at the model's EOS
+    (data prep ends a FIM document's middle with it), and for ``single_line`` also at the first newline. A model
+    whose tokenizer lacks the FIM tokens is refused in one line for ``psm``/``spm``."""
     from ultrascale.eval.humaneval import generate
 
     bad = [m for m in modes if m not in MODES]

