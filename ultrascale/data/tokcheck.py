@@ -7,11 +7,8 @@ in-training eval, which read the run's sources with the model, eval's perplexity
 manifest is compared with the model's tokenizer first, in :func:`check_tokenizer`, before anything is built or
 written.
 
-The comparison is a hash of the vocabulary, ``(id, token)`` pairs with the added tokens, computed by
-:func:`vocab_sha256` on both sides: data prep records it in the manifest from the tokenizer it wrote, the check
-computes it from the model's. A file hash would not do: ``save_pretrained`` rewrites ``tokenizer.json`` with
-the same vocabulary and other bytes. A manifest from before the hash falls back to what it has: the vocabulary
-size and the special tokens' ids.
+The comparison is a hash of the vocabulary computed on both sides (:func:`vocab_sha256`); a manifest from before
+the hash falls back to the vocabulary size and the special tokens' ids.
 """
 
 from __future__ import annotations
@@ -52,7 +49,11 @@ def read_vocab(tok_dir: str | os.PathLike) -> dict[str, int] | None:
 
 
 def vocab_sha256(tok_dir: str | os.PathLike) -> str | None:
-    """sha256 of the vocabulary as sorted ``(id, token)`` pairs: what an id means, whatever bytes hold it."""
+    """sha256 of the vocabulary as sorted ``(id, token)`` pairs: what an id means, whatever bytes hold it.
+
+    The added tokens are included. Data prep records it in the manifest from the tokenizer it wrote, the check
+    computes it from the model's. A file hash would not do: ``save_pretrained`` rewrites ``tokenizer.json`` with
+    the same vocabulary and other bytes."""
     vocab = read_vocab(tok_dir)
     if vocab is None:
         return None

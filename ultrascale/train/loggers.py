@@ -10,9 +10,8 @@ hardware busy) and ``stability/`` (is the run healthy).
 
 The views must never cost the run a step: a view that raises (wandb's service gone, TensorBoard's disk full) is
 turned off with one warning while metrics.jsonl goes on, and during a stop's save the views wait
-(:meth:`MetricLogger.hold`) until the checkpoint is ``latest``. wandb's service runs detached, outside the rank's
-process tree: DeepSpeed's launcher answers Ctrl-C by SIGTERMing every rank *and all its children*, which killed the
-service wandb starts under rank 0 while that rank was saving its stop.
+(:meth:`MetricLogger.hold`) until the checkpoint is ``latest``; wandb's service runs detached, outside the rank's
+process tree (:func:`_detached_wandb_service`).
 """
 
 from __future__ import annotations
@@ -220,6 +219,9 @@ def _wandb_id(out_dir: Path) -> str:
 
 def _detached_wandb_service() -> None:
     """Start wandb's service (``wandb-core``) outside this process's tree, once per process, and point wandb at it.
+
+    DeepSpeed's launcher answers Ctrl-C by SIGTERMing every rank *and all its children*, which killed the service
+    wandb starts under rank 0 while that rank was saving its stop.
 
     ``wandb beta core start`` starts it in its own session and exits, so the service's parent is gone and no launcher
     that tears down a rank and its children (DeepSpeed's launch.py on Ctrl-C) reaches it; wandb then connects
