@@ -1,12 +1,10 @@
 """Fan-out of per-step metrics and events to metrics.jsonl, the console, TensorBoard and wandb (rank 0 only).
 
-metrics.jsonl is the source of truth (plots, the comb report, sweeps and tests read it); the others are
-views. Its rows are either step rows (loss, lr, throughput and the step-time breakdown) or event rows
-with an ``event`` key (eval, checkpoint, skip, lr_cut, rollback, stop, resume); every row has ``step`` and
-``time_s``: seconds since this process opened the logger, once the engine is built and just before the first
-step (so model build and JIT compilation of ops are not in it; a resumed process starts again from 0). On wandb and TensorBoard the same numbers are
-grouped by what they answer: ``train/`` (is it learning), ``eval/`` (does it generalise), ``perf/`` (is the
-hardware busy) and ``stability/`` (is the run healthy).
+metrics.jsonl is the source of truth (plots, the comb report, sweeps and tests read it); the others are views.
+Its rows are step rows or event rows (an ``event`` key), each with ``step`` and ``time_s``
+(:class:`MetricLogger`). On wandb and TensorBoard the same numbers are grouped by what they answer: ``train/``
+(is it learning), ``eval/`` (does it generalise), ``perf/`` (is the hardware busy) and ``stability/`` (is the run
+healthy).
 
 The views must never cost the run a step: a view that raises (wandb's service gone, TensorBoard's disk full) is
 turned off with one warning while metrics.jsonl goes on, and during a stop's save the views wait
@@ -68,7 +66,12 @@ def _fmt(k: str, v: float) -> str:
 
 
 class MetricLogger:
-    """``logger`` is the run's logger group; ``config`` the resolved config (wandb records it with the JSON)."""
+    """``logger`` is the run's logger group; ``config`` the resolved config (wandb records it with the JSON).
+
+    metrics.jsonl's rows are either step rows (loss, lr, throughput and the step-time breakdown) or event rows with
+    an ``event`` key (eval, checkpoint, skip, lr_cut, rollback, stop, resume); every row has ``step`` and
+    ``time_s``: seconds since this process opened the logger, once the engine is built and just before the first
+    step (so model build and JIT compilation of ops are not in it; a resumed process starts again from 0)."""
 
     def __init__(self, logger: Any, out_dir: Path, enabled: bool, config: dict, ds_config: dict | None = None):
         self.enabled = enabled
