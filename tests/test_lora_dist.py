@@ -37,6 +37,31 @@ def lora_args(model: Path, data: Path, zero: str) -> list[str]:
     ]  # fmt: skip
 
 
+QV_R16 = 30 * 16 * ((576 + 576) + (576 + 192))
+"""SmolLM2-135M's LoRA parameters at r=16 on q_proj (576 -> 576) and v_proj (576 -> 192, 3 kv heads) in each of
+its 30 layers: 921,600."""
+
+
+def planned_trainable(model_dir: Path) -> int:
+    """The planner's exact count for these adapters (``model/adapters.py``, from a meta-device model)."""
+    from ultrascale.config.compose import compose
+    from ultrascale.model.adapters import planned_trainable as planned
+
+    cfg = compose(["recipe=smollm2_135m_lora", f"model.pretrained_path={model_dir}", TARGETS])
+    return planned(cfg.model, cfg.finetune)
+
+
+def optimizer_fp32_numel(ckpt: Path) -> int:
+    """The elements of the fp32 master copy the optimizer steps, summed over the ranks' ZeRO partitions (less the
+    alignment padding ZeRO-2 records): what the optimizer trains, whatever the model says is trainable."""
+    total = 0
+    for f in sorted(ckpt.glob("*optim_states.pt")):
+        sd = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        groups = sd.get("single_partition_of_fp32_groups", sd.get("fp32_flat_groups"))
+        total += sum(t.numel() for t in groups) - sum(sd.get("group_paddings", [0]))
+    return total
+
+
 def base_digest(model_dir: Path) -> str:
     """The frozen parameters' digest of the base model with the recipe's adapters injected, computed here as the
     run computes it (the same names and order)."""
@@ -78,13 +103,14 @@ def test_lora_trains_only_the_adapters_and_resumes_exactly(runs, zero, smollm2_1
     first, last = (ref[1] + ref[2]) / 2, (ref[STEPS - 1] + ref[STEPS]) / 2
     assert last < first - 0.05, f"loss did not fall: {ref}"
     s = json.loads((run / "summary.json").read_text())
-    assert s["finetune"] == "lora" and 0 < s["trainable_params"] < s["total_params"] / 20, s
+    assert s["finetune"] == "lora" and s["trainable_params"] == planned_trainable(smollm2_135m) == QV_R16, s
     assert s["frozen_digest_start"] == s["frozen_digest_end"] == base_digest(smollm2_135m), "the base changed"
     # the checkpoint holds the adapters and their optimizer state, not the 0.54 GB base
     ckpt = run / "checkpoints" / f"step_{RESUME_AT:08d}"
     assert sum(p.stat().st_size for p in ckpt.iterdir()) < 0.2 * (smollm2_135m / "model.safetensors").stat().st_size
     meta = json.loads((ckpt / "ultrascale_meta.json").read_text())
     assert meta["finetune"]["method"] == "lora" and meta["finetune"]["r"] == 16
+    assert optimizer_fp32_numel(ckpt) == QV_R16, "the optimizer's fp32 partitions hold more than the adapters"
 
     resumed = tmp_path / "resumed"
     check(launch([*lora_args(smollm2_135m, smollm2_data, zero), f"output_dir={resumed}", f"train.resume={ckpt}"]))
