@@ -21,10 +21,11 @@ from ultrascale.eval.config import register_eval_configs
 
 def main(cfg: DictConfig) -> dict:
     from ultrascale.eval.run import run
+    from ultrascale.export import export
     from ultrascale.runtime.dist import setup_logging
 
     setup_logging()  # the console gets the sampler's line: tokens, tokens/s, batch fill, padding, drafts accepted
-    return run(cfg)
+    return run(cfg, export=export)
 
 
 if __name__ == "__main__":

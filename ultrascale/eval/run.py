@@ -1,7 +1,8 @@
 """What ``eval.py`` does: resolve the model, run the requested tasks, write and log the results.
 
 A run's checkpoint is evaluated through the exporter (into a temporary HF directory), so evaluation
-sees exactly the model a user would download, and there is one checkpoint reader, not two.
+sees exactly the model a user would download, and there is one checkpoint reader, not two. The exporter is
+handed in by the entry point (``eval.py``): export reads the trainer's checkpoints, a layer above eval.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -22,6 +24,9 @@ from ultrascale.model.build import load_pretrained
 from ultrascale.paths import resolve_path
 
 log = logging.getLogger("ultrascale")
+
+Exporter = Callable[..., dict]
+"""``ultrascale.export.export``: ``(run_dir, out_dir, step=, dtype=)`` -> its stats (``out``, ``tag``, ...)."""
 
 
 def _wandb_log(cfg: DictConfig, results: dict, out_dir: Path) -> None:
@@ -83,8 +88,9 @@ def table(results: dict) -> str:
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
 
-def run(cfg: DictConfig) -> dict:
-    """Evaluate; write ``eval_results.json`` (and HumanEval samples) to the output dir; return the results."""
+def run(cfg: DictConfig, export: Exporter | None = None) -> dict:
+    """Evaluate; write ``eval_results.json`` (and HumanEval samples) to the output dir; return the results.
+    ``export`` turns ``run_dir``'s checkpoint into an HF directory; needed only with ``run_dir``."""
     from transformers import AutoTokenizer
 
     from ultrascale.data.shards import load_manifest
@@ -92,7 +98,6 @@ def run(cfg: DictConfig) -> dict:
     from ultrascale.eval import humaneval
     from ultrascale.eval.perplexity import perplexity
     from ultrascale.eval.sandbox import Limits, check_available
-    from ultrascale.export import export
 
     check(cfg)
     fim_docs = None
@@ -107,6 +112,8 @@ def run(cfg: DictConfig) -> dict:
     with ExitStack() as stack:
         if cfg.run_dir:
             run_dir = resolve_path(cfg.run_dir)
+            if export is None:
+                raise TypeError("eval.run.run with run_dir needs export=ultrascale.export.export (eval.py passes it)")
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ultrascale-eval-"))
             stats = export(run_dir, Path(tmp) / "model", step=cfg.step, dtype="fp32")
             model_dir = Path(stats["out"])
