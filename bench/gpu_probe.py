@@ -667,18 +667,17 @@ def missing_lever(key: str, value: str) -> str | None:
     """Why a lever row cannot run with this checkout's schema (None: it can): the key or the value is unknown."""
     import dataclasses
     import enum
+    import typing
 
-    from ultrascale.config import schema
+    from ultrascale.config.root import RootConfig
 
     group, name = key.split(".", 1)
-    root = {f.name: f for f in dataclasses.fields(schema.RootConfig)}
-    cls = root[group].type if group in root else None
-    cls = getattr(schema, cls, None) if isinstance(cls, str) else cls
+    cls = typing.get_type_hints(RootConfig).get(group)  # the group's dataclass, from its own module
+    cls = cls if dataclasses.is_dataclass(cls) else None
     fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
     if name not in fields:
         return f"key missing: {key} is not in the schema of this checkout"
-    typ = fields[name].type
-    typ = getattr(schema, typ.split(" ")[0], None) if isinstance(typ, str) else typ
+    typ = typing.get_type_hints(cls)[name]
     if isinstance(typ, type) and issubclass(typ, enum.Enum) and value not in {m.value for m in typ}:
         return f"value missing: {key}={value} is not one of {', '.join(m.value for m in typ)}"
     if fields[name].type in (bool, "bool") and value not in ("true", "false"):
@@ -791,7 +790,7 @@ def _schema_importable(plan: Plan) -> bool:
         if p not in sys.path:
             sys.path.insert(0, p)
     try:
-        import ultrascale.config.schema  # noqa: F401
+        import ultrascale.config.root  # noqa: F401
     except Exception:
         return False
     return True
@@ -964,7 +963,8 @@ def w_predict(run_dir: str) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from ultrascale.config.schema import ClusterConfig, SearchConfig
+    from ultrascale.config.cluster import ClusterConfig
+    from ultrascale.config.search import SearchConfig
     from ultrascale.cost.timing import step_time
     from ultrascale.levers.rules import validate
     from ultrascale.model.arch import arch_from_hf

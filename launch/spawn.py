@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from launch.hostfile import read_hostfile
-from ultrascale.config.schema import LauncherName
+from ultrascale.config.launcher import LauncherName
 from ultrascale.errors import ConfigError
 from ultrascale.jsonio import write_json
 from ultrascale.paths import PROJECT_ROOT, resolve_path

@@ -123,7 +123,7 @@ def _numeric_fields():
     import typing
 
     from data_prep.config import DataPrepConfig, ShowConfig
-    from ultrascale.config import schema
+    from ultrascale.config.root import PlanRootConfig
     from ultrascale.eval.config import EvalConfig
     from ultrascale.export import ExportConfig
     from ultrascale.ssd.config import SSDConfig
@@ -144,7 +144,7 @@ def _numeric_fields():
             if args & {int, float} and bool not in args:
                 out.append((f"{prefix}{f.name}", f))
 
-    for root in (schema.PlanRootConfig, EvalConfig, SSDConfig, DataPrepConfig, ShowConfig, ExportConfig):
+    for root in (PlanRootConfig, EvalConfig, SSDConfig, DataPrepConfig, ShowConfig, ExportConfig):
         walk(root, "")
     return out
 

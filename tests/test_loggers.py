@@ -18,7 +18,7 @@ _KILLED_SERVICE = textwrap.dedent("""
     import json, logging, os, signal, sys, time
     from pathlib import Path
     import psutil
-    from ultrascale.config.schema import LoggerConfig
+    from ultrascale.config.logger import LoggerConfig
     from ultrascale.train.loggers import MetricLogger, read_metrics
 
     warnings = []
@@ -59,7 +59,7 @@ def test_a_killed_wandb_service_turns_wandb_off_with_one_warning_and_the_rows_go
 
 
 def test_a_held_logger_writes_metrics_jsonl_at_once_and_shows_the_rest_on_release(tmp_path, caplog):
-    from ultrascale.config.schema import LoggerConfig
+    from ultrascale.config.logger import LoggerConfig
     from ultrascale.train.loggers import MetricLogger, read_metrics
 
     m = MetricLogger(LoggerConfig(tensorboard=False, wandb=False), tmp_path, True, {})

@@ -68,7 +68,7 @@ def test_a_recipe_header_states_the_host_memory_the_planner_counts(recipe):
 def test_the_dry_run_and_the_search_count_the_writers_copy():
     """starcoder2_15b_zero3_offload: both parts in the dry run's host line; on a node of 300 GiB the planner's
     search rejects the layout because of the copy, and accepts it with train.checkpoint_async=false."""
-    from ultrascale.config.schema import SearchConfig
+    from ultrascale.config.search import SearchConfig
     from ultrascale.plan.search import evaluate
 
     offload, staging, gpn = _host_parts("starcoder2_15b_zero3_offload")

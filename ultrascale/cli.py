@@ -167,7 +167,7 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from ultrascale.config.schema import register_configs
+    from ultrascale.config.root import register_configs
     from ultrascale.paths import CONF_DIR
 
     register_configs()

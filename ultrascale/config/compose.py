@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ultrascale.config.fields import check
-from ultrascale.config.schema import register_configs
+from ultrascale.config.root import register_configs
 from ultrascale.errors import ConfigError
 from ultrascale.paths import CONF_DIR
 

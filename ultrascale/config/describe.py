@@ -1,6 +1,6 @@
 """``--help`` that helps: every group, its options, and every key with its value and its docstring.
 
-The docstrings under each schema field (``ultrascale/config/schema.py``) are the documentation; this
+The docstrings under each schema field (``ultrascale/config/<group>.py``) are the documentation; this
 reads them with ``ast`` so the help can never drift from the code.
 """
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ultrascale.runtime import dist
-from ultrascale.paths import resolve_path
-from ultrascale.config.schema import DataConfig
+from ultrascale.config.data import DataConfig
 from ultrascale.data.shards import MANIFEST, load_manifest, open_split
 from ultrascale.data.sources import check_agree, is_mixture, sources
 from ultrascale.data.tokcheck import check_tokenizer, prep_command, read_vocab
 from ultrascale.errors import DataError, UltrascaleError
+from ultrascale.paths import resolve_path
+from ultrascale.runtime import dist
 
 log = logging.getLogger("ultrascale")
 BUILTIN_CORPUS = DataConfig.path

@@ -13,7 +13,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from ultrascale.config.fields import num
-from ultrascale.config.schema import Autocast, Precision
+from ultrascale.config.precision import Autocast, Precision
 from ultrascale.errors import ConfigError
 from ultrascale.eval.infill import InfillBenchmark
 

@@ -13,7 +13,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from ultrascale.config.fields import num
-from ultrascale.config.schema import NodeLauncher, Precision
+from ultrascale.config.launcher import NodeLauncher
+from ultrascale.config.precision import Precision
 from ultrascale.data.problems_config import ProblemsConfig
 from ultrascale.errors import ConfigError
 

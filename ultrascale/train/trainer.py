@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from ultrascale.config.schema import RootConfig
+from ultrascale.config.root import RootConfig
 from ultrascale.data import sources as data_sources
 from ultrascale.data.loader import TRACE_ENV, Batch, StepBatches
 from ultrascale.data.prepare import check_prepared, ensure_prepared
