@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from omegaconf import DictConfig
-
+from ultrascale.data.problems_config import ProblemsConfig
 from ultrascale.errors import ConfigError
 from ultrascale.paths import resolve_path
 
 
-def corpus_documents(cfg: DictConfig, counts: Counter) -> list[dict]:
+def corpus_documents(cfg: ProblemsConfig, counts: Counter) -> list[dict]:
     """Source files of ``problems.input`` as data prep reads them (same files, same repository names)."""
     from data_prep.config import register_configs as register_data_prep
     from data_prep.sources import iter_documents
@@ -35,7 +34,7 @@ def corpus_documents(cfg: DictConfig, counts: Counter) -> list[dict]:
                 "dataset (python -m data_prep output_dir=...) or set it to null to mine every repository"
             )
         split = json.loads(path.read_text())
-        want = "validation" if cfg.get("held_out") else "train"
+        want = "validation" if cfg.held_out else "train"
         kept = [d for d in docs if split.get(d["repo"]) == want]
         counts["files_held_out_repo"] = sum(split.get(d["repo"]) == "validation" for d in docs)
         counts["files_not_in_prepared_data"] = sum(d["repo"] not in split for d in docs)

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
-from omegaconf import DictConfig
+from ultrascale.data.problems_config import ProblemsConfig
 
 log = logging.getLogger("ultrascale")
 
@@ -22,7 +22,7 @@ HELD_OUT_PREFIX = "heldout/"
 
 def decontaminate(
     records: list[dict],
-    cfg: DictConfig,
+    cfg: ProblemsConfig,
     counts: Counter,
     held_out: Sequence[tuple[str, str]] = (),
     held_out_keys: AbstractSet[str] = frozenset(),

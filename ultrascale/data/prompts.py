@@ -20,11 +20,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from ultrascale.data.corpus import corpus_documents
 from ultrascale.data.decontam import HELD_OUT_PREFIX, decontaminate
 from ultrascale.data.mine import BUILTINS, MineOptions, Module, closure, free_names, mine_file, used_modules_and_names
+from ultrascale.data.problems_config import ProblemsConfig
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.jsonio import iter_jsonl
 from ultrascale.paths import resolve_path
@@ -194,9 +195,11 @@ def prompts_from_file(text: str, path: str, repo: str, opts: PromptOptions, coun
 
 
 # ---- the corpus -----------------------------------------------------------------------------------------
-def _split_documents(cfg: DictConfig, counts: Counter) -> tuple[list[dict], list[dict]]:
+def _split_documents(cfg: ProblemsConfig, counts: Counter) -> tuple[list[dict], list[dict]]:
     """(train documents, validation documents): the corpus read once, split by ``train_repos_from``'s repos.json."""
-    docs = corpus_documents(OmegaConf.create({"input": cfg.input, "train_repos_from": None}), Counter())
+    docs = corpus_documents(
+        OmegaConf.create({"input": cfg.input, "train_repos_from": None, "held_out": False}), Counter()
+    )
     python = [d for d in docs if d.get("lang", "python") == "python"]
     counts["files_not_python"] = len(docs) - len(python)
     if not cfg.train_repos_from:
@@ -275,7 +278,7 @@ def _unique_ids(records: list[dict]) -> None:
             r["task_id"] = f"{r['task_id']}#{seen[r['task_id']]}"
 
 
-def build_prompts(cfg: DictConfig, *, deny: bool = False) -> tuple[list[dict], dict]:
+def build_prompts(cfg: ProblemsConfig, *, deny: bool = False) -> tuple[list[dict], dict]:
     """(prompts, report) from ``problems.input``: each prompt ``{task_id, prompt, entry_point, path, repo,
     kind, reference}``, in corpus order (file path, then line), seeded-sampled to ``max_problems``.
 
@@ -330,7 +333,7 @@ def build_prompts(cfg: DictConfig, *, deny: bool = False) -> tuple[list[dict], d
     return records, report
 
 
-def jsonl_prompts(cfg: DictConfig) -> tuple[list[dict], dict]:
+def jsonl_prompts(cfg: ProblemsConfig) -> tuple[list[dict], dict]:
     """(prompts, report) from ``problems.jsonl`` (``cfg`` is the ``problems`` node), through the same
     decontamination as mined prompts: HumanEval always, and with ``train_repos_from`` the doctested problems of
     that dataset's validation repositories (the second evaluation set). A prompt file is someone else's data:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from ultrascale.ssd.config import SSDEvalConfig
 
 
-def humaneval(model_dir: Path, out_dir: Path, cfg: DictConfig) -> dict:
+def humaneval(model_dir: Path, out_dir: Path, cfg: SSDEvalConfig) -> dict:
     """``{"greedy": {pass@1, problems, ...}, "sampled": {...} | None, "wall_s"}``; files land in ``out_dir``."""
     from ultrascale.config.compose import compose
     from ultrascale.eval.config import register_eval_configs

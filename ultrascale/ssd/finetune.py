@@ -16,11 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from ultrascale.errors import UltrascaleError
 from ultrascale.paths import PROJECT_ROOT
 from ultrascale.rundir import LATEST, STOPPED
+from ultrascale.ssd.config import FinetuneConfig
 from ultrascale.train.checkpoint import tag_for
 
 
@@ -28,13 +27,13 @@ class FinetuneFailed(UltrascaleError):
     """train.py exited non-zero; its own error line and per-rank logs say why."""
 
 
-def steps_for(rows: int, cfg: DictConfig) -> int:
+def steps_for(rows: int, cfg: FinetuneConfig) -> int:
     """Optimizer steps for ``rows`` packed rows: ``epochs`` passes, clamped to [min_steps, max_steps]."""
     return max(cfg.min_steps, min(cfg.max_steps, math.ceil(cfg.epochs * rows / cfg.global_batch)))
 
 
 def train_overrides(
-    cfg: DictConfig, model_dir: Path, data_dir: Path, run_dir: Path, steps: int, seq_len: int
+    cfg: FinetuneConfig, model_dir: Path, data_dir: Path, run_dir: Path, steps: int, seq_len: int
 ) -> list[str]:
     """The ``train.py`` command line after the script name: the user's overrides, then SSD's own."""
     return [

@@ -17,12 +17,10 @@ import random
 from collections import Counter
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from ultrascale.data.corpus import corpus_documents
 from ultrascale.data.decontam import decontaminate
 from ultrascale.data.mine import MineOptions, mine_file
-from ultrascale.data.problems_config import ProblemSource
+from ultrascale.data.problems_config import ProblemsConfig, ProblemSource
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.eval.sandbox import Limits
 from ultrascale.jsonio import iter_jsonl
@@ -37,7 +35,7 @@ VERIFY_CHUNK = 32
 executed in full just to keep 128 problems."""
 
 
-def mine(cfg: DictConfig, counts: Counter) -> list[dict]:
+def mine(cfg: ProblemsConfig, counts: Counter) -> list[dict]:
     opts = MineOptions(
         include_helpers=cfg.include_helpers,
         max_prompt_lines=cfg.max_prompt_lines,
@@ -122,7 +120,7 @@ def _stubs(problem: dict) -> list[str]:
     return bodies
 
 
-def _verify(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict]:
+def _verify(problems: list[dict], cfg: ProblemsConfig, counts: Counter) -> list[dict]:
     """Sandbox-check references in seeded order until ``max_problems`` pass (JSONL without reference: kept)."""
     order = list(problems)
     random.Random(cfg.seed).shuffle(order)
@@ -164,7 +162,7 @@ def _verify(problems: list[dict], cfg: DictConfig, counts: Counter) -> list[dict
     return sorted(kept, key=lambda p: p["task_id"])
 
 
-def build(cfg: DictConfig) -> tuple[list[dict], dict]:
+def build(cfg: ProblemsConfig) -> tuple[list[dict], dict]:
     """(problems, report): ``report`` counts every problem dropped, per reason, in filter order.
 
     A problem whose tests accept anything would keep every sample, right or wrong; so must a body that returns a

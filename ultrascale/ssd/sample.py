@@ -20,6 +20,7 @@ from collections import Counter
 from omegaconf import DictConfig
 
 from ultrascale.eval.sandbox import Limits
+from ultrascale.ssd.config import SampleConfig
 from ultrascale.ssd.execute import verdicts
 
 log = logging.getLogger("ultrascale")
@@ -126,7 +127,7 @@ def select_raw(problems: list[dict], completions: list[list[dict]]) -> tuple[lis
     return rows, stats
 
 
-def select(problems: list[dict], completions: list[list[str]], cfg: DictConfig) -> tuple[list[dict], dict]:
+def select(problems: list[dict], completions: list[list[str]], cfg: SampleConfig) -> tuple[list[dict], dict]:
     """Execute every candidate (model samples, then provided ones) and decide which to keep.
 
     Returns one row per candidate, in problem order, and the counts.

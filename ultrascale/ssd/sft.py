@@ -17,6 +17,7 @@ import numpy as np
 
 from ultrascale.data.supervised import write_packed
 from ultrascale.errors import DataError
+from ultrascale.ssd.config import SFTConfig
 
 HEALED = "healed (the prompt's trailing newlines start the completion)"
 
@@ -49,7 +50,11 @@ def encode(
 
 
 def build(
-    records: list[dict], tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg, heal_newline: bool = True
+    records: list[dict],
+    tokenizer_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    cfg: SFTConfig,
+    heal_newline: bool = True,
 ) -> dict:
     """Write the packed SFT dataset for ``records`` (``{task_id, prompt, completion}``) to ``out_dir``.
 
