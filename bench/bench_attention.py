@@ -72,6 +72,7 @@ def _models(a: argparse.Namespace, kernels: list[str], compiled: bool) -> dict:
 
     import torch
 
+    from ultrascale.levers.decide import attention_unfit
     from ultrascale.model.attention import install_blocked_attention
     from ultrascale.model.build import build_model
     from ultrascale.model.flex import install_flex_attention
@@ -82,9 +83,10 @@ def _models(a: argparse.Namespace, kernels: list[str], compiled: bool) -> dict:
     models = {"sdpa": sdpa}
     for k in kernels:
         m = copy.deepcopy(sdpa)
-        installed, why = install_blocked_attention(m, a.block) if k == "blocks" else install_flex_attention(m)
-        if not installed:
+        why = attention_unfit(m.config, getattr(m.config, "_attn_implementation", None))
+        if why:
             sys.exit(f"error: --kernels {k} is not installable on this model: {why}")
+        install_blocked_attention(m, a.block) if k == "blocks" else install_flex_attention(m)
         models[k] = m
     return {k: torch.compile(m) if compiled else m for k, m in models.items()}
 

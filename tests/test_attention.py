@@ -9,9 +9,14 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.overrides import TorchFunctionMode
+from transformers import AutoConfig
 
 from tests.conftest import FAST, check, launch, losses
+from ultrascale.config.compose import compose
+from ultrascale.config.topology import Topology
 from ultrascale.data.loader import make_batch
+from ultrascale.levers.decide import decide
+from ultrascale.levers.rules import validate
 from ultrascale.model.attention import MAX_BLOCKS, block_size_for, install_blocked_attention
 from ultrascale.model.build import build_model
 
@@ -30,8 +35,7 @@ def _model(seed: int = 0, attn: str = "sdpa"):
 def _pair(block: int):
     plain = _model()
     blocked = copy.deepcopy(plain)
-    installed, why = install_blocked_attention(blocked, block)
-    assert installed, why
+    install_blocked_attention(blocked, block)
     return plain, blocked
 
 
@@ -130,19 +134,21 @@ def test_a_one_document_row_goes_to_sdpas_causal_kernel_once_per_layer():
     assert seen.calls == [((1, heads, 256, head_dim), False, True)] * 2  # the whole row, no mask, causal: per layer
 
 
-def test_block_size_grows_with_long_rows_and_install_refuses_what_it_cannot_keep_exact():
+def _decided(cfg):
+    return validate(cfg, 1, backend="gloo")
+
+
+def test_block_size_grows_with_long_rows_and_the_decision_refuses_what_it_cannot_keep_exact():
     assert block_size_for(256, 64) == 64 and block_size_for(4096, 64) == 4096 // MAX_BLOCKS
     assert block_size_for(100, 64) == 64
-    assert install_blocked_attention(_model(), 0) == (False, "off (train.attn_block_size=0)")
-    installed, why = install_blocked_attention(_model(attn="eager"), 64)
-    assert not installed and "model.attn_implementation=eager" in why
-    gpt2 = build_model(
-        OmegaConf.create({"type": "gpt2", "name": "g", "pretrained_path": None, "init_seed": None,
-                          "attn_implementation": "sdpa", "config": {"n_layer": 1, "n_embd": 32, "n_head": 2}}),
-        seed=0,
-    )  # fmt: skip
-    installed, why = install_blocked_attention(gpt2, 64)
-    assert not installed and "'gpt2' is not in the causal-mask list" in why
+    # the decision says why not (the installer acts on it): blocks of 0, eager attention, a non-causal-list model
+    base = compose(["train.attention_kernel=auto"])
+    assert not _decided(compose(["train.attn_block_size=0"])).attention.on
+    eager = _decided(compose(["model.attn_implementation=eager"]))
+    assert not eager.attention.on and "model.attn_implementation=eager" in eager.attention.why
+    gpt2 = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2)
+    d = decide(base, Topology(world=1), gpt2, "gloo", None)
+    assert not d.attention.on and "'gpt2' is not in the causal-mask list" in d.attention.why
 
 
 @pytest.mark.dist

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from transformers import AutoConfig
 from transformers.masking_utils import (
     and_masks,
     causal_mask_function,
@@ -50,8 +51,7 @@ def _model(kind: str = "llama", attn: str = "sdpa", **extra):
 def _pair(kind: str = "llama", **extra):
     plain = _model(kind, **extra)
     flex = copy.deepcopy(plain)
-    installed, why = install_flex_attention(flex)
-    assert installed, why
+    install_flex_attention(flex)
     return plain, flex
 
 
@@ -221,16 +221,17 @@ def test_decoding_and_padded_prompts_fall_back_to_sdpa(flex_calls):
     assert not flex_calls
 
 
-def test_install_refuses_what_it_cannot_keep_exact():
-    installed, why = install_flex_attention(_model(attn="eager"))
-    assert not installed and "model.attn_implementation=eager" in why
-    gpt2 = build_model(
-        OmegaConf.create({"type": "gpt2", "name": "g", "pretrained_path": None, "init_seed": None,
-                          "attn_implementation": "sdpa", "config": {"n_layer": 1, "n_embd": 32, "n_head": 2}}),
-        seed=0,
-    )  # fmt: skip
-    installed, why = install_flex_attention(gpt2)
-    assert not installed and "'gpt2' is not in the causal-mask list" in why
+def test_the_decision_refuses_what_flex_cannot_keep_exact():
+    """The installer acts on the decision; the decision says why not (auto) or refuses (forced)."""
+    h100 = GPUS["H100 SXM"]
+    eager = _decide(["model.attn_implementation=eager"], gpu=h100)
+    assert not eager.attention.on and "model.attn_implementation=eager" in eager.attention.why
+    cfg = compose([])
+    gpt2 = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2)
+    d = decide(cfg, Topology(world=1), gpt2, "nccl", None, h100)
+    assert not d.attention.on and "'gpt2' is not in the causal-mask list" in d.attention.why
+    with pytest.raises(ConfigError, match=r"train.attention_kernel=flex needs a causal text decoder"):
+        decide(compose(["train.attention_kernel=flex"]), Topology(world=1), gpt2, "nccl", None, h100)
 
 
 # --- The decision (pure: a planted GPU description decides it as the card would) and the validation rules. ---

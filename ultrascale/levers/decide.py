@@ -252,9 +252,12 @@ def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: Cpu
 def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None,
                gpu: GpuInfo | None = None) -> Choice:  # fmt: skip
     """``train.attention_kernel``; ``value``: the blocked SDPA's query block (int) or ``"flex"``. Reads the GPU
-    only through ``gpu.capability``. Forced kernels were checked by validation; ``auto`` falls back with a reason."""
+    only through ``gpu.capability``. A forced kernel that cannot run raises (:func:`_refuse_forced_attention`);
+    ``auto`` falls back with the reason."""
     kernel = str(cfg.train.attention_kernel)
     configured = f"HF {attn} as configured"
+    if kernel in ("flex", "blocks"):
+        _refuse_forced_attention(cfg, topo, hf_config, attn, kernel)
     if kernel == "sdpa":
         return Choice(False, f"{configured} (train.attention_kernel=sdpa)")
     if kernel == "flex":
@@ -279,15 +282,61 @@ def _flex(cfg: Any, backend: str, reason: str) -> Choice:
     return Choice(True, why, "flex")
 
 
+def attention_unfit(hf_config: Any, attn: str) -> str | None:
+    """Why a model cannot run the blocked attention or FlexAttention (None: it can). Both keep HF's masks exactly
+    only for causal decoders whose masks come from HF's causal (or sliding-window) mask builder
+    (:data:`ultrascale.model.attention.CAUSAL_MODEL_TYPES`, a fact of the model code); the installers act on this
+    decision and check nothing themselves."""
+    from ultrascale.model.attention import CAUSAL_MODEL_TYPES
+
+    if attn != "sdpa":
+        return f"model.attn_implementation={attn}; the blocks and FlexAttention replace sdpa only"
+    if hf_config.model_type not in CAUSAL_MODEL_TYPES:
+        return f"model_type {hf_config.model_type!r} is not in the causal-mask list of ultrascale/model/attention.py"
+    return None
+
+
+def _refuse_forced_attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, kernel: str) -> None:
+    """A forced ``train.attention_kernel`` (flex, blocks) on a run that cannot take it: ``auto`` falls back by
+    itself with the reason in the banner, but a kernel the user named must run or say why not."""
+    from ultrascale.errors import ConfigError
+    from ultrascale.model.attention import CAUSAL_MODEL_TYPES
+
+    key = f"train.attention_kernel={kernel}"
+    fix = "use train.attention_kernel=auto"
+    if topo.pp > 1:
+        raise ConfigError(
+            f"{key} needs parallel.pp=1 (got {topo.pp}): the pipeline stages build their own masks; {fix}"
+        )
+    if topo.sp > 1:
+        raise ConfigError(f"{key} needs parallel.sp=1 (got {topo.sp}): Ulysses wraps the attention core; {fix}")
+    if attn != "sdpa":
+        raise ConfigError(
+            f"{key} replaces model.attn_implementation=sdpa (got {attn}): set model.attn_implementation=sdpa, or {fix}"
+        )
+    if hf_config.model_type not in CAUSAL_MODEL_TYPES:
+        raise ConfigError(
+            f"{key} needs a causal text decoder (one of {sorted(CAUSAL_MODEL_TYPES)}), got model.type="
+            f"{cfg.model.type}: {fix}"
+        )
+    if kernel == "blocks" and cfg.train.attn_block_size == 0:
+        raise ConfigError(
+            f"{key} with train.attn_block_size=0 asks for blocks of nothing: unset train.attn_block_size or set a size"
+        )
+    dropout = float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)
+    if kernel == "flex" and dropout > 0:
+        raise ConfigError(
+            f"{key} has no attention dropout (model.config.attention_dropout={dropout}): set it to 0, or {fix}"
+        )
+
+
 def _flex_unfit(cfg: Any, topo: Topology, hf_config: Any, attn: str, gpu: GpuInfo | None) -> str | None:
     """Why ``auto`` keeps HF's sdpa on a GPU (None: FlexAttention fits)."""
     if topo.pp > 1:
         return "the pipeline stages build their own masks"
     if topo.sp > 1:
         return "Ulysses wraps the attention core"
-    from ultrascale.model.attention import blockable_reason
-
-    why = blockable_reason(hf_config, attn)
+    why = attention_unfit(hf_config, attn)
     if why:
         return why
     if not cfg.data.document_masking:
@@ -320,9 +369,7 @@ def _blocks(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, c
         return Choice(False, f"{configured} (the pipeline stages build their own masks; train.attn_block_size unused)")
     if topo.sp > 1:
         return Choice(False, f"{configured} (Ulysses wraps the attention core; train.attn_block_size unused)")
-    from ultrascale.model.attention import blockable_reason
-
-    why = blockable_reason(hf_config, attn)
+    why = attention_unfit(hf_config, attn)
     if why:
         return Choice(False, f"{configured} ({why})")
     return Choice(True, f"causal SDPA in query blocks of {block} where a row holds several documents (upper-triangle "

@@ -166,7 +166,6 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
             "autocast computes in bf16 over fp32 weights; with 16-bit weights use precision.autocast=none"
         )
     hf = build_hf_config(cfg.model)
-    _attention_rules(cfg, topo, hf)
     cpu = None
     if backend == "gloo":
         from ultrascale.runtime.cpu import detect
@@ -217,43 +216,6 @@ def agree_across_ranks(d: Decisions) -> Decisions:
                          f"environment read otherwise); rank 0's decisions are kept: "
                          + "; ".join(f"{k}: {getattr(theirs[k], 'why', theirs[k])}" for k in differ))  # fmt: skip
     return replace(d, **theirs)
-
-
-def _attention_rules(cfg: DictConfig, topo: Topology, hf: Any) -> None:
-    """A forced ``train.attention_kernel`` (flex, blocks) on a run that cannot take it: ``auto`` falls back by
-    itself with the reason in the banner, but a kernel the user named must run or say why not."""
-    kernel = str(cfg.train.attention_kernel)
-    if kernel not in ("flex", "blocks"):
-        return
-    key = f"train.attention_kernel={kernel}"
-    fix = "use train.attention_kernel=auto"
-    if topo.pp > 1:
-        raise ConfigError(
-            f"{key} needs parallel.pp=1 (got {topo.pp}): the pipeline stages build their own masks; {fix}"
-        )
-    if topo.sp > 1:
-        raise ConfigError(f"{key} needs parallel.sp=1 (got {topo.sp}): Ulysses wraps the attention core; {fix}")
-    attn = str(cfg.model.attn_implementation)
-    if attn != "sdpa":
-        raise ConfigError(
-            f"{key} replaces model.attn_implementation=sdpa (got {attn}): set model.attn_implementation=sdpa, or {fix}"
-        )
-    from ultrascale.model.attention import CAUSAL_MODEL_TYPES
-
-    if hf.model_type not in CAUSAL_MODEL_TYPES:
-        raise ConfigError(
-            f"{key} needs a causal text decoder (one of {sorted(CAUSAL_MODEL_TYPES)}), got model.type="
-            f"{cfg.model.type}: {fix}"
-        )
-    if kernel == "blocks" and cfg.train.attn_block_size == 0:
-        raise ConfigError(
-            f"{key} with train.attn_block_size=0 asks for blocks of nothing: unset train.attn_block_size or set a size"
-        )
-    dropout = float(getattr(hf, "attention_dropout", 0.0) or 0.0)
-    if kernel == "flex" and dropout > 0:
-        raise ConfigError(
-            f"{key} has no attention dropout (model.config.attention_dropout={dropout}): set it to 0, or {fix}"
-        )
 
 
 def _checkpointing_rules(cfg: DictConfig, topo: Topology) -> None:

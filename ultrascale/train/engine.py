@@ -124,16 +124,20 @@ def _apply_attention(model, d: Decisions) -> None:
     """FlexAttention or the blocked SDPA, as decided: each is an HF attention implementation set on the built model."""
     if not d.attention.on:
         return
+    from ultrascale.levers.decide import attention_unfit
+
+    why = attention_unfit(model.config, getattr(model.config, "_attn_implementation", None))
+    if why:  # the decision read the config; a model built otherwise (a caller's own) is refused with its reason
+        raise ConfigError(f"the attention kernel cannot install on this model (off ({why})): set "
+                          "train.attention_kernel=sdpa")  # fmt: skip
     if d.attention.value == "flex":
         from ultrascale.model.flex import install_flex_attention
 
-        installed, why = install_flex_attention(model)
+        install_flex_attention(model)
     else:
         from ultrascale.model.attention import install_blocked_attention
 
-        installed, why = install_blocked_attention(model, d.attention.value)
-    if not installed:  # the decision checked the config; only the built model can still refuse
-        raise ConfigError(f"the attention kernel cannot install on this model ({why}): set train.attention_kernel=sdpa")
+        install_blocked_attention(model, d.attention.value)
 
 
 def _apply_autocast(model, d: Decisions) -> None:
