@@ -153,6 +153,26 @@ def _held_out(tmp_path: Path) -> tuple[Path, Path]:
     return corpus, prep
 
 
+def hf_greedy(model_dir: Path, span: fim.Span, mode: str, max_new_tokens: int) -> str:
+    """HF ``generate`` (greedy, one unpadded row) on the task's prompt for ``mode``: the l2r prompt healed as
+    HumanEval's are; the completion cut at the first newline for a single line."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ultrascale.eval.humaneval import heal, unheal
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    text = fim.prompt(span, mode, fim.fim_tokens(tok) if mode != "l2r" else None, 1000)
+    text, k = heal(text) if mode == "l2r" else (text, 0)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0)  # fmt: skip
+    completion = unheal(tok.decode(out[0, len(ids) :], skip_special_tokens=True), k)
+    return completion.split("\n", 1)[0] if span.kind == "single_line" else completion
+
+
 def test_eval_py_fim_task_end_to_end_on_held_out_files(fim_model, tmp_path):
     from ultrascale.eval.config import register_eval_configs
     from ultrascale.eval.run import run
@@ -173,6 +193,17 @@ def test_eval_py_fim_task_end_to_end_on_held_out_files(fim_model, tmp_path):
     assert len(samples) == 18 and {s["file"] for s in samples} == {"valrepo/geo.py", "valrepo/more.py"}
     assert all("\n" not in s["completion"] for s in samples if s["kind"] == "single_line")
     assert np.mean([s["exact_match"] for s in samples if s["mode"] == "psm"]) == res["all/psm/exact_match"]
+    # each mode's sample of one span is HF greedy's continuation of the same prompt (the sampler's batching, cache and
+    # stops change nothing), cut where the task cuts it
+    f = cfg.fim
+    docs = fim.held_out_documents(str(prep), str(corpus))
+    problems = fim.spans(docs, [str(k) for k in f.kinds], f.files, f.seed, f.max_lines, f.max_span_chars)
+    assert [(p.file, p.kind, p.middle) for p in problems] == [(s["file"], s["kind"], s["middle"]) for s in samples[:6]]
+    j = next(j for j, p in enumerate(problems) if p.prefix.strip())  # an empty l2r prompt has nothing to continue
+    for i, mode in enumerate(("psm", "spm", "l2r")):
+        sample, span = samples[i * len(problems) + j], problems[j]
+        assert sample["mode"] == mode
+        assert sample["completion"] == hf_greedy(fim_model, span, mode, max_new_tokens=8), (mode, sample)
 
 
 def test_a_model_without_fim_tokens_is_one_error_line(smollm2_135m, tmp_path):
