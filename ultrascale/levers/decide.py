@@ -31,6 +31,8 @@ from ultrascale.runtime.gpu import GpuInfo
 if TYPE_CHECKING:
     import torch
 
+    from ultrascale.config.data import DataConfig
+    from ultrascale.config.precision import PrecisionConfig
     from ultrascale.config.train import TrainConfig
 
 
@@ -125,9 +127,9 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
     attn = str(cfg.model.attn_implementation)
     gpu = gpu if backend == "nccl" else None
     attention = _attention(cfg, topo, hf_config, attn, backend, cpu, gpu)
-    doc = _document_masking(cfg, topo, attn, flex=attention.value == "flex")
+    doc = _document_masking(cfg.data, topo, attn, flex=attention.value == "flex")
     fused = _fused_loss(cfg, topo, hf_config, backend, cpu, gpu)
-    kernel = _loss_kernel(cfg, fused, gpu)
+    kernel = _loss_kernel(cfg.train, fused, gpu)
     if kernel.value == "liger":
         fused = Choice(True, "fused linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)", None)
     return Decisions(
@@ -139,12 +141,12 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
         loss_kernel=kernel,
         activation_checkpointing=_activation_checkpointing(cfg, topo, hf_config, backend, gpu, fused),
         attention=attention,
-        compile=_compile(cfg, topo, stage, experts),
+        compile=_compile(cfg.train, topo, stage, experts),
         document_masking=doc,
         flat_batches=doc.on and attn.startswith("flash"),
-        step_breakdown=_step_breakdown(cfg, topo, backend),
-        overlap_loss_reduce=_overlap_loss_reduce(cfg, topo),
-        autocast=_autocast(cfg, topo, backend, cpu),
+        step_breakdown=_step_breakdown(cfg.train, topo, backend),
+        overlap_loss_reduce=_overlap_loss_reduce(cfg.train, topo),
+        autocast=_autocast(cfg.precision, topo, backend, cpu),
         moe=Choice(experts > 0, _moe_why(experts, topo), experts),
         moe_leaf_modules=experts > 0 and stage == 3 and topo.ep == 1,
         hf_config=hf_config,
@@ -261,20 +263,20 @@ def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str
     if kernel == "sdpa":
         return Choice(False, f"{configured} (train.attention_kernel=sdpa)")
     if kernel == "flex":
-        return _flex(cfg, backend, "train.attention_kernel=flex")
+        return _flex(cfg.data, backend, "train.attention_kernel=flex")
     if kernel == "auto" and backend != "gloo" and not cfg.train.attn_block_size:
         why = _flex_unfit(cfg, topo, hf_config, attn, gpu)
         if why:
             return Choice(False, f"{configured} ({why})")
         major, minor = tuple(gpu.capability)
-        return _flex(cfg, backend, f"train.attention_kernel=auto: CUDA, sm_{major}{minor}, documents masked")
+        return _flex(cfg.data, backend, f"train.attention_kernel=auto: CUDA, sm_{major}{minor}, documents masked")
     return _blocks(cfg, topo, hf_config, attn, backend, cpu, forced=kernel == "blocks")
 
 
-def _flex(cfg: Any, backend: str, reason: str) -> Choice:
+def _flex(data: DataConfig, backend: str, reason: str) -> Choice:
     why = (f"FlexAttention where a row holds several documents (block mask from the position ids, built once per "
            f"forward; no dense s x s mask; {reason}); one-document rows and decoding take SDPA")  # fmt: skip
-    if not cfg.data.document_masking:
+    if not data.document_masking:
         why += " (data.document_masking=false: no row has document boundaries, so every row does)"
     if backend == "gloo":
         why += ("; on CPU it trains through FlexAttention's reference implementation (torch has no CPU backward "
@@ -376,8 +378,8 @@ def _blocks(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, c
                         f"tiles skipped; {reason}); one-document rows take SDPA's causal kernel", block)  # fmt: skip
 
 
-def _compile(cfg: Any, topo: Topology, stage: int, experts: int) -> Choice:
-    if not cfg.train.compile:
+def _compile(train: TrainConfig, topo: Topology, stage: int, experts: int) -> Choice:
+    if not train.compile:
         return Choice(False, "off (train.compile=false)")
     if topo.pp > 1:
         return Choice(False, "off (not with the pipeline engine; eager)")
@@ -387,14 +389,14 @@ def _compile(cfg: Any, topo: Topology, stage: int, experts: int) -> Choice:
         return Choice(False, "off (MoE routing is data-dependent; eager)")
     if stage == 3:
         return Choice(False, "off (ZeRO-3's per-module gather hooks would split the graph; eager)")
-    scope = str(cfg.train.compile_scope)
+    scope = str(train.compile_scope)
     what = "each decoder layer (one shared graph)" if scope == "layers" else "the whole model"
     return Choice(True, f"torch.compile (inductor) of {what} at the first step (train.compile_scope={scope})", scope)
 
 
-def _document_masking(cfg: Any, topo: Topology, attn: str, flex: bool = False) -> Choice:
+def _document_masking(data: DataConfig, topo: Topology, attn: str, flex: bool = False) -> Choice:
     """Ulysses discards 4-D masks, so with sp>1 only flash attention keeps documents apart."""
-    if not cfg.data.document_masking:
+    if not data.document_masking:
         return Choice(False, "off: packed rows are one text (data.document_masking=false)")
     if topo.sp > 1 and not attn.startswith("flash"):
         return Choice(False, f"off: Ulysses sp={topo.sp} drops {attn} masks (use flash_attention_2 for it)")
@@ -404,16 +406,15 @@ def _document_masking(cfg: Any, topo: Topology, attn: str, flex: bool = False) -
     return Choice(True, f"on: positions restart at EOS, no cross-document attention ({how})")
 
 
-def _overlap_loss_reduce(cfg: Any, topo: Topology) -> Choice:
-    if not cfg.train.overlap_loss_reduce:
+def _overlap_loss_reduce(train: TrainConfig, topo: Topology) -> Choice:
+    if not train.overlap_loss_reduce:
         return Choice(False, "loss all-reduce before the last backward (train.overlap_loss_reduce=false)")
     if topo.pp > 1:
         return Choice(False, "the pipeline judges its last stages' loss inside train_batch, before the update")
     return Choice(True, "loss all-reduce overlapped with the last backward")
 
 
-def _autocast(cfg: Any, topo: Topology, backend: str, cpu: CpuInfo | None) -> Choice:
-    p = cfg.precision
+def _autocast(p: PrecisionConfig, topo: Topology, backend: str, cpu: CpuInfo | None) -> Choice:
     bf16_native = cpu is None or cpu.bf16_native  # cpu=None: a GPU
     if p.autocast == "none":
         if backend == "gloo" and cpu is not None and cpu.bf16_native and p.dtype == "fp32":
@@ -432,17 +433,17 @@ def _autocast(cfg: Any, topo: Topology, backend: str, cpu: CpuInfo | None) -> Ch
     return Choice(True, why, (device, str(p.autocast)))
 
 
-def _step_breakdown(cfg: Any, topo: Topology, backend: str) -> Choice:
+def _step_breakdown(train: TrainConfig, topo: Topology, backend: str) -> Choice:
     """``value``: how DeepSpeed's engine timers are read. On a GPU they are CUDA events, and DeepSpeed reads every
     one (a wait on its end event) after every micro-step; ``events`` reads them only for a logged row
     (:class:`ultrascale.train.breakdown.StepBreakdown`)."""
-    if not cfg.train.step_breakdown:
+    if not train.step_breakdown:
         return Choice(False, "off (train.step_breakdown=false): data wait and step time only")
     if topo.pp > 1:  # DeepSpeed 0.19.8: the pipeline's backward restarts a micro timer the base engine started
         return Choice(False, "data wait and step time only (the pipeline engine cannot run DeepSpeed's timers)")
     if backend == "nccl":
         return Choice(True, "on (DeepSpeed engine timers as CUDA events, read only for a logged row: one wait for "
-                            f"that step's update every train.log_interval={cfg.train.log_interval} steps, no "
+                            f"that step's update every train.log_interval={train.log_interval} steps, no "
                             "synchronisation in the steps between)", "events")  # fmt: skip
     return Choice(True, "on (DeepSpeed engine timers, host clocks)", "host")
 
@@ -465,10 +466,10 @@ def liger_unusable(gpu: GpuInfo) -> str | None:
     return kernel_unusable("liger", None if gpu.index is None else f"cuda:{gpu.index}")
 
 
-def _loss_kernel(cfg: Any, fused: Choice, gpu: GpuInfo | None) -> Choice:
+def _loss_kernel(train: TrainConfig, fused: Choice, gpu: GpuInfo | None) -> Choice:
     """``train.loss_kernel``: liger-kernel's fused linear cross-entropy where it runs on a GPU (``auto``) or is
     asked for; our chunked one otherwise, with liger's reason (:func:`liger_unusable`, asked only here)."""
-    want = str(cfg.train.loss_kernel)
+    want = str(train.loss_kernel)
     if not fused.on:
         return Choice(False, "off (no fused loss)", None)
     if want == "chunked":
