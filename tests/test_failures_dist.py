@@ -218,7 +218,7 @@ def test_a_killed_rank_restarts_the_job_which_finishes_like_the_uninterrupted_ru
     report = (out / "report.md").read_text()
     assert "restart" in report and "2 steps lost" in report, report
     if launcher == "deepspeed":  # its shm all-reduce buffers (69 MB a rank): neither the killed launch nor the
-        from ultrascale import shm  # finished one leaves them in /dev/shm
+        from ultrascale.runtime import shm  # finished one leaves them in /dev/shm
 
         launches = [ln.split() for ln in (out / "launcher.log").read_text().splitlines() if ln.startswith("$ ")]
         ports = {int(cmd[cmd.index("--master_port") + 1]) for cmd in launches}
