@@ -155,7 +155,7 @@ def _objective(hc: Any, cfg: DictConfig, result: Any) -> Any:
         return result
     from ultrascale.jsonio import read_json
     from ultrascale.paths import resolve_path
-    from ultrascale.rundir import SUMMARY
+    from ultrascale.train.rundir import SUMMARY
 
     summary = result if isinstance(result, dict) else read_json(resolve_path(cfg.output_dir) / SUMMARY)
     loss = summary.get("eval_loss")

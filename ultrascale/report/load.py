@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ultrascale.errors import DataError
-from ultrascale.rundir import LATEST, META, METRICS
+from ultrascale.train.rundir import LATEST, META, METRICS
 
 
 @dataclass

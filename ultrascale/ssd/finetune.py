@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ultrascale.errors import UltrascaleError
 from ultrascale.paths import PROJECT_ROOT
-from ultrascale.rundir import LATEST, STOPPED
+from ultrascale.train.rundir import LATEST, STOPPED
 from ultrascale.ssd.config import FinetuneConfig
 from ultrascale.train.checkpoint import tag_for
 

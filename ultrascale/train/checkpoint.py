@@ -30,7 +30,7 @@ import torch
 from ultrascale.atomic import atomic_write_text
 from ultrascale.errors import CheckpointError
 from ultrascale.levers import length
-from ultrascale.rundir import LATEST, META, STOPPED
+from ultrascale.train.rundir import LATEST, META, STOPPED
 from ultrascale.runtime import dist
 from ultrascale.train.ckpt_writer import BackgroundWriter
 

@@ -20,7 +20,7 @@ from ultrascale.jsonio import write_json
 from ultrascale.levers.decide import Decisions
 from ultrascale.levers.rules import agree_across_ranks
 from ultrascale.paths import resolve_path
-from ultrascale.rundir import ATTEMPTS, CONFIG, DS_CONFIG, METRICS, STOP_REQUEST, SUMMARY
+from ultrascale.train.rundir import ATTEMPTS, CONFIG, DS_CONFIG, METRICS, STOP_REQUEST, SUMMARY
 from ultrascale.runtime import dist
 from ultrascale.train.banner import done_lines
 from ultrascale.train.loggers import read_metrics

@@ -31,7 +31,7 @@ from ultrascale.levers.deepspeed import build_ds_config
 from ultrascale.model import sequence
 from ultrascale.model.flops import train_flops_per_token
 from ultrascale.model.moe import MoEStats
-from ultrascale.rundir import METRICS, STOPPED
+from ultrascale.train.rundir import METRICS, STOPPED
 from ultrascale.runtime import dist
 from ultrascale.runtime.device import to_device
 from ultrascale.train import checkpoint
