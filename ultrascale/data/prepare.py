@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from ultrascale.config.data import DataConfig
 from ultrascale.data.shards import MANIFEST, load_manifest, open_split
 from ultrascale.data.sources import check_agree, is_mixture, sources
@@ -46,11 +44,11 @@ def _not_prepared(key: str, path: Path, seq_len: int, model_dir: Path | None = N
     )
 
 
-def _key(data: DictConfig, name: str) -> str:
+def _key(data: DataConfig, name: str) -> str:
     return f"data.sources.{name}.path" if is_mixture(data) else "data.path"
 
 
-def ensure_prepared(data: DictConfig) -> list[Path]:
+def ensure_prepared(data: DataConfig) -> list[Path]:
     """Every source's directory, the built-in corpus prepared on rank 0 if it is one of them and missing."""
     error = None
     for src in sources(data):
@@ -61,7 +59,7 @@ def ensure_prepared(data: DictConfig) -> list[Path]:
     return [s.path for s in sources(data)]
 
 
-def _ensure_one(data: DictConfig, key: str, path: Path) -> str | None:
+def _ensure_one(data: DataConfig, key: str, path: Path) -> str | None:
     error = None
     if dist.is_rank0() and not (path / MANIFEST).exists():
         if not (data.prepare_if_missing and is_builtin_corpus(path)):
@@ -82,7 +80,7 @@ def _has_tokenizer(model_dir: Path | None) -> bool:
     return model_dir is not None and read_vocab(model_dir) is not None
 
 
-def check_prepared(data: DictConfig, model_vocab: int, dry_run: bool = False, model_dir: Path | None = None) -> str:
+def check_prepared(data: DataConfig, model_vocab: int, dry_run: bool = False, model_dir: Path | None = None) -> str:
     """Every source checked (:func:`check_one`), then that they share one tokenizer; one line per source.
     ``model_dir``: the pretrained model (``model.pretrained_path``, resolved), whose tokenizer the data must have."""
     lines = [
@@ -95,7 +93,7 @@ def check_prepared(data: DictConfig, model_vocab: int, dry_run: bool = False, mo
 
 
 def check_one(
-    data: DictConfig, key: str, path: Path, model_vocab: int, dry_run: bool = False, model_dir: Path | None = None
+    data: DataConfig, key: str, path: Path, model_vocab: int, dry_run: bool = False, model_dir: Path | None = None
 ) -> str:
     """Read-only: does the source at ``path`` (config key ``key``) fit this run (or will it be prepared)? One line
     saying what it holds.

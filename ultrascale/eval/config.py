@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -184,7 +183,7 @@ class EvalConfig:
     infill: InfillConfig = field(default_factory=InfillConfig)
 
 
-def check(cfg: Any) -> None:
+def check(cfg: EvalConfig) -> None:
     """The rules between eval's keys, each failing with the key, the value and the fix."""
     if bool(cfg.run_dir) == bool(cfg.model_dir):
         raise ConfigError("give exactly one of run_dir=DIR (a training run) or model_dir=DIR (an HF model directory)")
@@ -198,7 +197,7 @@ def check(cfg: Any) -> None:
                           "files are the held-out files)")  # fmt: skip
 
 
-def _check_sampling(key: str, node: Any) -> None:
+def _check_sampling(key: str, node: HumanEvalConfig | InfillConfig) -> None:
     """pass@k's rules for a task that samples ``n_samples`` completions (``humaneval``, ``infill``)."""
     if node.temperature <= 0 and node.n_samples != 1:
         raise ConfigError(

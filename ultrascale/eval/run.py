@@ -14,11 +14,11 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from ultrascale.data.sources import primary_path
 from ultrascale.errors import ConfigError
-from ultrascale.eval.config import check
+from ultrascale.eval.config import EvalConfig, check
 from ultrascale.jsonio import write_json, write_jsonl
 from ultrascale.model.build import load_pretrained
 from ultrascale.paths import resolve_path
@@ -29,7 +29,7 @@ Exporter = Callable[..., dict]
 """``ultrascale.export.export``: ``(run_dir, out_dir, step=, dtype=)`` -> its stats (``out``, ``tag``, ...)."""
 
 
-def _wandb_log(cfg: DictConfig, results: dict, out_dir: Path) -> None:
+def _wandb_log(cfg: EvalConfig, results: dict, out_dir: Path) -> None:
     """Attach the numbers to the training run's wandb run (same id), or to a fresh one for model_dir."""
     flat = {f"eval/{task}/{k}": v for task, r in results["tasks"].items() for k, v in r.items() if _is_num(v)}
     if not flat:
@@ -88,7 +88,7 @@ def table(results: dict) -> str:
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
 
-def run(cfg: DictConfig, export: Exporter | None = None) -> dict:
+def run(cfg: EvalConfig, export: Exporter | None = None) -> dict:
     """Evaluate; write ``eval_results.json`` (and HumanEval samples) to the output dir; return the results.
     ``export`` turns ``run_dir``'s checkpoint into an HF directory; needed only with ``run_dir``."""
     from transformers import AutoTokenizer

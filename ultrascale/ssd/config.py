@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -191,13 +190,13 @@ class SSDConfig:
     eval: SSDEvalConfig = field(default_factory=SSDEvalConfig)
 
 
-def zero_signal(sample: Any) -> bool:
+def zero_signal(sample: SampleConfig) -> bool:
     """T = 1 with no truncation samples the model's own distribution: training on it has zero expected gradient
     (the paper's analysis), so a round would spend its compute to change nothing."""
     return abs(float(sample.temperature) - 1.0) < 1e-9 and int(sample.top_k) == 0 and float(sample.top_p) >= 1.0
 
 
-def check(cfg: Any) -> None:
+def check(cfg: SSDConfig) -> None:
     """The rules between SSD's keys: fail at start-up, not after an hour of sampling and finetuning."""
     s, e, f = cfg.sample, cfg.eval, cfg.finetune
     if s.temperature <= 0 and s.n > 1:
