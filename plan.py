@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> list:
     )
     from ultrascale.plan.search import plan
 
-    cfg = resolve_cluster(cfg)
+    resolve_cluster(cfg.cluster)
     if cfg.budget.enabled:  # model size and tokens for a budget + serving volume, instead of layouts
         from ultrascale.cost.budget import budget_from_cfg
         from ultrascale.plan.report import budget_table, write_budget_json

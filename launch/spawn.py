@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
 from launch.hostfile import read_hostfile
-from ultrascale.config.launcher import LauncherName
+from ultrascale.config.schema import LauncherName
 from ultrascale.errors import ConfigError
 from ultrascale.jsonio import write_json
 from ultrascale.paths import PROJECT_ROOT, resolve_path
@@ -85,13 +83,13 @@ class _StopForwarder:
         os.write(2, msg.encode())
 
 
-def is_driver(cfg: DictConfig) -> bool:
+def is_driver(cfg: RootConfig) -> bool:
     """True when this process should start a launcher (or submit to Slurm) rather than train itself.
 
-    A process started by a launcher has ``WORLD_SIZE`` set; a dry run only prints, whatever the launcher.
-    ``cfg`` is any composed DictConfig (eval's and data prep's roots have no launcher group).
+    A process started by a launcher has ``WORLD_SIZE`` set; a dry run only prints, whatever the launcher. Asked
+    only of a config with a ``launcher`` group (train's and plan's roots; the callers check).
     """
-    if "launcher" not in cfg or cfg.get("dry_run", False) or "WORLD_SIZE" in os.environ:
+    if cfg.dry_run or "WORLD_SIZE" in os.environ:
         return False
     return cfg.launcher.name in (*SPAWNING, LauncherName.slurm)
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from ultrascale.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ultrascale.config.root import PlanRootConfig
 
 TRAIN_FLOPS_PER_TOKEN = 6  # per parameter: forward 2 + backward 4 (the same convention as model/flops.py)
 INFERENCE_FLOPS_PER_TOKEN = 2  # per parameter: forward only, prompt and generated tokens alike
@@ -233,13 +235,13 @@ def plan_budget(law: ScalingLaw, costing: Costing, inference_tokens: float, *, t
     return BudgetPlan(law, costing, bar, chin, same_loss, same_cost)
 
 
-def budget_from_cfg(cfg: DictConfig) -> BudgetPlan:
+def budget_from_cfg(cfg: PlanRootConfig) -> BudgetPlan:
     """Validate the ``budget`` group (one-line errors naming the key) and build the plan on ``cfg.cluster``."""
     b, c = cfg.budget, cfg.cluster
-    if cfg.get("plot"):
+    if cfg.plot:
         raise ConfigError(f"plot={cfg.plot} draws layouts, and budget mode plans none: drop plot= (output_json= works)")
     law = ScalingLaw(b.law.E, b.law.A, b.law.B, b.law.alpha, b.law.beta, b.law.name)
-    given = [k for k in ("train_flops", "train_gpu_hours", "target_loss") if b[k] is not None]
+    given = [k for k in ("train_flops", "train_gpu_hours", "target_loss") if getattr(b, k) is not None]
     if len(given) != 1:
         raise ConfigError(
             f"budget: set exactly one of budget.train_flops, budget.train_gpu_hours, budget.target_loss "

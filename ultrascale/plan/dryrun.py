@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from ultrascale.cost.memory import (
     GIB,
@@ -126,7 +126,7 @@ def planned_layout(cfg: RootConfig, d: Decisions) -> Layout:
 def plan_memory(cfg: RootConfig, d: Decisions, t: Target) -> Memory:
     """Bytes per GPU of this layout (:func:`ultrascale.cost.memory.memory`), with the planner's fragmentation
     headroom and the cluster's runtime reserve."""
-    from ultrascale.config.search import SearchConfig
+    from ultrascale.config.schema import SearchConfig
 
     reserved = float(t.cluster.reserved_gib) * GIB if t.cluster is not None else 0.0
     return memory(arch_from_hf(d.hf_config), planned_layout(cfg, d), SearchConfig().fragmentation, reserved)
@@ -134,7 +134,7 @@ def plan_memory(cfg: RootConfig, d: Decisions, t: Target) -> Memory:
 
 def plan_timing(cfg: RootConfig, d: Decisions, t: Target) -> Timing:
     """One optimizer step of this layout on the cluster (:func:`ultrascale.cost.timing.step_time`)."""
-    from ultrascale.config.search import SearchConfig
+    from ultrascale.config.schema import SearchConfig
     from ultrascale.cost.timing import step_time
 
     s = SearchConfig()
@@ -242,8 +242,7 @@ def checkpoint_line(cfg: RootConfig, d: Decisions, cluster: ClusterConfig | None
     steps when its output_dir has them, else from the planner's step time and checkpoint size on ``cluster``
     (the dry run's target: node MTBF, storage rate), or without one the default cluster at this launcher's node
     count."""
-    from ultrascale.config.cluster import ClusterConfig
-    from ultrascale.config.search import SearchConfig
+    from ultrascale.config.schema import ClusterConfig, SearchConfig
     from ultrascale.cost.memory import DTYPE_BYTES
     from ultrascale.cost.save_interval import advise, checkpoint_bytes
     from ultrascale.cost.timing import step_time
@@ -316,10 +315,10 @@ def finetune_lines(cfg: RootConfig, d: Decisions) -> list[str]:
 
 
 def dry_run_report(
-    cfg: DictConfig, d: Decisions, ds_config: dict, found: dict[str, str], t: Target | None = None
+    cfg: RootConfig, d: Decisions, ds_config: dict, found: dict[str, str], t: Target | None = None
 ) -> str:
     """The report, as text (rank 0 prints it). ``t``: the hardware ``d`` was decided for (default: this
-    machine). ``cfg`` is the composed DictConfig, not only a RootConfig: the report opens with its resolved YAML."""
+    machine). The report opens with ``cfg``'s resolved YAML."""
     from ultrascale.model.build import count_params
     from ultrascale.model.flops import train_flops_per_token
 
@@ -336,7 +335,7 @@ def dry_run_report(
                       step_line(cfg, d, t)]  # fmt: skip
     parts = [
         "== resolved config ==",
-        OmegaConf.to_yaml(cfg, resolve=True),
+        OmegaConf.to_yaml(cfg, resolve=True),  # a composed DictConfig or a RootConfig dataclass alike
         "== target ==",
         *target_lines(d, t),
         "== topology ==",
@@ -394,10 +393,9 @@ def data_note(cfg: RootConfig, found: dict[str, str], t: Target) -> dict[str, st
                                              "output)"}  # fmt: skip
 
 
-def dry_run_text(cfg: DictConfig) -> str:
+def dry_run_text(cfg: RootConfig) -> str:
     """Validate for the target hardware (:func:`target`), check what a real run would check first (read-only:
-    nothing is prepared or written), and return the report. ``cfg``: the composed DictConfig (the report prints
-    its YAML)."""
+    nothing is prepared or written), and return the report."""
     from ultrascale.levers.deepspeed import build_ds_config
     from ultrascale.levers.rules import validate
     from ultrascale.train.preflight import preflight
@@ -408,7 +406,7 @@ def dry_run_text(cfg: DictConfig) -> str:
     return dry_run_report(cfg, d, build_ds_config(cfg, d), found, t)
 
 
-def dry_run(cfg: DictConfig) -> None:
+def dry_run(cfg: RootConfig) -> None:
     """The report, printed on rank 0; every rank runs the read-only checks."""
     from ultrascale.runtime import dist
 

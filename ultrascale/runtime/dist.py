@@ -11,8 +11,12 @@ import os
 import socket
 import sys
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from ultrascale.paths import PROJECT_ROOT
+
+if TYPE_CHECKING:
+    from ultrascale.config.root import RootConfig
 
 log = logging.getLogger("ultrascale")
 # What select_accelerator decided and why, logged once logging is set up (it runs before that).
@@ -336,7 +340,7 @@ def setup_logging(log_file: str | None = None) -> None:
         log.info(f"{_ACCEL_NOTE[0]}; rank {r} of {world_size()} (local rank {local_rank()})")
 
 
-def planned_world_size(cfg) -> int:
+def planned_world_size(cfg: RootConfig) -> int:
     """The world a config will run on: the launcher's WORLD_SIZE, or for a dry run the recipe's hardware."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])

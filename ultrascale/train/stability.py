@@ -18,12 +18,15 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as tdist
-from omegaconf import DictConfig
 
 from ultrascale.errors import UltrascaleError
+
+if TYPE_CHECKING:
+    from ultrascale.config.stability import StabilityConfig
 
 ACTIONS = ("ok", "lr_cut", "skip", "rollback", "stop")
 """Ordered by severity: when ranks are merged with MAX, the strongest action wins."""
@@ -76,7 +79,7 @@ class SpikeDetector:
 class StabilityMonitor:
     """Judges each step, tracks lr cuts and the consecutive-bad-step cap. Same state on every rank."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: StabilityConfig):
         self.cfg = cfg
         self.detector = SpikeDetector(cfg.spike_window, cfg.spike_min_history, cfg.spike_min_rel_std)
         self.consecutive = 0
