@@ -129,7 +129,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
     attention = _attention(cfg, topo, hf_config, attn, backend, cpu, gpu)
     doc = _document_masking(cfg.data, topo, attn, flex=attention.value == "flex")
     fused = _fused_loss(cfg, topo, hf_config, backend, cpu, gpu)
-    kernel = _loss_kernel(cfg.train, fused, gpu)
+    kernel = _loss_kernel(cfg.train, fused, gpu, backend)
     if kernel.value == "liger":
         fused = Choice(True, "fused linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)", None)
     return Decisions(
@@ -466,23 +466,34 @@ def liger_unusable(gpu: GpuInfo) -> str | None:
     return kernel_unusable("liger", None if gpu.index is None else f"cuda:{gpu.index}")
 
 
-def _loss_kernel(train: TrainConfig, fused: Choice, gpu: GpuInfo | None) -> Choice:
+def _loss_kernel(train: TrainConfig, fused: Choice, gpu: GpuInfo | None, backend: str) -> Choice:
     """``train.loss_kernel``: liger-kernel's fused linear cross-entropy where it runs on a GPU (``auto``) or is
-    asked for; our chunked one otherwise, with liger's reason (:func:`liger_unusable`, asked only here)."""
+    asked for; our chunked one otherwise, with liger's reason (:func:`liger_unusable`, asked only here). A named
+    ``liger`` that cannot run is one error line; ``auto`` falls back by itself."""
+    from ultrascale.errors import ConfigError
+
     want = str(train.loss_kernel)
+    if want == "liger" and backend == "gloo":
+        raise ConfigError(
+            "train.loss_kernel=liger needs CUDA (liger-kernel's kernels are Triton): use train.loss_kernel=auto "
+            "or chunked on CPU"
+        )
     if not fused.on:
+        if want == "liger":
+            raise ConfigError(f"train.loss_kernel=liger is the fused loss's kernel, but the fused loss is off: "
+                              f"{fused.why}; use train.loss_kernel=auto")  # fmt: skip
         return Choice(False, "off (no fused loss)", None)
     if want == "chunked":
         return Choice(True, "chunked (train.loss_kernel=chunked)", "chunked")
     if gpu is None:
-        if want == "liger":  # a planned cluster without a GPU description: as configured (validate refuses on CPU)
+        if want == "liger":  # a planned cluster without a GPU description: as configured
             return Choice(True, "liger-kernel's Triton fused linear cross-entropy (train.loss_kernel=liger)", "liger")
         return Choice(True, "chunked (auto: liger-kernel runs on CUDA only)", "chunked")
     why = liger_unusable(gpu)
     if why is None:
         return Choice(True, f"liger-kernel's Triton fused linear cross-entropy (train.loss_kernel={want})", "liger")
-    if want == "liger":  # validate turns this into the one error line
-        return Choice(False, f"train.loss_kernel=liger cannot run: {why}", None)
+    if want == "liger":
+        raise ConfigError(f"train.loss_kernel=liger cannot run: {why}, or use train.loss_kernel=auto")
     return Choice(True, f"chunked (auto: {why})", "chunked")
 
 

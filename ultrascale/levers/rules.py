@@ -173,7 +173,6 @@ def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: 
         cpu = detect()
     _checkpointing_rules(cfg, topo)
     d = decide(cfg, topo, hf, backend, cpu, gpu)
-    _loss_kernel_rules(cfg, d, backend)
     if cfg.train.eval_fim and (d.zero_stage == 3 or max(d.topo.pp, d.topo.tp, d.topo.sp) > 1):
         raise ConfigError(f"train.eval_fim={cfg.train.eval_fim} needs zero.stage<=2 and parallel.pp=tp=sp=1 (rank 0 "
                           "generates alone with the whole model): use train.eval_fim=0 and eval.py tasks=[fim] on "
@@ -235,22 +234,6 @@ def _checkpointing_rules(cfg: DictConfig, topo: Topology) -> None:
     why = selective_unavailable(topo) if mode == "selective" else None
     if why:
         raise ConfigError(f"train.activation_checkpointing=selective is not available: {why}; use full (or auto)")
-
-
-def _loss_kernel_rules(cfg: DictConfig, d: Decisions, backend: str) -> None:
-    """A named ``train.loss_kernel=liger`` runs or says why not (``auto`` falls back by itself)."""
-    if str(cfg.train.loss_kernel) != "liger":
-        return
-    if backend == "gloo":
-        raise ConfigError(
-            "train.loss_kernel=liger needs CUDA (liger-kernel's kernels are Triton): use train.loss_kernel=auto "
-            "or chunked on CPU"
-        )
-    if not d.fused_loss.on:
-        raise ConfigError(f"train.loss_kernel=liger is the fused loss's kernel, but the fused loss is off: "
-                          f"{d.fused_loss.why}; use train.loss_kernel=auto")  # fmt: skip
-    if d.loss_kernel.value != "liger":
-        raise ConfigError(f"{d.loss_kernel.why}, or use train.loss_kernel=auto")
 
 
 def _mixture_rules(data: DictConfig, train_steps: int) -> None:
