@@ -34,9 +34,20 @@ def check_torch(version: str | None = None) -> None:
                           f"install torch>={'.'.join(map(str, MIN_TORCH))}")  # fmt: skip
 
 
+def accelerator() -> tuple[bool, str]:
+    """Whether this process may use a CUDA device, and why not: the one place that reads ``DS_ACCELERATOR`` and
+    CUDA (``DS_ACCELERATOR=cpu`` keeps a GPU machine on the CPU path). The backend (``dist``), where tensors go and
+    pinned memory all follow from it."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        return False, "DS_ACCELERATOR=cpu from the environment"
+    if not torch.cuda.is_available():
+        return False, "no GPU found"
+    return True, "CUDA"
+
+
 def accelerator_usable() -> bool:
-    """A CUDA device this process may use (``DS_ACCELERATOR=cpu`` keeps a GPU machine on the CPU path)."""
-    return os.environ.get("DS_ACCELERATOR") != "cpu" and torch.cuda.is_available()
+    """A CUDA device this process may use (:func:`accelerator`)."""
+    return accelerator()[0]
 
 
 def compute_device() -> torch.device:

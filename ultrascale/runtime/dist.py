@@ -47,30 +47,27 @@ def configure_env() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 
-def has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def detect_backend() -> str:
-    """``nccl`` on a GPU machine (unless ``DS_ACCELERATOR=cpu``), ``gloo`` otherwise; no side effects."""
-    if os.environ.get("DS_ACCELERATOR") == "cpu" or not has_gpu():
-        return "gloo"
-    return "nccl"
+    """``nccl`` where this process may use a GPU (``runtime.device.accelerator``), ``gloo`` otherwise; no side
+    effects."""
+    from ultrascale.runtime.device import accelerator_usable
+
+    return "nccl" if accelerator_usable() else "gloo"
 
 
 def select_accelerator() -> str:
-    """Pick DeepSpeed's accelerator + comm backend: CUDA/NCCL on GPUs, CPU/gloo otherwise (logged)."""
-    if os.environ.get("DS_ACCELERATOR") == "cpu":
-        note = "accelerator: cpu (DS_ACCELERATOR=cpu from the environment), comm backend gloo"
-        backend = "gloo"
-    elif not has_gpu():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-        note = "accelerator: cpu (no GPU found, so DS_ACCELERATOR=cpu), comm backend gloo"
-        backend = "gloo"
-    else:
+    """Pick DeepSpeed's accelerator + comm backend: CUDA/NCCL on GPUs, CPU/gloo otherwise (logged). Without a GPU
+    it also sets ``DS_ACCELERATOR=cpu``, so DeepSpeed does not probe for one."""
+    from ultrascale.runtime.device import accelerator
+
+    usable, why = accelerator()
+    if usable:
         note, backend = "accelerator: cuda, comm backend nccl", "nccl"
+    else:
+        if os.environ.get("DS_ACCELERATOR") != "cpu":
+            os.environ["DS_ACCELERATOR"] = "cpu"
+            why += ", so DS_ACCELERATOR=cpu"
+        note, backend = f"accelerator: cpu ({why}), comm backend gloo", "gloo"
     _ACCEL_NOTE[:] = [note]
     return backend
 
