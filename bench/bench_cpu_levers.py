@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("attention", "loss"), help="measure one lever only")
     ap.add_argument("--json", dest="json_path")
     a = ap.parse_args()
-    from ultrascale.levers.decide import cpu_attn_block, cpu_loss_chunk
+    from ultrascale.levers.hardware import cpu_attn_block, cpu_loss_chunk
     from ultrascale.runtime.cpu import detect
 
     cpu = detect()
