@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launch.hostfile import read_hostfile
-from ultrascale.config.schema import LauncherName
+from ultrascale.config.launcher import LauncherName
 from ultrascale.errors import ConfigError
 from ultrascale.jsonio import write_json
 from ultrascale.paths import PROJECT_ROOT, resolve_path

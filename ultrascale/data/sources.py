@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ultrascale.paths import resolve_path
 from ultrascale.data.mixture import Mixture, Stage
 from ultrascale.data.shards import MANIFEST, load_manifest
 from ultrascale.errors import DataError
+from ultrascale.paths import resolve_path
 
 SHORTHAND = "data"
 """The name of the one source ``data.path`` stands for."""

@@ -18,9 +18,9 @@ import json
 import os
 from pathlib import Path
 
-from ultrascale.paths import resolve_path
 from ultrascale.data.shards import load_manifest
 from ultrascale.errors import DataError
+from ultrascale.paths import resolve_path
 
 VOCAB_KEY = "vocab_sha256"
 """The manifest key holding the data's :func:`vocab_sha256` (absent in manifests written before it)."""

@@ -126,7 +126,7 @@ def planned_layout(cfg: RootConfig, d: Decisions) -> Layout:
 def plan_memory(cfg: RootConfig, d: Decisions, t: Target) -> Memory:
     """Bytes per GPU of this layout (:func:`ultrascale.cost.memory.memory`), with the planner's fragmentation
     headroom and the cluster's runtime reserve."""
-    from ultrascale.config.schema import SearchConfig
+    from ultrascale.config.search import SearchConfig
 
     reserved = float(t.cluster.reserved_gib) * GIB if t.cluster is not None else 0.0
     return memory(arch_from_hf(d.hf_config), planned_layout(cfg, d), SearchConfig().fragmentation, reserved)
@@ -134,7 +134,7 @@ def plan_memory(cfg: RootConfig, d: Decisions, t: Target) -> Memory:
 
 def plan_timing(cfg: RootConfig, d: Decisions, t: Target) -> Timing:
     """One optimizer step of this layout on the cluster (:func:`ultrascale.cost.timing.step_time`)."""
-    from ultrascale.config.schema import SearchConfig
+    from ultrascale.config.search import SearchConfig
     from ultrascale.cost.timing import step_time
 
     s = SearchConfig()
@@ -242,7 +242,8 @@ def checkpoint_line(cfg: RootConfig, d: Decisions, cluster: ClusterConfig | None
     steps when its output_dir has them, else from the planner's step time and checkpoint size on ``cluster``
     (the dry run's target: node MTBF, storage rate), or without one the default cluster at this launcher's node
     count."""
-    from ultrascale.config.schema import ClusterConfig, SearchConfig
+    from ultrascale.config.cluster import ClusterConfig
+    from ultrascale.config.search import SearchConfig
     from ultrascale.cost.memory import DTYPE_BYTES
     from ultrascale.cost.save_interval import advise, checkpoint_bytes
     from ultrascale.cost.timing import step_time
