@@ -64,7 +64,7 @@ class Trainer:
         self.stop = stop or StopRequest(self.rank)
         self.checkpointer = checkpoint.Checkpointer(
             out / "checkpoints", cfg.train.checkpoint_interval, cfg.train.keep_checkpoints, checkpoint_meta(cfg, d),
-            background=cfg.train.checkpoint_async, staging=cfg.train.checkpoint_staging,
+            background=cfg.train.checkpoint_async, staging=d.checkpoint_staging.value,
         )  # fmt: skip
         self.checkpointer.beat = self.stop.beat
         self.stepper = OptimizerStep(self)
