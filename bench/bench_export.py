@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ultrascale.train.rundir import CHECKPOINTS, LATEST  # noqa: E402
 from ultrascale.runtime.dist import free_port  # noqa: E402
+from ultrascale.train.rundir import CHECKPOINTS, LATEST  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"}
 ENV.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))

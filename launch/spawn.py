@@ -28,8 +28,8 @@ from ultrascale.config.launcher import LauncherName
 from ultrascale.errors import ConfigError
 from ultrascale.jsonio import write_json
 from ultrascale.paths import PROJECT_ROOT, resolve_path
-from ultrascale.train.rundir import STOP_REQUEST, STOPPED
 from ultrascale.runtime.dist import RESTART_ENV, free_port
+from ultrascale.train.rundir import STOP_REQUEST, STOPPED
 from ultrascale.train.stop import write_request
 
 if TYPE_CHECKING:

@@ -99,8 +99,8 @@ def parse_size(text: str | int) -> int:
 
 def resolve_tag_dir(run_dir: Path, step: int | None) -> tuple[Path, dict]:
     """The complete checkpoint to export and its meta; verified file by file like a resume would be."""
-    from ultrascale.train.rundir import LATEST
     from ultrascale.train.checkpoint import tag_for, verify
+    from ultrascale.train.rundir import LATEST
 
     ckpt = run_dir / "checkpoints"
     if step is None:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from ultrascale.errors import UltrascaleError
 from ultrascale.paths import PROJECT_ROOT
-from ultrascale.train.rundir import LATEST, STOPPED
 from ultrascale.ssd.config import FinetuneConfig
 from ultrascale.train.checkpoint import tag_for
+from ultrascale.train.rundir import LATEST, STOPPED
 
 
 class FinetuneFailed(UltrascaleError):

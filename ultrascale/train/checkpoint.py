@@ -30,9 +30,9 @@ import torch
 from ultrascale.atomic import atomic_write_text
 from ultrascale.errors import CheckpointError
 from ultrascale.levers import length
-from ultrascale.train.rundir import LATEST, META, STOPPED
 from ultrascale.runtime import dist
 from ultrascale.train.ckpt_writer import BackgroundWriter
+from ultrascale.train.rundir import LATEST, META, STOPPED
 
 if TYPE_CHECKING:
     from ultrascale.train.loggers import MetricLogger

@@ -31,7 +31,6 @@ from ultrascale.levers.deepspeed import build_ds_config
 from ultrascale.model import sequence
 from ultrascale.model.flops import train_flops_per_token
 from ultrascale.model.moe import MoEStats
-from ultrascale.train.rundir import METRICS, STOPPED
 from ultrascale.runtime import dist
 from ultrascale.runtime.device import to_device
 from ultrascale.train import checkpoint
@@ -46,6 +45,7 @@ from ultrascale.train.metrics import MemoryMeter, peak_flops, throughput
 from ultrascale.train.preflight import Preflight
 from ultrascale.train.profiler import StepProfiler
 from ultrascale.train.resume import checkpoint_meta
+from ultrascale.train.rundir import METRICS, STOPPED
 from ultrascale.train.stability import FaultInjector, StabilityMonitor, TrainingHealthError, Verdict, agree
 from ultrascale.train.step import OptimizerStep, StepState
 from ultrascale.train.stop import StopRequest
