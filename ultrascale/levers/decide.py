@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from ultrascale.config.data import DataConfig
     from ultrascale.config.precision import PrecisionConfig
+    from ultrascale.config.root import RootConfig
     from ultrascale.config.train import TrainConfig
 
 
@@ -111,7 +112,7 @@ class Decisions:
         }
 
 
-def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None = None,
+def decide(cfg: RootConfig, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None = None,
            gpu: GpuInfo | None = None) -> Decisions:  # fmt: skip
     """The run's decisions from a validated config, its topology, the HF config, ``gloo``/``nccl`` and, for CPU
     ranks, the CPU (:func:`ultrascale.runtime.cpu.detect`; the CPU levers are pure functions of it). ``cpu=None``: a GPU,
@@ -156,7 +157,7 @@ def decide(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo 
     )
 
 
-def _finetune(cfg: Any) -> Choice:
+def _finetune(cfg: RootConfig) -> Choice:
     """``finetune.method``: what trains. Validation refuses what cannot run (no pretrained model, pp/tp/sp/ep>1,
     QLoRA without CUDA and bitsandbytes); this only says what runs."""
     f = getattr(cfg, "finetune", None)
@@ -209,7 +210,7 @@ def _partitioned_build(stage: int, topo: Topology, experts: int) -> Choice:
     return Choice(False, f"ZeRO-{stage}: every rank builds the whole model (ZeRO-{stage} holds the weights whole)")
 
 
-def _optimizer_owner(cfg: Any) -> Choice:
+def _optimizer_owner(cfg: RootConfig) -> Choice:
     o = cfg.optim
     if o.name == "muon":
         return Choice(True, "DeepSpeed's MuonWithAuxAdam (optim=muon)", "deepspeed")
@@ -221,7 +222,7 @@ def _optimizer_owner(cfg: Any) -> Choice:
     return Choice(True, f"torch AdamW{fused}, no decay on norms/biases", "torch")
 
 
-def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None,
+def _fused_loss(cfg: RootConfig, topo: Topology, hf_config: Any, backend: str, cpu: CpuInfo | None,
                 gpu: GpuInfo | None = None) -> Choice:  # fmt: skip
     if not cfg.train.fused_loss:
         return Choice(False, "plain HF cross-entropy (train.fused_loss=false)")
@@ -251,7 +252,7 @@ def _fused_loss(cfg: Any, topo: Topology, hf_config: Any, backend: str, cpu: Cpu
     return Choice(True, f"{what}, chunk from the vocabulary's {CHUNK_BUDGET_BYTES >> 20} MiB logit budget", None)
 
 
-def _attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None,
+def _attention(cfg: RootConfig, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None,
                gpu: GpuInfo | None = None) -> Choice:  # fmt: skip
     """``train.attention_kernel``; ``value``: the blocked SDPA's query block (int) or ``"flex"``. Reads the GPU
     only through ``gpu.capability``. A forced kernel that cannot run raises (:func:`_refuse_forced_attention`);
@@ -298,7 +299,7 @@ def attention_unfit(hf_config: Any, attn: str) -> str | None:
     return None
 
 
-def _refuse_forced_attention(cfg: Any, topo: Topology, hf_config: Any, attn: str, kernel: str) -> None:
+def _refuse_forced_attention(cfg: RootConfig, topo: Topology, hf_config: Any, attn: str, kernel: str) -> None:
     """A forced ``train.attention_kernel`` (flex, blocks) on a run that cannot take it: ``auto`` falls back by
     itself with the reason in the banner, but a kernel the user named must run or say why not."""
     from ultrascale.errors import ConfigError
@@ -332,7 +333,7 @@ def _refuse_forced_attention(cfg: Any, topo: Topology, hf_config: Any, attn: str
         )
 
 
-def _flex_unfit(cfg: Any, topo: Topology, hf_config: Any, attn: str, gpu: GpuInfo | None) -> str | None:
+def _flex_unfit(cfg: RootConfig, topo: Topology, hf_config: Any, attn: str, gpu: GpuInfo | None) -> str | None:
     """Why ``auto`` keeps HF's sdpa on a GPU (None: FlexAttention fits)."""
     if topo.pp > 1:
         return "the pipeline stages build their own masks"
@@ -351,7 +352,7 @@ def _flex_unfit(cfg: Any, topo: Topology, hf_config: Any, attn: str, gpu: GpuInf
     return None
 
 
-def _blocks(cfg: Any, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None,
+def _blocks(cfg: RootConfig, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None,
             forced: bool) -> Choice:  # fmt: skip
     """The causal SDPA by query blocks (``train.attention_kernel=blocks``, and ``auto`` on a CPU)."""
     block = cfg.train.attn_block_size
@@ -508,7 +509,7 @@ def selective_unavailable(topo: Topology) -> str | None:
     return None
 
 
-def _activation_checkpointing(cfg: Any, topo: Topology, hf_config: Any, backend: str, gpu: GpuInfo | None,
+def _activation_checkpointing(cfg: RootConfig, topo: Topology, hf_config: Any, backend: str, gpu: GpuInfo | None,
                               fused: Choice) -> Choice:  # fmt: skip
     mode = checkpointing_mode(cfg.train.activation_checkpointing)
     what = {"none": "off", "selective": "selective per-op: matmul and attention outputs saved, norms and "

@@ -9,9 +9,12 @@ DeepSpeed's AutoTP and AutoEP rewrite the model inside ``deepspeed.initialize``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ultrascale.levers.decide import Decisions
+
+if TYPE_CHECKING:
+    from ultrascale.config.root import RootConfig
 
 
 def _zero_section(z: Any, stage: int) -> dict[str, Any]:
@@ -46,7 +49,7 @@ def _zero_section(z: Any, stage: int) -> dict[str, Any]:
     return out
 
 
-def _optimizer_section(cfg: Any, d: Decisions) -> dict[str, Any] | None:
+def _optimizer_section(cfg: RootConfig, d: Decisions) -> dict[str, Any] | None:
     """The optimizer DeepSpeed owns (``d.optimizer_owner``): Muon is DeepSpeed's own, offload needs
     DeepSpeedCPUAdam. None when the trainer builds torch AdamW itself and hands it over."""
     o = cfg.optim
@@ -76,7 +79,7 @@ def _optimizer_section(cfg: Any, d: Decisions) -> dict[str, Any] | None:
     }
 
 
-def build_ds_config(cfg: Any, d: Decisions) -> dict[str, Any]:
+def build_ds_config(cfg: RootConfig, d: Decisions) -> dict[str, Any]:
     """The DeepSpeed config dict for a validated config and its decisions (``validate`` returns them)."""
     topo = d.topo
     mb, gb = int(cfg.data.micro_batch), int(cfg.data.global_batch)

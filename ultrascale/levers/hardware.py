@@ -18,6 +18,7 @@ from ultrascale.runtime.gpu import GpuInfo
 
 if TYPE_CHECKING:
     from ultrascale.config.precision import PrecisionConfig
+    from ultrascale.config.root import RootConfig
 
 FLEX_MIN_CAPABILITY = (8, 0)
 """``train.attention_kernel=auto`` picks FlexAttention on CUDA GPUs from Ampere (sm_80) on: its Triton kernels are
@@ -118,7 +119,7 @@ def auto_checkpointing(peaks: dict[str, float], gpu: GpuInfo) -> tuple[str, str]
     return mode, f"auto: the planner predicts {', '.join(said)} per GPU; {where}: {mode} {fits}"
 
 
-def predicted_peaks(cfg: Any, topo: Topology, hf_config: Any, fused_loss: bool, chunk_tokens: int | None,
+def predicted_peaks(cfg: RootConfig, topo: Topology, hf_config: Any, fused_loss: bool, chunk_tokens: int | None,
                     modes: tuple[str, ...]) -> dict[str, float]:  # fmt: skip
     """The planner's (:mod:`ultrascale.cost.memory`) peak bytes per GPU of this run under each checkpointing mode
     (``cfg``: the whole tree, as the planner's layout reads it)."""

@@ -17,9 +17,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ultrascale.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from ultrascale.config.root import RootConfig
 
 SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 """Decimal, as token counts are written (2B = 2e9; ``G`` is read as ``B``)."""
@@ -35,11 +38,11 @@ def parse_tokens(value: Any, key: str = "train.tokens") -> int:
     return int(n)
 
 
-def tokens_per_step(cfg: Any) -> int:
+def tokens_per_step(cfg: RootConfig) -> int:
     return int(cfg.data.global_batch) * int(cfg.data.seq_len)
 
 
-def resolve(cfg: Any) -> None:
+def resolve(cfg: RootConfig) -> None:
     """``train.tokens`` -> ``train.steps`` and ``optim.sched.warmup_tokens`` -> ``warmup_steps``, in place, before
     any rule reads them (idempotent: the validator, the dry run and the planner may each call it)."""
     per = tokens_per_step(cfg)
@@ -50,7 +53,7 @@ def resolve(cfg: Any) -> None:
         sched.warmup_steps = math.ceil(parse_tokens(sched.warmup_tokens, "optim.sched.warmup_tokens") / per)
 
 
-def describe(cfg: Any) -> str:
+def describe(cfg: RootConfig) -> str:
     """The banner's and the dry run's length line: both units, and which one was asked for."""
     per, steps = tokens_per_step(cfg), int(cfg.train.steps)
     if getattr(cfg.train, "tokens", None) is None:
@@ -75,7 +78,7 @@ class Segment:
         return self.global_batch * self.seq_len
 
 
-def record(cfg: Any, history: list[Segment] | None = None) -> dict:
+def record(cfg: RootConfig, history: list[Segment] | None = None) -> dict:
     """``meta["length"]`` of every checkpoint: the asked tokens (None: steps were asked) and the batch history."""
     history = history or [Segment(0, int(cfg.data.global_batch), int(cfg.data.seq_len))]
     tokens = parse_tokens(cfg.train.tokens) if getattr(cfg.train, "tokens", None) is not None else None
@@ -88,7 +91,7 @@ def history_of(meta: dict) -> list[Segment] | None:
     return [Segment(*map(int, r)) for r in rows] if rows else None
 
 
-def history_for(meta: dict, cfg: Any) -> list[Segment]:
+def history_for(meta: dict, cfg: RootConfig) -> list[Segment]:
     """The checkpoint's batch history; for one written before it was recorded, its one batch from step 0."""
     old = batch_changed(meta, cfg)
     gb, seq = (old.global_batch, old.seq_len) if old else (int(cfg.data.global_batch), int(cfg.data.seq_len))
@@ -106,7 +109,7 @@ def tokens_at(history: list[Segment], step: int) -> int:
     return total
 
 
-def continued(history: list[Segment], step: int, cfg: Any) -> list[Segment]:
+def continued(history: list[Segment], step: int, cfg: RootConfig) -> list[Segment]:
     """The history after resuming at ``step`` under ``cfg``'s batch (a new segment only if the batch changed)."""
     now = Segment(step, int(cfg.data.global_batch), int(cfg.data.seq_len))
     kept = [s for s in history if s.start < step]
@@ -125,7 +128,7 @@ def schedule_position(history: list[Segment], step: int, by_tokens: bool) -> flo
 
 
 # ---- a resume -----------------------------------------------------------------------------------------------
-def batch_changed(meta: dict, cfg: Any) -> Segment | None:
+def batch_changed(meta: dict, cfg: RootConfig) -> Segment | None:
     """The checkpoint's last batch when ``cfg`` resumes it under another one (None: same batch, or unknown)."""
     history = history_of(meta)
     if history is not None:
@@ -141,7 +144,7 @@ def batch_changed(meta: dict, cfg: Any) -> Segment | None:
     return Segment(0, samples // data_step, int(cfg.data.seq_len))
 
 
-def convert_offset(step: int, offset: int, from_gb: int, cfg: Any, tag: str) -> int:
+def convert_offset(step: int, offset: int, from_gb: int, cfg: RootConfig, tag: str) -> int:
     """A data offset counted in ``from_gb``-sample steps, in this run's: data step ``step + offset`` of the new
     batch starts at the sample the old one reached (one source is addressed by sample: its epochs' permutations do
     not depend on the batch). Raises where no whole offset does."""
@@ -158,7 +161,7 @@ def convert_offset(step: int, offset: int, from_gb: int, cfg: Any, tag: str) -> 
     return samples // gb - step
 
 
-def on_resume(cfg: Any, meta: dict, tag: str) -> list[str]:
+def on_resume(cfg: RootConfig, meta: dict, tag: str) -> list[str]:
     """Before the resume's other checks: refuse a batch change the data cannot follow, or adjust this run to it
     (``train.tokens``: the steps that train the rest, the schedule pinned to the checkpoint's steps). Returns the
     changes, in words.

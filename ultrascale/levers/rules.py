@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -17,6 +17,9 @@ from ultrascale.config.topology import Topology
 from ultrascale.errors import ConfigError
 from ultrascale.levers.decide import Decisions, decide
 from ultrascale.runtime.gpu import GpuInfo
+
+if TYPE_CHECKING:
+    from ultrascale.config.root import RootConfig
 
 
 @cache
@@ -65,7 +68,7 @@ def model_dims(hf: Any) -> dict[str, int]:
 PARTITION_METHODS = ("parameters", "uniform")
 
 
-def _parallel_combinations(cfg: DictConfig, topo: Topology, dims: dict[str, int]) -> None:
+def _parallel_combinations(cfg: RootConfig, topo: Topology, dims: dict[str, int]) -> None:
     """Pairs of levers DeepSpeed 0.19.8 cannot compose, and per-lever settings, each with its fix."""
     p = cfg.parallel
     moe = dims["experts"] > 0
@@ -121,7 +124,7 @@ def _parallel_combinations(cfg: DictConfig, topo: Topology, dims: dict[str, int]
             )
 
 
-def validate(cfg: DictConfig, world_size: int, backend: str | None = None, gpu: GpuInfo | None = None) -> Decisions:
+def validate(cfg: RootConfig, world_size: int, backend: str | None = None, gpu: GpuInfo | None = None) -> Decisions:
     """Check the composed config against itself and the world size; return what the run does.
 
     Single keys (types, ranges, unknown keys) were checked when the config was composed
@@ -217,7 +220,7 @@ def agree_across_ranks(d: Decisions) -> Decisions:
     return replace(d, **theirs)
 
 
-def _checkpointing_rules(cfg: DictConfig, topo: Topology) -> None:
+def _checkpointing_rules(cfg: RootConfig, topo: Topology) -> None:
     """``train.activation_checkpointing``: one of the modes (booleans mean full/none), and selective only where
     its per-op policy runs."""
     from ultrascale.config.recompute import checkpointing_mode
@@ -293,7 +296,7 @@ def _mixture_rules(data: DictConfig, train_steps: int) -> None:
         prev = end
 
 
-def _topology(cfg: DictConfig, world_size: int) -> Topology:
+def _topology(cfg: RootConfig, world_size: int) -> Topology:
     """The layout the degrees give on ``world_size`` ranks, once they divide it and the batch divides dp."""
     p = cfg.parallel
     model_par = p.tp * p.pp * p.sp
@@ -312,12 +315,12 @@ def _topology(cfg: DictConfig, world_size: int) -> Topology:
     return topo
 
 
-def _host_build_rule(cfg: DictConfig, d: Decisions) -> None:
+def _host_build_rule(cfg: RootConfig, d: Decisions) -> None:
     """A run on a declared cluster whose model build cannot fit a node's host memory: every rank of a node builds
     at once (the planner's construction peak, ``ultrascale.cost.memory.construction_bytes``), so the node would
     run out of memory before the first step. ZeRO-3 and pipeline stages build partitioned; ZeRO-0/1/2 build the
     whole model (AutoEP runs their routed experts partitioned), as does tensor parallelism."""
-    c = cfg.get("cluster")
+    c = cfg.cluster
     if c is None:
         return
     from ultrascale.cost.memory import GIB, Layout, construction_bytes
@@ -338,7 +341,7 @@ def _host_build_rule(cfg: DictConfig, d: Decisions) -> None:
         )
 
 
-def _zero_rules(cfg: DictConfig, d: Decisions) -> None:
+def _zero_rules(cfg: RootConfig, d: Decisions) -> None:
     """ZeRO stage against offload, the optimizer and ZeRO++."""
     z, stage = cfg.zero, d.zero_stage
     if z.offload_optimizer != "none" and stage == 0:
@@ -353,7 +356,7 @@ def _zero_rules(cfg: DictConfig, d: Decisions) -> None:
         raise ConfigError(f"zero.zero_quantized_* (ZeRO++) needs zero.stage=3 (got {stage}): use zero=stage3")
 
 
-def _finetune_rules(cfg: DictConfig, d: Decisions, backend: str) -> None:
+def _finetune_rules(cfg: RootConfig, d: Decisions, backend: str) -> None:
     """``finetune=lora|qlora``: adapters need trained weights to adapt, a layout peft's layers survive, and (QLoRA)
     bitsandbytes' CUDA kernels."""
     method = d.finetune.value
@@ -396,7 +399,7 @@ def _finetune_rules(cfg: DictConfig, d: Decisions, backend: str) -> None:
         raise ConfigError(f"finetune=qlora needs bitsandbytes ({why}): pip install bitsandbytes, or use finetune=lora")
 
 
-def _layout_rules(cfg: DictConfig, d: Decisions, dims: dict[str, int]) -> None:
+def _layout_rules(cfg: RootConfig, d: Decisions, dims: dict[str, int]) -> None:
     """Each parallel degree against the ZeRO stage and the model's shape."""
     p, topo, stage = cfg.parallel, d.topo, d.zero_stage
     if p.pp > 1:

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ultrascale.config.topology import Topology
 from ultrascale.levers.decide import Decisions
 from ultrascale.levers.length import describe as run_length
 
+if TYPE_CHECKING:
+    from ultrascale.config.data import DataConfig
+    from ultrascale.config.root import RootConfig
+    from ultrascale.config.stability import StabilityConfig
+    from ultrascale.config.zero import ZeroConfig
 
-def batch_line(cfg: Any, topo: Topology) -> str:
-    mb, gb, s = cfg.data.micro_batch, cfg.data.global_batch, cfg.data.seq_len
+
+def batch_line(data: DataConfig, topo: Topology) -> str:
+    mb, gb, s = data.micro_batch, data.global_batch, data.seq_len
     gas = topo.grad_accum(mb, gb)
     return f"micro {mb} x grad-accum {gas} x dp {topo.dp} = global {gb} samples x {s} tokens = {gb * s:,} tokens/step"
 
 
-def zero_line(cfg: Any, d: Decisions) -> str:
-    z = cfg.zero
+def zero_line(z: ZeroConfig, d: Decisions) -> str:
     extras = []
     if z.offload_optimizer != "none":
         extras.append(f"optimizer offload={z.offload_optimizer}")
@@ -30,7 +35,7 @@ def zero_line(cfg: Any, d: Decisions) -> str:
     return f"ZeRO-{d.zero_stage}" + (f" ({', '.join(extras)})" if extras else "")
 
 
-def finetune_line(cfg: Any, d: Decisions, trainable: int, total: int) -> str:
+def finetune_line(cfg: RootConfig, d: Decisions, trainable: int, total: int) -> str:
     """Trainable against total parameters, and the gradient and optimizer memory per rank that training only the
     adapters saves against a full fine-tune of the same layout (the planner's model-state terms,
     ``ultrascale/cost/memory.py``)."""
@@ -50,8 +55,7 @@ def finetune_line(cfg: Any, d: Decisions, trainable: int, total: int) -> str:
             f"saves {(full - lora) / GIB:.3f} GiB per rank (planner, ZeRO-{d.zero_stage})")  # fmt: skip
 
 
-def _stability_line(cfg: Any) -> str:
-    st = cfg.stability
+def _stability_line(st: StabilityConfig) -> str:
     spike = "off" if st.spike == "none" else f"{st.spike} at z>{st.spike_zscore:g} (window {st.spike_window})"
     return f"non-finite -> {st.nonfinite}, spike -> {spike}, stop after {st.max_consecutive} bad steps in a row"
 
@@ -65,7 +69,7 @@ def deepspeed_version() -> str:
         return "?"
 
 
-def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Path) -> str:
+def banner(cfg: RootConfig, d: Decisions, ds_config: dict, info, peak_src: str, out: Path) -> str:
     """What was built, on rank 0: the layout and every decision with its reason (this module only prints)."""
     from ultrascale.runtime.cpu import detect
     from ultrascale.runtime.device import runtime
@@ -77,8 +81,8 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         "ultrascale run",
         f"  model      {cfg.model.type} '{cfg.model.name}': {info.n_params / 1e6:,.2f}M params, "
         f"attn={cfg.model.attn_implementation}, act-ckpt={d.activation_checkpointing.value}",
-        f"  layout     {d.topo.describe()}  |  {zero_line(cfg, d)}  |  precision {cfg.precision.dtype}",
-        f"  batch      {batch_line(cfg, d.topo)}",
+        f"  layout     {d.topo.describe()}  |  {zero_line(cfg.zero, d)}  |  precision {cfg.precision.dtype}",
+        f"  batch      {batch_line(cfg.data, d.topo)}",
         f"  length     {run_length(cfg)}",
         f"  optimizer  {d.optimizer_owner.why}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
@@ -89,7 +93,7 @@ def banner(cfg: Any, d: Decisions, ds_config: dict, info, peak_src: str, out: Pa
         *([f"  cpu        {detect().describe()}"] if backend == "gloo" else []),
         *([f"  gpu        {d.gpu.describe()}"] if d.gpu is not None else []),
         f"  packing    document masking {d.document_masking.why}",
-        f"  stability  {_stability_line(cfg)}",
+        f"  stability  {_stability_line(cfg.stability)}",
         f"  timing     step breakdown {d.step_breakdown.why}; {d.overlap_loss_reduce.why}",
         f"  loss       {d.fused_loss.why}" + (f"; kernel: {d.loss_kernel.why}" if d.loss_kernel.on else ""),
         f"  act-ckpt   {d.activation_checkpointing.why}",

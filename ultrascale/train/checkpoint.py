@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from ultrascale.train.ckpt_writer import BackgroundWriter
 from ultrascale.train.rundir import LATEST, META, STOPPED
 
 if TYPE_CHECKING:
+    from ultrascale.config.root import RootConfig
     from ultrascale.train.loggers import MetricLogger
     from ultrascale.train.stop import StopRequest
 
@@ -230,7 +231,7 @@ class Checkpointer:
         self.metrics.event(step, "checkpoint", checkpoint_s=secs, wait_s=waited or None, console=False,
                            background=self.background or None, **self.staging_record())  # fmt: skip
 
-    def restore(self, engine, tag_dir: Path, cfg: Any, same_world: bool) -> tuple[int, int, list, dict]:
+    def restore(self, engine, tag_dir: Path, cfg: RootConfig, same_world: bool) -> tuple[int, int, list, dict]:
         """Collective. Load a checkpoint (engine, optimizer, RNG) with any rollback recorded since it. Returns its
         step, the data offset in this run's global batch, the batch history continued from it, and the stability
         state."""
