@@ -511,7 +511,14 @@ def selective_unavailable(topo: Topology) -> str | None:
 
 def _activation_checkpointing(cfg: RootConfig, topo: Topology, hf_config: Any, backend: str, gpu: GpuInfo | None,
                               fused: Choice) -> Choice:  # fmt: skip
+    """``train.activation_checkpointing``: a forced mode that cannot run here is refused (selective where its
+    per-op policy cannot run); ``auto`` sizes it from the GPU's memory and skips what cannot run."""
     mode = checkpointing_mode(cfg.train.activation_checkpointing)
+    unfit = selective_unavailable(topo) if mode == "selective" else None
+    if unfit:
+        from ultrascale.errors import ConfigError
+
+        raise ConfigError(f"train.activation_checkpointing=selective is not available: {unfit}; use full (or auto)")
     what = {"none": "off", "selective": "selective per-op: matmul and attention outputs saved, norms and "
             "activations recomputed", "full": "full: each decoder layer recomputed from its input in backward"}  # fmt: skip
     if mode != "auto":

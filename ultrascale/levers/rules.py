@@ -221,22 +221,18 @@ def agree_across_ranks(d: Decisions) -> Decisions:
 
 
 def _checkpointing_rules(cfg: RootConfig, topo: Topology) -> None:
-    """``train.activation_checkpointing``: one of the modes (booleans mean full/none), and selective only where
-    its per-op policy runs."""
+    """``train.activation_checkpointing`` is one of the modes (booleans mean full/none); whether the mode can run
+    here is its decide function's (``levers.decide._activation_checkpointing``)."""
     from ultrascale.config.recompute import checkpointing_mode
-    from ultrascale.levers.decide import selective_unavailable
 
     value = cfg.train.activation_checkpointing
     try:
-        mode = checkpointing_mode(value)
+        checkpointing_mode(value)
     except ValueError:
         raise ConfigError(
             f"train.activation_checkpointing={value!r} is not one of auto, none, selective, full "
             "(true/false mean full/none)"
         ) from None
-    why = selective_unavailable(topo) if mode == "selective" else None
-    if why:
-        raise ConfigError(f"train.activation_checkpointing=selective is not available: {why}; use full (or auto)")
 
 
 def _mixture_rules(data: DictConfig, train_steps: int) -> None:
