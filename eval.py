@@ -13,13 +13,11 @@ Writes <output_dir>/eval_results.json (default <run_dir>/eval/<tag>) and logs to
 HumanEval executes model-written code in a kernel sandbox (ultrascale/eval/sandbox.py): it needs root.
 """
 
-from omegaconf import DictConfig
-
 from ultrascale.cli import run_app
-from ultrascale.eval.config import register_eval_configs
+from ultrascale.eval.config import EvalConfig, register_eval_configs
 
 
-def main(cfg: DictConfig) -> dict:
+def main(cfg: EvalConfig) -> dict:
     from ultrascale.eval.run import run
     from ultrascale.export import export
     from ultrascale.runtime.dist import setup_logging

@@ -7,13 +7,18 @@ python plan.py budget=hoffmann budget.train_flops=5.76e23 budget.inference_token
 python plan.py --help                                                          # groups and keys
 """
 
-from omegaconf import DictConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from ultrascale.cli import run_app
 from ultrascale.errors import ConfigError
 
+if TYPE_CHECKING:
+    from ultrascale.config.root import PlanRootConfig
 
-def main(cfg: DictConfig) -> list:
+
+def main(cfg: PlanRootConfig) -> list:
     from ultrascale.cost.cluster import resolve_cluster
     from ultrascale.model.arch import arch_from_cfg
     from ultrascale.plan.report import (

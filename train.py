@@ -7,14 +7,18 @@ python train.py recipe=starcoder2_3b_zero2 dry_run=true # its cluster's decision
 python train.py --help                                  # groups, keys and their defaults
 """
 
-from pathlib import Path
+from __future__ import annotations
 
-from omegaconf import DictConfig
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ultrascale.cli import run_app
 
+if TYPE_CHECKING:
+    from ultrascale.config.root import RootConfig
 
-def main(cfg: DictConfig) -> dict | None:
+
+def main(cfg: RootConfig) -> dict | None:
     if cfg.dry_run:  # the planner's view of this layout on the recipe's cluster (or this machine); nothing written
         from ultrascale.plan.dryrun import dry_run
 

@@ -204,7 +204,7 @@ def test_eval_py_runs_on_the_device_it_is_given(lazy, tmp_path):
 
     from tests.conftest import write_byte_dataset
     from tests.test_eval import make_tokenizer
-    from ultrascale.config.compose import compose
+    from ultrascale.config.compose import compose, typed
     from ultrascale.eval.config import register_eval_configs
     from ultrascale.eval.run import run
 
@@ -225,9 +225,9 @@ def test_eval_py_runs_on_the_device_it_is_given(lazy, tmp_path):
 
     hook = torch.nn.modules.module.register_module_forward_hook(where)
     try:
-        on_lazy = run(compose([*over, "device=lazy"], "eval"))["tasks"]["perplexity"]
+        on_lazy = run(typed(compose([*over, "device=lazy"], "eval")))["tasks"]["perplexity"]
         lazy_ran, ran_on[:] = ran_on[:], []
-        on_cpu = run(compose([*over, "device=cpu"], "eval"))["tasks"]["perplexity"]
+        on_cpu = run(typed(compose([*over, "device=cpu"], "eval")))["tasks"]["perplexity"]
     finally:
         hook.remove()
     assert lazy_ran and set(lazy_ran) == {"lazy"}, f"device=lazy: the forward ran on {sorted(set(lazy_ran))}"

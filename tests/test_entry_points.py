@@ -244,3 +244,41 @@ def test_a_sweep_started_outside_the_repo_writes_its_summary(tiny_data, tmp_path
     (summary,) = list(tmp_path.glob("multirun/*/*/sweep_summary.csv"))
     rows = summary.read_text().splitlines()
     assert len(rows) == 3 and all(",done," in r for r in rows[1:]), rows
+
+
+@pytest.mark.parametrize(
+    "config_name, argv, root",
+    [
+        ("train", ["recipe=cpu_smoke", "train.steps=3", "output_dir=${oc.env:HOME}/x"], "RootConfig"),
+        ("plan", ["model=tiny", "cluster=cpu_local"], "PlanRootConfig"),
+        ("eval", ["model_dir=some/model", "tasks=[perplexity]"], "EvalConfig"),
+        (
+            "plan",
+            ["-m", "model=tiny", "cluster=cpu_local", "zero=stage1,stage2", "hydra.sweep.dir={tmp}"],
+            "PlanRootConfig",
+        ),
+    ],
+    ids=["train", "plan", "eval", "plan sweep"],
+)
+def test_main_is_handed_the_typed_config_resolved(config_name, argv, root, tmp_path, monkeypatch):
+    """The composed DictConfig is converted once, in ``run_app``: ``main`` (and everything it calls) reads the
+    group dataclasses, interpolations resolved, on the single-run path and under Hydra's ``-m`` alike."""
+    import dataclasses
+
+    from ultrascale.cli import run_app
+    from ultrascale.config.root import PlanRootConfig, RootConfig
+    from ultrascale.eval.config import EvalConfig, register_eval_configs
+
+    register_eval_configs()
+    monkeypatch.chdir(tmp_path)
+    seen: list = []
+    argv = [a.replace("{tmp}", str(tmp_path / "sweep")) for a in argv]
+    assert run_app(config_name, seen.append, help_text="", argv=argv) == 0
+    want = {"RootConfig": RootConfig, "PlanRootConfig": PlanRootConfig, "EvalConfig": EvalConfig}[root]
+    assert seen and all(type(c) is want for c in seen)
+    for c in seen:  # every group is its dataclass, not a DictConfig node
+        assert all(not type(getattr(c, f.name)).__module__.startswith("omegaconf") for f in dataclasses.fields(c))
+    if config_name == "train":
+        assert seen[0].train.steps == 3 and seen[0].output_dir == f"{os.environ['HOME']}/x"
+    if "-m" in argv:
+        assert sorted(int(c.zero.stage) for c in seen) == [1, 2]

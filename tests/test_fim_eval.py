@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import TEST_ENV
 from tests.test_ssd_prompts import write_corpus
-from ultrascale.config.compose import compose
+from ultrascale.config.compose import compose, typed
 from ultrascale.errors import ConfigError
 from ultrascale.eval import fim
 from ultrascale.paths import PROJECT_ROOT
@@ -182,7 +182,7 @@ def test_eval_py_fim_task_end_to_end_on_held_out_files(fim_model, tmp_path):
     out = tmp_path / "eval"
     cfg = compose([f"model_dir={fim_model}", "tasks=[fim]", f"fim.data={prep}", f"fim.input={corpus}",
                    "fim.modes=[psm,spm,l2r]", "fim.max_new_tokens=8", f"output_dir={out}", "wandb=false"], "eval")  # fmt: skip
-    res = run(cfg)["tasks"]["fim"]
+    res = run(typed(cfg))["tasks"]["fim"]
     assert (res["files"], res["spans"]) == (2, 6)  # the validation repository's two files, never trainrepo's
     for kind in (*fim.KINDS, "all"):
         for mode in ("psm", "spm", "l2r"):

@@ -371,10 +371,10 @@ def test_in_training_humaneval_and_ssd_sampling_generate_through_the_sampler(tin
     assert (tmp_path / "humaneval" / "step_00000001.jsonl").exists()
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    from omegaconf import OmegaConf
+    from ultrascale.ssd.config import SampleConfig
 
-    cfg = OmegaConf.create({"n": 3, "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 8, "batch_size": 4,
-                            "seed": 3, "extra_stops": [], "heal_newline": True})  # fmt: skip
+    cfg = SampleConfig(n=3, temperature=0.8, top_p=0.95, top_k=0, max_new_tokens=8, batch_size=4, seed=3, extra_stops=[],
+                       heal_newline=True)  # fmt: skip
     out, _ = generate_all(tmp_path / "m", [{"prompt": p} for p in PROMPTS[:2]], cfg)
     assert len(out) == 2 and all(len(c) == 3 for c in out)
     assert calls[-1].n == 3 and calls[-1].temperature == 0.8 and calls[-1].top_p == 0.95

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import TEST_ENV, needs, sandbox_missing
 from tests.test_fim_eval import fim_model  # noqa: F401  (the tiny FIM model fixture)
-from ultrascale.config.compose import compose
+from ultrascale.config.compose import compose, typed
 from ultrascale.errors import ConfigError
 from ultrascale.eval import infill
 from ultrascale.paths import PROJECT_ROOT
@@ -142,7 +142,7 @@ def test_eval_py_infill_end_to_end_matches_hf_greedy(fim_model, tmp_path):  # no
         cfg = compose([f"model_dir={fim_model}", "tasks=[infill]", "infill.benchmark=single-line",
                        f"infill.mode={mode}", "infill.limit=2", "infill.max_new_tokens=8", f"output_dir={out}",
                        "wandb=false"], "eval")  # fmt: skip
-        res = run(cfg)["tasks"]["infill"]
+        res = run(typed(cfg))["tasks"]["infill"]
         assert (res["tasks"], res["of"], res["mode"]) == (2, 1033, mode) and res["pass@1"] == 0.0
         samples = [json.loads(line) for line in (out / "infill_samples.jsonl").read_text().splitlines()]
         assert [s["task_id"] for s in samples] == [t["task_id"] for t in tasks]

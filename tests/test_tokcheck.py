@@ -121,7 +121,7 @@ def test_a_manifest_without_the_hash_falls_back_to_size_and_special_ids(smollm2_
 
 
 def test_eval_perplexity_refuses_another_tokenizers_data_before_loading_the_model(bpe_data, smollm2_135m):
-    from ultrascale.config.compose import compose
+    from ultrascale.config.compose import compose, typed
     from ultrascale.data.tokcheck import shown
     from ultrascale.errors import DataError
     from ultrascale.eval.config import register_eval_configs
@@ -132,7 +132,7 @@ def test_eval_perplexity_refuses_another_tokenizers_data_before_loading_the_mode
                    "output_dir=/nonexistent/never"], config_name="eval")  # fmt: skip
     want = rf"perplexity.data_path={re.escape(shown(bpe_data))} .* not by model_dir={re.escape(shown(smollm2_135m))}'s"
     with pytest.raises(DataError, match=want):
-        run(cfg)
+        run(typed(cfg))
 
 
 def test_missing_data_for_a_pretrained_recipe_names_the_command_with_its_tokenizer(smollm2_135m, tmp_path,

@@ -162,7 +162,7 @@ def _objective(hc: Any, cfg: DictConfig, result: Any) -> Any:
     return float(loss) if loss is not None else float("nan")
 
 
-def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[str]) -> int:
+def _hydra_main(config_name: str, main: Callable[[Any], Any], argv: list[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -196,7 +196,9 @@ def _hydra_main(config_name: str, main: Callable[[DictConfig], Any], argv: list[
                 cfg.output_dir = hc.runtime.output_dir  # one run dir per sweep job
             if "launcher" in cfg:
                 apply_launcher_env(cfg.launcher.env)
-            return _objective(hc, cfg, main(cfg))
+            from ultrascale.config.compose import typed
+
+            return _objective(hc, cfg, main(typed(cfg)))
         except UltrascaleError as e:
             raise SystemExit(_report(e)) from None
 
@@ -326,7 +328,9 @@ def _hydra_keys(argv: list[str]) -> list[str]:
     return [a for a in argv if _key(a).startswith(("hydra.", "hydra/"))]
 
 
-def run_app(config_name: str, main: Callable[[DictConfig], Any], help_text: str, argv: list[str] | None = None) -> int:
+def run_app(config_name: str, main: Callable[[Any], Any], help_text: str, argv: list[str] | None = None) -> int:
+    """Compose ``conf/<config_name>.yaml`` with ``argv`` (or run Hydra's ``-m`` sweep), convert it to its typed
+    dataclasses and call ``main`` with them; errors are one line and an exit code."""
     configure_env()
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     from ultrascale.config.compose import mergeable
@@ -372,7 +376,9 @@ def run_app(config_name: str, main: Callable[[DictConfig], Any], help_text: str,
             if is_driver(cfg):
                 return _drive(cfg, argv)
             apply_launcher_env(cfg.launcher.env)
-        main(cfg)
+        from ultrascale.config.compose import typed
+
+        main(typed(cfg))  # the composed DictConfig becomes its dataclasses here, once: main and below read those
     except UltrascaleError as e:
         return _report(e)
     except KeyboardInterrupt:  # Ctrl-C before training took over the signal (composing, checking, importing)

@@ -163,9 +163,8 @@ class LazyEngine:
 def main() -> None:
     out, overrides = Path(sys.argv[1]), sys.argv[2:]
     torch._lazy.ts_backend.init()
-    from omegaconf import OmegaConf
-
-    from ultrascale.config.compose import compose
+    from ultrascale.config.compose import compose, typed
+    from ultrascale.config.convert import plain
     from ultrascale.levers.rules import validate
     from ultrascale.runtime import dist
     from ultrascale.train.preflight import preflight
@@ -173,12 +172,12 @@ def main() -> None:
     from ultrascale.train.step import StepState
     from ultrascale.train.trainer import Trainer
 
-    cfg = compose(overrides)
+    cfg = typed(compose(overrides))
     d = validate(cfg, 1)
     found = preflight(cfg, d)
     dist.init_distributed()
     run_dir = Path(cfg.output_dir)
-    trainer = Trainer(OmegaConf.to_object(cfg), d, run_dir, OmegaConf.to_container(cfg, resolve=True), found)
+    trainer = Trainer(cfg, d, run_dir, plain(cfg), found)
     prepare_run_dir(cfg, run_dir, trainer.ds_config)
     trainer.setup()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -100,5 +101,17 @@ def resolve(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+def typed(cfg: DictConfig) -> Any:
+    """The composed config as its dataclasses (``RootConfig``, ``EvalConfig``, ...), interpolations resolved.
+
+    The entry points convert once, after composing, so what runs below them reads plain typed attributes: no
+    OmegaConf node access on the hot path, and a type checker sees the fields. A value still missing (``???``)
+    fails here with its key."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        return OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} has no value: set it, e.g. {e.full_key}=...") from None
+    except Exception as e:  # a bad interpolation: one line with the key
+        raise ConfigError(_one_line(e, [])) from None

@@ -17,10 +17,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ultrascale.data.shards import load_manifest
 from ultrascale.errors import DataError
 from ultrascale.paths import resolve_path
+
+if TYPE_CHECKING:
+    from ultrascale.config.model import ModelConfig
 
 VOCAB_KEY = "vocab_sha256"
 """The manifest key holding the data's :func:`vocab_sha256` (absent in manifests written before it)."""
@@ -31,10 +35,12 @@ once its embedding has the new rows (``model.config.vocab_size``, checked agains
 FIM_PREFIX = "<fim_prefix>"
 
 
-def pretrained_dir(model_cfg) -> Path | None:
+def pretrained_dir(model_cfg: ModelConfig) -> Path | None:
     """The model's own directory (``model.pretrained_path``, resolved), whose tokenizer prepared data must have;
-    None for a model built from ``model.type`` (it learns the data's ids, whatever they are)."""
-    return resolve_path(model_cfg.pretrained_path) if model_cfg.get("pretrained_path") else None
+    None for a model built from ``model.type`` (it learns the data's ids, whatever they are). A run's saved
+    config.yaml from before the key existed reads as None."""
+    path = getattr(model_cfg, "pretrained_path", None)
+    return resolve_path(path) if path else None
 
 
 def read_vocab(tok_dir: str | os.PathLike) -> dict[str, int] | None:

@@ -189,7 +189,7 @@ def check(cfg: EvalConfig) -> None:
         raise ConfigError("give exactly one of run_dir=DIR (a training run) or model_dir=DIR (an HF model directory)")
     for task in ("humaneval", "infill"):
         if task in cfg.tasks:
-            _check_sampling(task, cfg[task])
+            _check_sampling(task, getattr(cfg, task))
     if "perplexity" in cfg.tasks and cfg.model_dir and not cfg.perplexity.data_path:
         raise ConfigError("perplexity with model_dir= needs perplexity.data_path=DIR (a prepared dataset)")
     if "fim" in cfg.tasks and cfg.model_dir and not cfg.fim.data:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ultrascale.config.convert import plain
 from ultrascale.data.sources import primary_path
 from ultrascale.errors import ConfigError
 from ultrascale.eval.config import EvalConfig, check
@@ -199,7 +200,7 @@ def run(cfg: EvalConfig, export: Exporter | None = None) -> dict:
         write_jsonl(out_dir / "fim_samples.jsonl", fim_samples)
     if "infill" in cfg.tasks:  # {task_id, completion, ...}: what `python -m ultrascale.eval.infill score` reads
         write_jsonl(out_dir / "infill_samples.jsonl", infill_samples)
-    results["config"] = OmegaConf.to_container(cfg, resolve=True)
+    results["config"] = plain(cfg)
     write_json(out_dir / "eval_results.json", results)
     print(table(results) + f"\nwrote {out_dir / 'eval_results.json'}", flush=True)
     if cfg.wandb:

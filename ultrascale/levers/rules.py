@@ -11,15 +11,15 @@ import inspect
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
 from ultrascale.config.topology import Topology
 from ultrascale.errors import ConfigError
 from ultrascale.levers.decide import Decisions, decide
 from ultrascale.runtime.gpu import GpuInfo
 
 if TYPE_CHECKING:
+    from ultrascale.config.data import DataConfig
     from ultrascale.config.root import RootConfig
+    from ultrascale.config.train import TrainConfig
 
 
 @cache
@@ -43,7 +43,7 @@ def hf_config_keys(model_type: str) -> frozenset[str]:
     return frozenset(keys)
 
 
-def _train_tools(t: DictConfig) -> None:
+def _train_tools(t: TrainConfig) -> None:
     """The profiler window: a window that starts after the run ends would silently do nothing."""
     if t.profile_steps and t.profile_start >= t.steps:
         raise ConfigError(
@@ -157,7 +157,7 @@ def validate(cfg: RootConfig, world_size: int, backend: str | None = None, gpu: 
             from ultrascale.runtime.gpu import detect as detect_gpu
 
             gpu = detect_gpu(local_rank())  # this rank's GPU: before set_device every rank's current one is GPU 0
-    zq = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if cfg.zero[k]]
+    zq = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if getattr(cfg.zero, k)]
     if zq and backend == "gloo":
         raise ConfigError(
             f"zero.{zq[0]}=true (ZeRO++) needs CUDA: its quantization kernels do not exist for the CPU "
@@ -235,7 +235,7 @@ def _checkpointing_rules(cfg: RootConfig) -> None:
         ) from None
 
 
-def _mixture_rules(data: DictConfig, train_steps: int) -> None:
+def _mixture_rules(data: DataConfig, train_steps: int) -> None:
     """``data.sources`` and ``data.stages``: positive weights, known names, stage ends that move forward."""
     from ultrascale.data.sources import stage_end
 

@@ -8,8 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
+from ultrascale.config.convert import plain
 from ultrascale.cost.budget import BudgetPlan, Point
 from ultrascale.model.arch import Arch
 from ultrascale.plan.search import GIB, Candidate
@@ -83,11 +82,9 @@ def header(cfg: PlanRootConfig, arch: Arch) -> str:
     )
 
 
-def write_json(path: str | Path, cfg: DictConfig, arch: Arch, cands: list[Candidate]) -> None:
-    """The whole result as JSON. ``cfg`` is the composed DictConfig: its cluster and search groups are written
-    resolved (``OmegaConf.to_container``)."""
-    from omegaconf import OmegaConf
-
+def write_json(path: str | Path, cfg: PlanRootConfig, arch: Arch, cands: list[Candidate]) -> None:
+    """The whole result as JSON: every layout with its terms and rejection reason, the best one, and the
+    cluster and search settings that produced them (resolved)."""
     best = next((c for c in cands if c.fits), None)
     doc: dict[str, Any] = {
         "model": {
@@ -97,8 +94,8 @@ def write_json(path: str | Path, cfg: DictConfig, arch: Arch, cands: list[Candid
             "expert_params": arch.expert_params,
             "active_matmul_params": arch.active_matmul_params,
         },
-        "cluster": OmegaConf.to_container(cfg.cluster, resolve=True),
-        "search": OmegaConf.to_container(cfg.search, resolve=True),
+        "cluster": plain(cfg.cluster),
+        "search": plain(cfg.search),
         "best": best.as_dict() if best else None,
         "best_command": override_line(cfg, best) if best else None,
         "candidates": [c.as_dict() for c in cands],

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import logging
 
-from omegaconf import DictConfig
-
 from ultrascale.cli import run_app
-from ultrascale.ssd.config import register_ssd_configs
+from ultrascale.ssd.config import SSDConfig, register_ssd_configs
 
 
-def main(cfg: DictConfig) -> dict:
+def main(cfg: SSDConfig) -> dict:
     from ultrascale.ssd.rounds import SSDRun
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

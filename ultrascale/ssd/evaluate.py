@@ -17,7 +17,7 @@ from ultrascale.ssd.config import SSDEvalConfig
 
 def humaneval(model_dir: Path, out_dir: Path, cfg: SSDEvalConfig) -> dict:
     """``{"greedy": {pass@1, problems, ...}, "sampled": {...} | None, "wall_s"}``; files land in ``out_dir``."""
-    from ultrascale.config.compose import compose
+    from ultrascale.config.compose import compose, typed
     from ultrascale.eval.config import register_eval_configs
     from ultrascale.eval.run import run
 
@@ -27,7 +27,7 @@ def humaneval(model_dir: Path, out_dir: Path, cfg: SSDEvalConfig) -> dict:
     common += [f"humaneval.max_new_tokens={cfg.max_new_tokens}", f"humaneval.batch_size={cfg.batch_size}"]
     common += [f"humaneval.workers={cfg.workers}"]
     t0 = time.perf_counter()
-    greedy = run(compose([*common, f"output_dir={out_dir / 'greedy'}"], "eval"))["tasks"]["humaneval"]
+    greedy = run(typed(compose([*common, f"output_dir={out_dir / 'greedy'}"], "eval")))["tasks"]["humaneval"]
     result: dict = {"greedy": greedy, "sampled": None}
     if cfg.passk_samples:
         ks = ",".join(str(k) for k in cfg.passk_k)
@@ -37,7 +37,7 @@ def humaneval(model_dir: Path, out_dir: Path, cfg: SSDEvalConfig) -> dict:
             f"humaneval.k=[{ks}]",
             f"output_dir={out_dir / 'sampled'}",
         ]
-        result["sampled"] = run(compose([*common, *sampled], "eval"))["tasks"]["humaneval"]
+        result["sampled"] = run(typed(compose([*common, *sampled], "eval")))["tasks"]["humaneval"]
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     return result
 

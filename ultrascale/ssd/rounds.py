@@ -19,15 +19,15 @@ import math
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import is_dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
+from ultrascale.config.convert import plain
 from ultrascale.data.tokcheck import check_tokenizer
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.jsonio import read_json, read_jsonl, write_json, write_jsonl
 from ultrascale.paths import resolve_path
-from ultrascale.ssd.config import STAGES, Stage
+from ultrascale.ssd.config import STAGES, SSDConfig, Stage
 
 log = logging.getLogger("ultrascale")
 
@@ -78,7 +78,7 @@ class Round:
             Stage.export: {"export_dtype": c.finetune.export_dtype},
             Stage.eval: {"eval": c.eval},
         }[stage]
-        return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(per_stage), resolve=True)))
+        return json.loads(json.dumps({k: plain(v) if is_dataclass(v) else v for k, v in per_stage.items()}))
 
     def done(self, stage: Stage) -> bool:
         entry = self.manifest["stages"].get(stage)
@@ -140,13 +140,13 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 class SSDRun:
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: SSDConfig):
         self.cfg = cfg
         self.out = resolve_path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.top_path = self.out / TOP
         self.top = read_json(self.top_path, {}) or {"rounds": {}, "baseline": None}
-        self.top["config"] = OmegaConf.to_container(cfg, resolve=True)
+        self.top["config"] = plain(cfg)
 
     def record_round(self, rnd: Round) -> None:
         stages = rnd.manifest["stages"]
@@ -273,7 +273,7 @@ class SSDRun:
         """HumanEval of the starting model, once (redone only if the eval settings change)."""
         from ultrascale.ssd.evaluate import humaneval
 
-        settings = json.loads(json.dumps(OmegaConf.to_container(self.cfg.eval, resolve=True)))
+        settings = json.loads(json.dumps(plain(self.cfg.eval)))
         prev = self.top.get("baseline")
         if prev and prev.get("settings") == settings and prev.get("model") == str(model):
             log.info("ssd: baseline eval: done, skipping")

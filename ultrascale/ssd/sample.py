@@ -17,8 +17,6 @@ import logging
 import time
 from collections import Counter
 
-from omegaconf import DictConfig
-
 from ultrascale.eval.sandbox import Limits
 from ultrascale.ssd.config import SampleConfig
 from ultrascale.ssd.execute import verdicts
@@ -48,7 +46,7 @@ def normalized(problem: dict, completion: str) -> str:
 def generate_all(
     model_dir,
     problems: list[dict],
-    cfg: DictConfig,
+    cfg: SampleConfig,
     dtype: str = "fp32",
     details: bool = False,
     device: str = "auto",
@@ -64,7 +62,7 @@ def generate_all(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     t0 = time.perf_counter()
     out = generate(model, tokenizer, [p["prompt"] for p in problems], n_samples=cfg.n, temperature=cfg.temperature,
-                   top_p=cfg.top_p, top_k=cfg.get("top_k", 0), max_new_tokens=cfg.max_new_tokens,
+                   top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
                    batch_size=cfg.batch_size, seed=cfg.seed, stops=(*STOP_SEQUENCES, *cfg.extra_stops),
                    heal_newline=cfg.heal_newline, progress=True, details=details,
                    extra_stops=[METHOD_STOPS if p.get("kind") == "method" else () for p in problems])  # fmt: skip

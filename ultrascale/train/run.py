@@ -12,10 +12,11 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from ultrascale.config.convert import plain
 from ultrascale.jsonio import write_json
 from ultrascale.levers.decide import Decisions
 from ultrascale.levers.rules import agree_across_ranks
@@ -29,6 +30,9 @@ from ultrascale.train.rundir import ATTEMPTS, CONFIG, DS_CONFIG, METRICS, STOP_R
 from ultrascale.train.stop import StopRequest
 from ultrascale.train.summary import run_summary
 from ultrascale.train.trainer import Trainer
+
+if TYPE_CHECKING:
+    from ultrascale.config.root import RootConfig
 
 log = logging.getLogger("ultrascale")
 
@@ -45,7 +49,7 @@ def restart_count() -> dict[str, int]:
     return out
 
 
-def prepare_run_dir(cfg: DictConfig, out: Path, ds_config: dict) -> Path | None:
+def prepare_run_dir(cfg: RootConfig, out: Path, ds_config: dict) -> Path | None:
     """Rank 0 alone creates the run directory and writes this attempt's resolved config and DeepSpeed JSON to
     ``attempts/NNN/``; the others wait. Returns that directory on rank 0.
 
@@ -96,7 +100,7 @@ def finish(t: Trainer, summary: dict, report: Callable[[Path], Path | None] | No
     log.info(done_lines(summary, t.out, paths, t.cfg.train.steps))
 
 
-def run(cfg: DictConfig, d: Decisions, report: Callable[[Path], Path | None] | None = None) -> dict | None:
+def run(cfg: RootConfig, d: Decisions, report: Callable[[Path], Path | None] | None = None) -> dict | None:
     """Train with an already-validated config and its decisions. Collective: every rank calls it. ``report``
     writes the comb report of a run directory and returns its path (rank 0, at the end)."""
     out = resolve_path(cfg.output_dir)
@@ -104,8 +108,7 @@ def run(cfg: DictConfig, d: Decisions, report: Callable[[Path], Path | None] | N
     dist.init_distributed()
     d = agree_across_ranks(d)  # each rank decided from its own GPU; every rank runs rank 0's decisions
     stop = StopRequest(dist.rank(), out / STOP_REQUEST).install()  # from here a signal is a stop, not a kill
-    typed: Any = OmegaConf.to_object(cfg)  # typed settings from here on: components get their sub-configs
-    trainer = Trainer(typed, d, out, OmegaConf.to_container(cfg, resolve=True), found, stop)
+    trainer = Trainer(cfg, d, out, plain(cfg), found, stop)
     attempt = prepare_run_dir(cfg, out, trainer.ds_config)
     dist.setup_logging(str(out / "logs" / f"rank{dist.rank():05d}.log"))
     trainer.setup(restart_count())
