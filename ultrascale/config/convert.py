@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 
 def plain(cfg: Any) -> Any:
-    """``cfg`` (a dataclass config, a piece of one, or a DictConfig) as resolved dicts and lists."""
+    """``cfg`` (a dataclass config, a piece of one, a DictConfig, or a dict holding any of them) as resolved dicts
+    and lists."""
     node = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
     return OmegaConf.to_container(node, resolve=True)

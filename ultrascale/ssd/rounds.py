@@ -19,7 +19,6 @@ import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import is_dataclass
 from pathlib import Path
 
 from ultrascale.config.convert import plain
@@ -78,7 +77,7 @@ class Round:
             Stage.export: {"export_dtype": c.finetune.export_dtype},
             Stage.eval: {"eval": c.eval},
         }[stage]
-        return json.loads(json.dumps({k: plain(v) if is_dataclass(v) else v for k, v in per_stage.items()}))
+        return json.loads(json.dumps(plain(per_stage)))
 
     def done(self, stage: Stage) -> bool:
         entry = self.manifest["stages"].get(stage)
