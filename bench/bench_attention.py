@@ -72,13 +72,16 @@ def _models(a: argparse.Namespace, kernels: list[str], compiled: bool) -> dict:
 
     import torch
 
-    from ultrascale.levers.decide import attention_unfit
+    from ultrascale.levers.decide import attention_unfit, loss_unfit
     from ultrascale.model.attention import install_blocked_attention
     from ultrascale.model.build import build_model
     from ultrascale.model.flex import install_flex_attention
     from ultrascale.model.loss import install_fused_loss
 
     sdpa = build_model(_model_config(a), seed=0)
+    why = loss_unfit(sdpa.config)  # the decision's rule: install_fused_loss acts on it and checks none of it
+    if why:
+        sys.exit(f"error: the fused loss does not fit this model ({why}); bench a verified model type")
     install_fused_loss(sdpa)
     models = {"sdpa": sdpa}
     for k in kernels:

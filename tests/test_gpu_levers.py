@@ -217,17 +217,18 @@ def test_liger_where_importable_on_a_gpu_chunked_elsewhere(monkeypatch):
                  backend="nccl", gpu=H100)  # fmt: skip
 
 
-def test_installing_liger_without_the_package_is_a_clear_error():
-    from transformers import AutoConfig, AutoModelForCausalLM
+def test_forcing_liger_without_the_package_is_one_error_line_before_anything_is_built():
+    """The decision (_loss_kernel) refuses it, with liger_unusable's reason; install_fused_loss acts on the decision
+    and no longer checks the package itself."""
+    from ultrascale.config.compose import compose
+    from ultrascale.levers.rules import validate
 
-    from ultrascale.model.loss import install_fused_loss
-
-    hf = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                              num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    model = AutoModelForCausalLM.from_config(hf)
-    with pytest.raises(ValueError, match=r"impl='liger' needs `pip install liger-kernel`"):
-        install_fused_loss(model, impl="liger")
-    assert "forward" not in model.__dict__  # left untouched
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["recipe=llama_1b_zero0", "train.loss_kernel=liger"]), 1, backend="nccl", gpu=H100)
+    assert str(e.value) == (
+        "train.loss_kernel=liger cannot run: liger-kernel is not installed (pip install liger-kernel), or use "
+        "train.loss_kernel=auto"
+    )
 
 
 def test_the_banner_names_the_gpu_and_each_levers_reason(tmp_path):

@@ -179,7 +179,7 @@ def test_installed_on_hf_models_matches_the_stock_forward(model_type, tied):
     stock = _tiny(model_type, tied)
     fused = copy.deepcopy(stock)
     keys = list(fused.state_dict())
-    assert install_fused_loss(fused, chunk_tokens=24) is True
+    install_fused_loss(fused, chunk_tokens=24)
     assert list(fused.state_dict()) == keys and type(fused) is type(stock)
     assert (fused.get_output_embeddings().weight is fused.get_input_embeddings().weight) is tied
     ids, labels, pos = _inputs()
@@ -224,7 +224,7 @@ def test_installed_forward_keeps_hf_semantics():
     with torch.no_grad():
         twin.model.norm.weight.mul_(2)
         assert abs(twin(ids, labels=labels).loss.item() - fused(ids, labels=labels).loss.item()) > 1e-4
-    assert install_fused_loss(fused) is True  # re-installing keeps the stock forward underneath
+    install_fused_loss(fused)  # re-installing keeps the stock forward underneath
     assert fused.forward._ultrascale_plain is type(fused).forward
     for model in (stock, fused):  # activation checkpointing (train.activation_checkpointing) recomputes the decoder
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -256,24 +256,44 @@ def test_torch_compile_of_the_installed_forward():
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-5, msg=name)
 
 
-def test_models_whose_loss_differs_are_refused():
-    from transformers import AutoConfig, AutoModelForCausalLM
+def test_models_whose_loss_differs_stay_on_hf_cross_entropy():
+    """The run's decision (levers.decide.loss_unfit) keeps them on HF's loss and says why in the banner: the fused
+    path would silently drop the router loss or the logit transform. install_fused_loss acts on that decision."""
+    from transformers import AutoConfig
+
+    from ultrascale.config.compose import compose
+    from ultrascale.config.topology import Topology
+    from ultrascale.levers.decide import decide
 
     small = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2)  # fmt: skip
-    moe = AutoModelForCausalLM.from_config(AutoConfig.for_model("mixtral", num_local_experts=2, **small))
-    assert install_fused_loss(moe) is False and "forward" not in moe.__dict__  # router aux loss: plain path
-    capped = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", head_dim=8, **small))
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        install_fused_loss(capped)
-    scaled = AutoModelForCausalLM.from_config(AutoConfig.for_model("granite", logits_scaling=4.0, **small))
-    with pytest.raises(ValueError, match="logits_scaling"):
-        install_fused_loss(scaled)
-    unverified = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=4))
-    with pytest.raises(ValueError, match="'gpt2' is not verified"):
-        install_fused_loss(unverified)
-    for model in (capped, scaled, unverified):
-        assert "forward" not in model.__dict__
+    cases = {
+        "MoE: the forward adds the router loss": AutoConfig.for_model("mixtral", num_local_experts=2, **small),
+        "gemma2 sets final_logit_softcapping=30.0": AutoConfig.for_model("gemma2", head_dim=8, **small),
+        "granite sets logits_scaling=4.0": AutoConfig.for_model("granite", logits_scaling=4.0, **small),
+        "model_type 'gpt2' is not verified": AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=4),
+        None: AutoConfig.for_model("llama", **small),  # the control: a verified plain-head model takes it
+    }
+    cfg = compose(["train.fused_loss=true"])
+    for why, hf in cases.items():
+        d = decide(cfg, Topology(world=1), hf, "gloo", None)
+        if why is None:
+            assert d.fused_loss.on and d.loss_kernel.value == "chunked", d.fused_loss
+        else:
+            assert not d.fused_loss.on and d.fused_loss.why.startswith(f"plain HF cross-entropy ({why}"), d.fused_loss
+            assert not d.loss_kernel.on and d.loss_kernel.why == "off (no fused loss)"
+
+
+def test_install_refuses_only_what_it_cannot_run_and_leaves_the_model_untouched():
+    stock = _tiny("llama", False)
+    stock.lm_head = torch.nn.Linear(64, 500, bias=True)  # a head the fused forward's ``hidden @ weight.T`` drops
+    with pytest.raises(ValueError, match="llama's output head is Linear with a bias, not a bias-free Linear"):
+        install_fused_loss(stock)
+    with pytest.raises(ValueError, match="chunk_tokens=0 must be >= 1"):
+        install_fused_loss(_tiny("llama", False), chunk_tokens=0)
+    with pytest.raises(ValueError, match="impl='triton' is not one of"):
+        install_fused_loss(_tiny("llama", False), impl="triton")
+    assert "forward" not in stock.__dict__
 
 
 # ---------------------------------------------------------------------------------------------------------------

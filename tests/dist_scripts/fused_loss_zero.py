@@ -68,11 +68,11 @@ def run(stage: int, tied: bool, mode: str, rank: int) -> dict:
     model = build(stage, tied, zero_init=mode not in WHOLE)
     head = model.get_output_embeddings().weight
     if mode in ("fused", "fused_before_partition"):
-        assert install_fused_loss(model, chunk_tokens=CHUNK) is True
+        install_fused_loss(model, chunk_tokens=CHUNK)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(stage))
     if mode == "fused_after_init":
-        assert install_fused_loss(engine.module, chunk_tokens=CHUNK) is True
+        install_fused_loss(engine.module, chunk_tokens=CHUNK)
     losses, norms = [], []
     ids, labels = batch(rank)
     for _ in range(STEPS):

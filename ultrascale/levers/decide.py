@@ -232,10 +232,7 @@ def _fused_loss(cfg: RootConfig, topo: Topology, hf_config: Any, backend: str, c
         return Choice(False, "plain HF cross-entropy (sequence parallelism sums per-shard losses itself)")
     if topo.tp > 1:
         return Choice(False, "plain HF cross-entropy (AutoTP shards the LM head)")
-    from ultrascale.model.loss import fusable_reason
-
-    why = fusable_reason(hf_config)
-    if why:
+    if why := loss_unfit(hf_config):
         return Choice(False, f"plain HF cross-entropy ({why})")
     what = "chunked linear cross-entropy (no [tokens, vocab] logits; train.fused_loss)"
     if cfg.train.loss_chunk_tokens:
@@ -250,6 +247,23 @@ def _fused_loss(cfg: RootConfig, topo: Topology, hf_config: Any, backend: str, c
     from ultrascale.model.loss import CHUNK_BUDGET_BYTES
 
     return Choice(True, f"{what}, chunk from the vocabulary's {CHUNK_BUDGET_BYTES >> 20} MiB logit budget", None)
+
+
+def loss_unfit(hf_config: Any) -> str | None:
+    """Why a model's loss is not cross-entropy of its plain head's output, which the fused path computes (None: it
+    is). From ``model/loss.py``'s facts; ``install_fused_loss`` acts on this decision and checks none of it."""
+    from ultrascale.model.loss import LOGIT_TRANSFORMS, VERIFIED_MODEL_TYPES
+    from ultrascale.model.moe import num_experts
+
+    if num_experts(hf_config):
+        return "MoE: the forward adds the router loss"
+    for key in LOGIT_TRANSFORMS:
+        if (value := getattr(hf_config, key, None)) not in (None, 1):
+            return f"{hf_config.model_type} sets {key}={value}, which changes the logits the loss sees"
+    if hf_config.model_type not in VERIFIED_MODEL_TYPES:
+        return (f"model_type {hf_config.model_type!r} is not verified to compute cross-entropy of its plain "
+                f"lm_head output (verified: {', '.join(sorted(VERIFIED_MODEL_TYPES))})")  # fmt: skip
+    return None
 
 
 def _attention(cfg: RootConfig, topo: Topology, hf_config: Any, attn: str, backend: str, cpu: CpuInfo | None,
@@ -458,10 +472,9 @@ def _moe_why(experts: int, topo: Topology) -> str:
 
 
 def liger_unusable(gpu: GpuInfo) -> str | None:
-    """Why liger-kernel cannot run for ``gpu`` (None: it can): not installed, its import fails, or (for a GPU of
-    this machine, ``gpu.index`` set) its fused linear cross-entropy fails a one-row trial there. Read from the
-    environment (once per process: :func:`ultrascale.model.loss.kernel_unusable`); a planned cluster's GPU gets
-    the import check only."""
+    """Why liger-kernel cannot run for ``gpu`` (None: it can): not installed, its import fails, or (a GPU of this
+    machine, ``gpu.index`` set) a one-row trial fails there. Read from the environment once per process
+    (:func:`ultrascale.model.loss.kernel_unusable`); a planned cluster's GPU gets the import check only."""
     from ultrascale.model.loss import kernel_unusable
 
     return kernel_unusable("liger", None if gpu.index is None else f"cuda:{gpu.index}")

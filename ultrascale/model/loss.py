@@ -33,13 +33,14 @@ from it (``ultrascale.levers.hardware.cpu_loss_chunk``)."""
 
 _IMPLS = ("auto", "chunked", "liger", "cce")
 
-# Model types whose ``*ForCausalLM.forward`` in transformers 5.22 is exactly
-# ``loss_function(lm_head(model(...).last_hidden_state), labels)``: no logit scaling, soft-capping, bias or
-# extra loss term. Others are refused rather than silently given a different loss.
 VERIFIED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "starcoder2", "smollm3", "phi3", "olmo2"})
+"""Model types whose ``*ForCausalLM.forward`` in transformers 5.22 is exactly
+``loss_function(lm_head(model(...).last_hidden_state), labels)``: no logit scaling, soft-capping, bias or extra loss
+term. A fact of the HF code; the run's decision (``ultrascale.levers.decide.loss_unfit``) keeps others on HF's loss
+rather than silently giving them a different one."""
 
-# Config attributes that change logits between the head and the loss in some HF architectures.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
+"""Config attributes that change the logits between the head and the loss in some HF architectures."""
 
 
 def default_chunk_tokens(vocab_size: int, budget_bytes: int = CHUNK_BUDGET_BYTES, cpu: bool = False) -> int:
@@ -291,29 +292,11 @@ def linear_cross_entropy(
 # HF integration
 
 
-def fusable_reason(config) -> str | None:
-    """Why an HF config's loss cannot take the fused path (None: it can). The run's decision
-    (:mod:`ultrascale.levers.decide`) and :func:`install_fused_loss` both ask this, so the rule is stated once."""
-    from ultrascale.model.moe import num_experts
-
-    if num_experts(config):
-        return "MoE: the forward adds the router loss"
-    for key in _LOGIT_TRANSFORMS:
-        value = getattr(config, key, None)
-        if value is not None and value != 1:
-            return f"{config.model_type} sets {key}={value}, which changes the logits the loss sees"
-    if config.model_type not in VERIFIED_MODEL_TYPES:
-        return (f"model_type {config.model_type!r} is not verified to compute cross-entropy of its plain "
-                f"lm_head output (verified: {', '.join(sorted(VERIFIED_MODEL_TYPES))})")  # fmt: skip
-    return None
-
-
-def _check_fusable(model) -> None:
-    """Raise ValueError unless ``model``'s loss is exactly cross-entropy of ``lm_head(last_hidden_state)``."""
+def _check_structure(model) -> None:
+    """Raise ValueError unless the built ``model`` has what the fused forward calls: a bias-free Linear head whose
+    output HF's ``ForCausalLMLoss`` takes, and the base decoder. Whether the model type's loss is that at all is
+    the run's decision (``ultrascale.levers.decide.loss_unfit``), made from its config before the build."""
     config = model.config
-    why = fusable_reason(config)
-    if why:
-        raise ValueError(why)
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         raise ValueError(f"{config.model_type}'s output head is {type(head).__name__}"
@@ -374,8 +357,8 @@ def _fused_forward(self, plain: Callable, sig: inspect.Signature, chunk_tokens: 
     )
 
 
-def install_fused_loss(model, chunk_tokens: int | None = None, impl: str = "auto") -> bool:
-    """Make ``model(..., labels=...)`` compute its loss with ``linear_cross_entropy``; True if installed.
+def install_fused_loss(model, chunk_tokens: int | None = None, impl: str = "auto") -> None:
+    """Make ``model(..., labels=...)`` compute its loss with ``linear_cross_entropy``.
 
     Only the instance's ``forward`` is replaced (DeepSpeed's engine and ``nn.Module.__call__`` call
     ``self.forward``), so the class, the parameters and ``state_dict`` keys are unchanged, and ``deepcopy``
@@ -384,10 +367,13 @@ def install_fused_loss(model, chunk_tokens: int | None = None, impl: str = "auto
     ``logits_to_keep`` the stock forward runs. Labels are shifted exactly as HF's ``ForCausalLMLoss`` does
     (``shift_labels`` and ``num_items_in_batch`` are honoured the same way).
 
-    Returns False, leaving the model untouched, for MoE models: their HF forward adds the router's
-    auxiliary loss to the LM loss, which this path would drop. Raises ValueError for models whose loss is
-    not cross-entropy of a plain bias-free head (logit soft-capping or scaling, unverified architectures):
-    a clear refusal beats a silently different loss.
+    This acts on a decision made before the model was built: whether the model's loss is cross-entropy of its
+    plain head at all (no MoE router loss, logit soft-capping or scaling; a verified type) is
+    ``ultrascale.levers.decide.loss_unfit``'s, and whether a ``liger``/``cce`` kernel runs here is
+    ``decide._loss_kernel``'s (a forced one that cannot is refused there; the call checks again, at its first
+    step). Raises ValueError, leaving the model untouched, only for arguments it cannot take (an unknown
+    ``impl``, ``chunk_tokens < 1``) or a built model without what the fused forward calls (a bias-free Linear
+    head, HF's ``ForCausalLMLoss``, the base decoder).
 
     ZeRO-3: the head weight is partitioned and gathered only when the ``lm_head`` module runs, which this
     path bypasses; it is registered as an external parameter of ``model`` so DeepSpeed gathers it for the
@@ -396,19 +382,9 @@ def install_fused_loss(model, chunk_tokens: int | None = None, impl: str = "auto
     tested on 2 ranks. (Installed on a whole model that ``deepspeed.initialize`` then partitions, it also
     works: DeepSpeed 0.19.8's parameter getter gathers and registers a parameter read outside its module.)
     """
-    from ultrascale.model.moe import is_moe
-
-    if is_moe(model):
-        return False
-    _check_fusable(model)
-    if impl not in _IMPLS:  # the device is only known at the first step; the name and the package can be checked now
+    _check_structure(model)
+    if impl not in _IMPLS:
         raise ValueError(f"install_fused_loss: impl={impl!r} is not one of {', '.join(_IMPLS)}")
-    if impl in _GPU_PACKAGES and not _importable(_GPU_PACKAGES[impl][0]):
-        raise ValueError(f"install_fused_loss: impl={impl!r} needs `pip install {_GPU_PACKAGES[impl][1]}` (CUDA + "
-                         "Triton), which this environment lacks")  # fmt: skip
-    why = kernel_unusable(impl) if impl in _GPU_PACKAGES else None
-    if why:
-        raise ValueError(f"install_fused_loss: impl={impl!r} cannot run: {why}")
     if chunk_tokens is not None and int(chunk_tokens) < 1:
         raise ValueError(f"install_fused_loss: chunk_tokens={chunk_tokens} must be >= 1 (or None for the default)")
     current = model.__dict__.get("forward")
@@ -433,4 +409,3 @@ def install_fused_loss(model, chunk_tokens: int | None = None, impl: str = "auto
         deepspeed.zero.register_external_parameter(model, weight)
     # A method bound to this instance (not a closure over it), so deepcopy rebinds it to the copy.
     model.forward = types.MethodType(forward, model)
-    return True

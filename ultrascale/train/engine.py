@@ -109,15 +109,11 @@ def _apply_loss(model, d: Decisions) -> None:
     from ultrascale.model.loss import install_fused_loss
 
     try:
-        installed = install_fused_loss(model, chunk_tokens=d.fused_loss.value, impl=d.loss_kernel.value or "chunked")
-    except ValueError as e:  # the decision checked the config; only the built head can still refuse
-        if d.loss_kernel.value == "liger":
-            raise ConfigError(f"train.loss_kernel=liger cannot install ({e}): use train.loss_kernel=chunked") from None
+        install_fused_loss(model, chunk_tokens=d.fused_loss.value, impl=d.loss_kernel.value or "chunked")
+    except ValueError as e:  # decide.loss_unfit read the config; only the built model's structure can still refuse
         raise ConfigError(
             f"train.fused_loss=true cannot install on this model ({e}): set train.fused_loss=false"
         ) from None
-    if not installed:
-        raise ConfigError("train.fused_loss=true but the model refused the fused loss: set train.fused_loss=false")
 
 
 def _apply_attention(model, d: Decisions) -> None:
