@@ -282,6 +282,13 @@ class ChatConfig:
     it). Null: the tokenizer's EOS, or ``<|endoftext|>`` where the EOS ends every turn (ChatML's ``<|im_end|>``)."""
 
 
+class PairKind(StrEnum):
+    function = "function"
+    """A module-level function: what HumanEval asks for."""
+    method = "method"
+    """A method, shown inside its class header."""
+
+
 @dataclass
 class InstructConfig:
     """``python -m data_prep.instruct``: a chat JSONL of docstring -> function pairs from a corpus's train
@@ -296,6 +303,10 @@ class InstructConfig:
     )
     """What is mined and how it is filtered (SSD's ``problems`` keys: ``input``, ``train_repos_from``: whose
     repos.json keeps the validation repositories out, ``max_problems``, ``max_prompt_lines``, decontamination)."""
+    kinds: list[PairKind] = field(default_factory=lambda: [PairKind.function])
+    """Which mined pairs become conversations. Standalone functions only by default: the stdlib's documented code
+    is mostly methods (78 % of the mined pairs), and a set that teaches completing a method inside its class
+    header trains the wrong shape for HumanEval's standalone functions. ``[function,method]`` keeps both."""
 
 
 # Keys that change where or how fast the output is made, not what it is.

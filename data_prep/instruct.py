@@ -1,7 +1,7 @@
 """``python -m data_prep.instruct output=FILE.jsonl problems.train_repos_from=DATA``: a real instruction set from
 the code on this machine, as chat JSONL for ``python -m data_prep.chat``.
 
-Every documented function and method of the corpus's *train* repositories (the ``repos.json`` of the prepared
+Every documented function (and, with ``kinds=[function,method]``, method) of the corpus's *train* repositories (the ``repos.json`` of the prepared
 dataset ``problems.train_repos_from``, so its validation repositories, where held-out evaluations come from, stay
 out) becomes one docstring -> function pair: the user turn asks for the code and shows what HumanEval shows, the
 imports and helpers it uses, the signature and the docstring; the assistant turn is that code with the file's own
@@ -21,7 +21,7 @@ from pathlib import Path
 from data_prep.config import register_configs
 from ultrascale.config.compose import compose
 from ultrascale.config.describe import help_if_asked
-from ultrascale.errors import UltrascaleError
+from ultrascale.errors import DataError, UltrascaleError
 from ultrascale.paths import resolve_path
 
 
@@ -47,11 +47,19 @@ def build(cfg) -> dict:
     from ultrascale.data.prompts import build_prompts
 
     records, report = build_prompts(cfg.problems)
+    kinds = {str(k) for k in cfg.kinds}
+    report["not_in_kinds"] = sum(r["kind"] not in kinds for r in records)
+    records = [r for r in records if r["kind"] in kinds]
+    if not records:
+        raise DataError(
+            f"no pair of kinds={sorted(kinds)} survived ({report['functions']} functions, {report['methods']} "
+            "methods mined): add the other kind (kinds=[function,method]) or use a larger problems.input"
+        )
     out = resolve_path(cfg.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(conversation(r, cfg.instruction)) for r in records]
     atomic_write_text(out, "".join(f"{ln}\n" for ln in lines))
-    report = {"output": str(out), "conversations": len(lines), **report}
+    report = {"output": str(out), "conversations": len(lines), "kinds": sorted(kinds), **report}
     atomic_write_text(Path(f"{out}.report.json"), json.dumps(report, indent=1) + "\n")
     return report
 

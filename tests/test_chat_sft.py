@@ -143,8 +143,11 @@ def test_the_instruction_set_is_decontaminated_docstring_function_pairs_of_the_t
     clean = (
         'def add_tax(price, rate):\n    """The price with tax at ``rate`` added."""\n    return price * (1 + rate)\n'
     )
+    method = ('class Till:\n    """A shop till."""\n\n    def total(self, prices):\n        """The sum of ``prices``."""\n'
+              "        return sum(prices)\n")  # fmt: skip
     corpus = write_corpus(tmp_path / "corpus", {"shop/tax.py": clean, "shop/copied.py": he["prompt"] +
-                                                he["canonical_solution"], "heldout/mod.py": clean.replace("tax", "vat")})  # fmt: skip
+                                                he["canonical_solution"], "heldout/mod.py": clean.replace("tax", "vat"),
+                                                "shop/till.py": method})  # fmt: skip
     prep = tmp_path / "prepared"
     prep.mkdir()
     (prep / "repos.json").write_text(json.dumps({"shop": "train", "heldout": "validation"}))
@@ -161,3 +164,9 @@ def test_the_instruction_set_is_decontaminated_docstring_function_pairs_of_the_t
     assert '"""The price with tax at ``rate`` added."""' in user["content"] and "return" not in user["content"]
     assert assistant == {"role": "assistant", "content": f"```python\n{clean}```"}
     assert json.loads(Path(f"{out}.report.json").read_text())["conversations"] == 1
+    assert (report["functions"], report["methods"], report["not_in_kinds"]) == (1, 1, 1)  # the method: not by default
+    both = build(compose([f"output={out}", f"problems.input={corpus}", f"problems.train_repos_from={prep}",
+                          "kinds=[function,method]"], "data_prep_instruct"))  # fmt: skip
+    rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["shop/tax.py::add_tax", "shop/till.py::Till.total"]
+    assert both["conversations"] == 2 and both["not_in_kinds"] == 0

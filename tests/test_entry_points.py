@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -50,6 +51,7 @@ def test_every_entry_point_answers_help(name, cmd, intro, key):
         line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith(key))
         doc = proc.stdout.splitlines()[proc.stdout.splitlines().index(line) + 1]
         assert doc.startswith("      ") and doc.strip(), (line, doc)
+    assert not re.search(r" = \[[^\]]*<", proc.stdout), proc.stdout  # list values as typed, not <Enum.x: 'x'> reprs
 
 
 def _env() -> dict:

@@ -50,7 +50,9 @@ def walk_keys(cls: type, node: DictConfig | None, prefix: str, lines: list[str])
         if sub is not None and dataclasses.is_dataclass(sub):
             _walk_section(type(sub()), value, key, lines)
             continue
-        shown = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+        shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if isinstance(shown, list):  # what the user types: ['psm', 'spm'], not [<FimMode.psm: 'psm'>, ...]
+            shown = [x.value if isinstance(x, Enum) else x for x in shown]
         shown = shown.value if isinstance(shown, Enum) else shown  # what the user types: 'cpu', not <Offload.cpu>
         bound = range_of(f)
         lines.append(f"  {key} = {shown!r}" + (f"   ({bound})" if bound else ""))
