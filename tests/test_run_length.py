@@ -60,9 +60,9 @@ def test_tokens_trained_and_the_schedule_position_follow_the_batch_history():
     assert length.schedule_position(h, 3, by_tokens=False) == 3
     assert length.schedule_position(h[:1], 3, by_tokens=True) == 3
     cfg = compose(["recipe=cpu_smoke", "data.global_batch=8"])
-    assert length.continued(h[:1], 2, cfg) == h[:2]  # a new segment where the batch changed
-    assert length.continued(h[:2], 4, cfg) == h[:2]  # none where it did not
-    assert length.continued(h, 3, cfg) == h[:2]  # a rollback past a later change drops it
+    assert length.continued(h[:1], 2, cfg.data) == h[:2]  # a new segment where the batch changed
+    assert length.continued(h[:2], 4, cfg.data) == h[:2]  # none where it did not
+    assert length.continued(h, 3, cfg.data) == h[:2]  # a rollback past a later change drops it
 
 
 def _meta(step=2, gb=16, offset=0, tokens=20480, cursors=None, total=5, warmup=4) -> dict:
@@ -79,7 +79,7 @@ def test_a_resume_under_another_batch_keeps_the_tokens_and_pins_the_schedule():
     # 2 steps of 4,096 done, 12,288 left at 2,048 a step: 6 more
     assert cfg.train.steps == 8 and (cfg.optim.sched.total_steps, cfg.optim.sched.warmup_steps) == (5, 4)
     assert "data.global_batch 16 -> 8 at step 2: train.tokens=20480 kept: 8,192 tokens trained" in notes[0]
-    assert length.convert_offset(2, 0, 16, cfg, "t") == 2  # data step 2 + 2 of 8 samples = sample 32
+    assert length.convert_offset(2, 0, 16, cfg.data, "t") == 2  # data step 2 + 2 of 8 samples = sample 32
     steps_cfg = compose(["recipe=cpu_smoke", "data.global_batch=8"])
     length.resolve(steps_cfg)
     assert "train.steps=60 kept" in length.on_resume(steps_cfg, _meta(tokens=None), "t")[0]

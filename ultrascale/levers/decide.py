@@ -280,7 +280,7 @@ def _attention(cfg: RootConfig, topo: Topology, hf_config: Any, attn: str, backe
     if kernel == "flex":
         return _flex(cfg.data, backend, "train.attention_kernel=flex")
     if kernel == "auto" and backend != "gloo" and not cfg.train.attn_block_size:
-        why = _flex_unfit(cfg, topo, hf_config, attn, gpu)
+        why = _flex_unfit(cfg.data, topo, hf_config, attn, gpu)
         if why:
             return Choice(False, f"{configured} ({why})")
         major, minor = tuple(gpu.capability)
@@ -347,7 +347,7 @@ def _refuse_forced_attention(cfg: RootConfig, topo: Topology, hf_config: Any, at
         )
 
 
-def _flex_unfit(cfg: RootConfig, topo: Topology, hf_config: Any, attn: str, gpu: GpuInfo | None) -> str | None:
+def _flex_unfit(data: DataConfig, topo: Topology, hf_config: Any, attn: str, gpu: GpuInfo | None) -> str | None:
     """Why ``auto`` keeps HF's sdpa on a GPU (None: FlexAttention fits)."""
     if topo.pp > 1:
         return "the pipeline stages build their own masks"
@@ -356,7 +356,7 @@ def _flex_unfit(cfg: RootConfig, topo: Topology, hf_config: Any, attn: str, gpu:
     why = attention_unfit(hf_config, attn)
     if why:
         return why
-    if not cfg.data.document_masking:
+    if not data.document_masking:
         return "data.document_masking=false: no document boundaries to mask, SDPA's causal kernel is FlashAttention"
     if gpu is None:
         return "no GPU description: FlexAttention is chosen by the GPU's compute capability"

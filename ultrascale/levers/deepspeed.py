@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 from ultrascale.levers.decide import Decisions
 
 if TYPE_CHECKING:
+    from ultrascale.config.optim import OptimConfig
     from ultrascale.config.root import RootConfig
+    from ultrascale.config.zero import ZeroConfig
 
 
-def _zero_section(z: Any, stage: int) -> dict[str, Any]:
+def _zero_section(z: ZeroConfig, stage: int) -> dict[str, Any]:
     out: dict[str, Any] = {"stage": stage}
     if stage >= 1:
         out["overlap_comm"] = bool(z.overlap_comm)
@@ -49,10 +51,9 @@ def _zero_section(z: Any, stage: int) -> dict[str, Any]:
     return out
 
 
-def _optimizer_section(cfg: RootConfig, d: Decisions) -> dict[str, Any] | None:
+def _optimizer_section(o: OptimConfig, d: Decisions) -> dict[str, Any] | None:
     """The optimizer DeepSpeed owns (``d.optimizer_owner``): Muon is DeepSpeed's own, offload needs
     DeepSpeedCPUAdam. None when the trainer builds torch AdamW itself and hands it over."""
-    o = cfg.optim
     if d.optimizer_owner.value != "deepspeed":
         return None
     if o.name == "muon":
@@ -113,7 +114,7 @@ def build_ds_config(cfg: RootConfig, d: Decisions) -> dict[str, Any]:
             "hysteresis": int(p.hysteresis),
             "min_loss_scale": float(p.min_loss_scale),
         }
-    opt = _optimizer_section(cfg, d)
+    opt = _optimizer_section(cfg.optim, d)
     if opt is not None:
         ds["optimizer"] = opt
     if topo.tp > 1:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ultrascale.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
+    from ultrascale.config.data import DataConfig
     from ultrascale.config.root import RootConfig
 
 SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -38,14 +39,14 @@ def parse_tokens(value: Any, key: str = "train.tokens") -> int:
     return int(n)
 
 
-def tokens_per_step(cfg: RootConfig) -> int:
-    return int(cfg.data.global_batch) * int(cfg.data.seq_len)
+def tokens_per_step(data: DataConfig) -> int:
+    return int(data.global_batch) * int(data.seq_len)
 
 
 def resolve(cfg: RootConfig) -> None:
     """``train.tokens`` -> ``train.steps`` and ``optim.sched.warmup_tokens`` -> ``warmup_steps``, in place, before
     any rule reads them (idempotent: the validator, the dry run and the planner may each call it)."""
-    per = tokens_per_step(cfg)
+    per = tokens_per_step(cfg.data)
     if getattr(cfg.train, "tokens", None) is not None:
         cfg.train.steps = max(1, math.ceil(parse_tokens(cfg.train.tokens) / per))
     sched = cfg.optim.sched
@@ -55,7 +56,7 @@ def resolve(cfg: RootConfig) -> None:
 
 def describe(cfg: RootConfig) -> str:
     """The banner's and the dry run's length line: both units, and which one was asked for."""
-    per, steps = tokens_per_step(cfg), int(cfg.train.steps)
+    per, steps = tokens_per_step(cfg.data), int(cfg.train.steps)
     if getattr(cfg.train, "tokens", None) is None:
         return f"{steps:,} steps (train.steps) x {per:,} tokens/step = {steps * per:,} tokens"
     asked = parse_tokens(cfg.train.tokens)
@@ -93,7 +94,7 @@ def history_of(meta: dict) -> list[Segment] | None:
 
 def history_for(meta: dict, cfg: RootConfig) -> list[Segment]:
     """The checkpoint's batch history; for one written before it was recorded, its one batch from step 0."""
-    old = batch_changed(meta, cfg)
+    old = batch_changed(meta, cfg.data)
     gb, seq = (old.global_batch, old.seq_len) if old else (int(cfg.data.global_batch), int(cfg.data.seq_len))
     return history_of(meta) or [Segment(0, gb, seq)]
 
@@ -109,9 +110,9 @@ def tokens_at(history: list[Segment], step: int) -> int:
     return total
 
 
-def continued(history: list[Segment], step: int, cfg: RootConfig) -> list[Segment]:
-    """The history after resuming at ``step`` under ``cfg``'s batch (a new segment only if the batch changed)."""
-    now = Segment(step, int(cfg.data.global_batch), int(cfg.data.seq_len))
+def continued(history: list[Segment], step: int, data: DataConfig) -> list[Segment]:
+    """The history after resuming at ``step`` under ``data``'s batch (a new segment only if the batch changed)."""
+    now = Segment(step, int(data.global_batch), int(data.seq_len))
     kept = [s for s in history if s.start < step]
     last = kept[-1] if kept else None
     if last is not None and (last.global_batch, last.seq_len) == (now.global_batch, now.seq_len):
@@ -128,27 +129,28 @@ def schedule_position(history: list[Segment], step: int, by_tokens: bool) -> flo
 
 
 # ---- a resume -----------------------------------------------------------------------------------------------
-def batch_changed(meta: dict, cfg: RootConfig) -> Segment | None:
-    """The checkpoint's last batch when ``cfg`` resumes it under another one (None: same batch, or unknown)."""
+def batch_changed(meta: dict, data: DataConfig) -> Segment | None:
+    """The checkpoint's last batch when a run with ``data``'s batch resumes it under another one (None: same batch,
+    or unknown)."""
     history = history_of(meta)
     if history is not None:
         last = history[-1]
-        return last if (last.global_batch, last.seq_len) != (cfg.data.global_batch, cfg.data.seq_len) else None
+        return last if (last.global_batch, last.seq_len) != (data.global_batch, data.seq_len) else None
     cursors = meta.get("data_cursors") or {}  # an older checkpoint: its one source's position tells the old batch
     data_step = int(meta.get("step", 0)) + int(meta.get("data_offset", 0))
     if len(cursors) != 1 or data_step == 0:
         return None
     samples = int(next(iter(cursors.values())))
-    if samples == data_step * int(cfg.data.global_batch) or samples % data_step:
+    if samples == data_step * int(data.global_batch) or samples % data_step:
         return None
-    return Segment(0, samples // data_step, int(cfg.data.seq_len))
+    return Segment(0, samples // data_step, int(data.seq_len))
 
 
-def convert_offset(step: int, offset: int, from_gb: int, cfg: RootConfig, tag: str) -> int:
+def convert_offset(step: int, offset: int, from_gb: int, data: DataConfig, tag: str) -> int:
     """A data offset counted in ``from_gb``-sample steps, in this run's: data step ``step + offset`` of the new
     batch starts at the sample the old one reached (one source is addressed by sample: its epochs' permutations do
     not depend on the batch). Raises where no whole offset does."""
-    gb = int(cfg.data.global_batch)
+    gb = int(data.global_batch)
     if from_gb == gb:
         return offset
     samples = (step + offset) * from_gb
@@ -177,7 +179,7 @@ def on_resume(cfg: RootConfig, meta: dict, tag: str) -> list[str]:
     refused in one line."""
     from ultrascale.data.sources import is_mixture
 
-    old = batch_changed(meta, cfg)
+    old = batch_changed(meta, cfg.data)
     if old is None:
         return []
     step, gb, seq = int(meta.get("step", 0)), int(cfg.data.global_batch), int(cfg.data.seq_len)
@@ -187,7 +189,7 @@ def on_resume(cfg: RootConfig, meta: dict, tag: str) -> list[str]:
             f"{old.global_batch} samples were apportioned between its sources, so no step of {gb} starts where it "
             f"stopped; resume with data.global_batch={old.global_batch}"
         )
-    convert_offset(step, int(meta.get("data_offset", 0)), old.global_batch, cfg, tag)  # raises where it cannot
+    convert_offset(step, int(meta.get("data_offset", 0)), old.global_batch, cfg.data, tag)  # raises where it cannot
     change = f"data.global_batch {old.global_batch} -> {gb}" + (f", data.seq_len {old.seq_len} -> {seq}"
                                                                   if old.seq_len != seq else "")  # fmt: skip
     if getattr(cfg.train, "tokens", None) is None:

@@ -174,7 +174,7 @@ def validate(cfg: RootConfig, world_size: int, backend: str | None = None, gpu: 
         from ultrascale.runtime.cpu import detect
 
         cpu = detect()
-    _checkpointing_rules(cfg)
+    _checkpointing_rules(cfg.train)
     d = decide(cfg, topo, hf, backend, cpu, gpu)
     if cfg.train.eval_fim and (d.zero_stage == 3 or max(d.topo.pp, d.topo.tp, d.topo.sp) > 1):
         raise ConfigError(f"train.eval_fim={cfg.train.eval_fim} needs zero.stage<=2 and parallel.pp=tp=sp=1 (rank 0 "
@@ -220,12 +220,12 @@ def agree_across_ranks(d: Decisions) -> Decisions:
     return replace(d, **theirs)
 
 
-def _checkpointing_rules(cfg: RootConfig) -> None:
+def _checkpointing_rules(train: TrainConfig) -> None:
     """``train.activation_checkpointing`` is one of the modes (booleans mean full/none); whether the mode can run
     here is its decide function's (``levers.decide._activation_checkpointing``)."""
     from ultrascale.config.recompute import checkpointing_mode
 
-    value = cfg.train.activation_checkpointing
+    value = train.activation_checkpointing
     try:
         checkpointing_mode(value)
     except ValueError:

@@ -240,8 +240,8 @@ class Checkpointer:
         history = length.history_for(read_meta(tag_dir), cfg)
         # the offset counts steps of the batch that wrote it: another global batch goes on from the same sample
         from_gb = int(client.get("global_batch") or history[-1].global_batch)
-        offset = length.convert_offset(step, int(client.get("data_offset", 0)), from_gb, cfg, tag_dir.name)
-        return step, offset, length.continued(history, step, cfg), client.get("stability", {})
+        offset = length.convert_offset(step, int(client.get("data_offset", 0)), from_gb, cfg.data, tag_dir.name)
+        return step, offset, length.continued(history, step, cfg.data), client.get("stability", {})
 
     def staging_record(self) -> dict:
         """For the checkpoint event of the save just taken: the staging mode, its host bytes, and the seconds of the

@@ -77,7 +77,7 @@ class Trainer:
         self._open_data()
         self._build()
         self.start_step, self.data_offset = 0, 0
-        self._set_history(length.continued([], 0, self.cfg))
+        self._set_history(length.continued([], 0, self.cfg.data))
         resumed_from = self._resume()
         lost_steps, lost_s = truncate_metrics(self.out / METRICS, self.start_step) if dist.is_rank0() else (0, 0.0)
         self.metrics = MetricLogger(self.cfg.logger, self.out, dist.is_rank0(), self.config_dict, self.ds_config)
