@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ultrascale.config.fields import num
+from ultrascale.data.instruct_format import INSTRUCTION
 from ultrascale.data.problems_config import ProblemsConfig
 from ultrascale.errors import ConfigError
 
@@ -296,7 +297,7 @@ class InstructConfig:
 
     output: str = "data/instruct/docstring_functions.jsonl"
     """The chat JSONL written (and ``<output>.report.json`` beside it: counts per filter)."""
-    instruction: str = "Complete the following Python code:"
+    instruction: str = INSTRUCTION
     """The user turn's first line; the code block with imports, helpers, signature and docstring follows."""
     problems: ProblemsConfig = field(
         default_factory=lambda: ProblemsConfig(max_problems=None, train_repos_from="data/stdlib")

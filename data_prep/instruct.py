@@ -21,22 +21,21 @@ from pathlib import Path
 from data_prep.config import register_configs
 from ultrascale.config.compose import compose
 from ultrascale.config.describe import help_if_asked
+from ultrascale.data.instruct_format import assistant_turn, user_turn
 from ultrascale.errors import DataError, UltrascaleError
 from ultrascale.paths import resolve_path
 
 
 def conversation(record: dict, instruction: str) -> dict:
-    """One chat line of a mined pair (``prompt`` ends after the docstring, ``reference`` is the body).
-
-    The assistant repeats the prompt before the body so that the body is learned right after the docstring, where
-    a completion benchmark asks for it; the loss also covers the copied prompt, which the model learns quickly."""
-    fence = "```"
+    """One chat line of a mined pair (``prompt`` ends after the docstring, ``reference`` is the body), in
+    :mod:`ultrascale.data.instruct_format`'s turns; the loss also covers the prompt the answer repeats, which the
+    model learns quickly."""
     return {
         "id": record["task_id"],
         "repo": record["repo"],
         "messages": [
-            {"role": "user", "content": f"{instruction}\n\n{fence}python\n{record['prompt']}{fence}"},
-            {"role": "assistant", "content": f"{fence}python\n{record['prompt']}{record['reference']}{fence}"},
+            {"role": "user", "content": user_turn(record["prompt"], instruction)},
+            {"role": "assistant", "content": assistant_turn(record["prompt"], record["reference"])},
         ],
     }
 

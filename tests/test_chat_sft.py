@@ -170,3 +170,21 @@ def test_the_instruction_set_is_decontaminated_docstring_function_pairs_of_the_t
     rows = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["shop/tax.py::add_tax", "shop/till.py::Till.total"]
     assert both["conversations"] == 2 and both["not_in_kinds"] == 0
+
+
+def test_the_chat_eval_prompt_is_the_training_conversation_up_to_the_body(smollm2_135m):
+    """``ssd.evaluate --chat`` asks a HumanEval problem as data_prep.instruct's set asks for code: the prompt it
+    renders is, token for token, the start of the rendered training conversation, ending where the body starts."""
+    from data_prep.instruct import conversation
+    from ultrascale.data.instruct_format import INSTRUCTION, chat_prompt
+    from ultrascale.eval.humaneval import load_problems
+
+    tok = _tokenizer(smollm2_135m)
+    problem = load_problems(1)[0]
+    record = {"task_id": problem["task_id"], "repo": "x", "prompt": problem["prompt"],
+              "reference": problem["canonical_solution"]}  # fmt: skip
+    trained = tok.apply_chat_template(conversation(record, INSTRUCTION)["messages"], tokenize=False)
+    asked = chat_prompt(tok, problem["prompt"])
+    assert trained.startswith(asked) and trained[len(asked) :].startswith(problem["canonical_solution"])
+    ids_trained, ids_asked = tok(trained)["input_ids"], tok(asked)["input_ids"]
+    assert ids_trained[: len(ids_asked) - 1] == ids_asked[:-1]  # the last token may merge with the body's first

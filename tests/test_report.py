@@ -387,3 +387,32 @@ def test_real_run_books_planted_stalls_in_their_own_parts_and_names_the_largest(
     ranked = {s.key: s.seconds for s in a.stalls}
     assert ranked["checkpoint"] >= ckpt_delay  # the save is its own stall, ranked with its planted time
     assert (run / "report.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_quality_figure_places_each_checkpoint_by_the_tokens_it_trained(tmp_path):
+    """``python -m ultrascale.report.quality``: a checkpoint's pass@1 sits at its export's step x the run's tokens
+    per step, the base at 0; loss and pass@1 share that axis, and the PNG is written."""
+    from ultrascale.report.quality import main, pass_at_1_points
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"tokens": 60 * 4096, "steps": 60}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 5, "loss": 1.0}, {"step": 20, "loss": 0.7, "eval_loss": 0.9}, {"step": 40, "loss": 0.6})))  # fmt: skip
+    cands = []
+    for step in (40, 20):  # listed out of order: the points come sorted by tokens
+        d = tmp_path / f"hf_{step}"
+        d.mkdir()
+        (d / "ultrascale_export.json").write_text(json.dumps({"step": step, "tag": f"step_{step:08d}"}))
+        cands.append(str(d))
+    grid = {f"{cands[0]}|greedy": 0.10, f"{cands[1]}|greedy": 0.05, f"{cands[1]}|T=0.2": 0.5}
+    result = {"prompt": "chat", "sets": {"humaneval": {"split": {"dev": ["a"] * 82, "test": ["b"] * 82}, "models": {
+        "base": {"dev_grid": {"models/base|greedy": 0.07}, "test_pass@1": 0.07},
+        "sft": {"dev_grid": grid, "test_pass@1": 0.1, "vs_base": {"diff": 0.03, "lo": -0.01, "hi": 0.07}}}}}}  # fmt: skip
+    (tmp_path / "eval.json").write_text(json.dumps(result))
+    pts = pass_at_1_points(result, 4096)
+    assert pts == {"base": [(0, 0.07)], "sft": [(20 * 4096, 0.05), (40 * 4096, 0.10)]}  # greedy only, by tokens
+    out = tmp_path / "fig" / "q.png"
+    assert main(["--run", str(run), "--eval", str(tmp_path / "eval.json"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["--run", str(tmp_path / "nope"), "--eval", str(tmp_path / "eval.json"), "--out", str(out)]) == 2

@@ -59,11 +59,14 @@ Scorer = Callable[[str, list[dict], Setting, int], dict[str, float]]
 
 
 def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 1234, workers: int = 2,
-                   device: str = "auto") -> Scorer:  # fmt: skip
+                   device: str = "auto", chat: bool = False) -> Scorer:  # fmt: skip
     """Generate with the project's sampler and run every completion in the kernel sandbox (HumanEval's programs
     for HumanEval problems, SSD's for mined ones). Models are loaded once and kept while their candidates are
-    scored."""
-    from ultrascale.eval.humaneval import check_program, generate
+    scored. ``chat``: each model is asked in its own chat template, the answer prefilled up to the body
+    (:func:`ultrascale.data.instruct_format.chat_prompt`, the instruction set's own turns), and a closing code
+    fence ends the body; the program scored is still the problem's prompt + the body."""
+    from ultrascale.data.instruct_format import FENCE, chat_prompt
+    from ultrascale.eval.humaneval import STOP_SEQUENCES, check_program, generate
     from ultrascale.eval.sandbox import Limits, run_many
 
     cache: dict[str, tuple] = {}
@@ -80,9 +83,11 @@ def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 
         model, tok = cache[model_dir]
         greedy = setting.temperature <= 0
         n = 1 if greedy else n
-        completions = generate(model, tok, [p["prompt"] for p in problems], n_samples=n,
-                               temperature=setting.temperature, top_k=setting.top_k, top_p=setting.top_p,
-                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
+        prompts = [chat_prompt(tok, p["prompt"]) if chat else p["prompt"] for p in problems]
+        completions = generate(model, tok, prompts, n_samples=n, temperature=setting.temperature,
+                               top_k=setting.top_k, top_p=setting.top_p, max_new_tokens=max_new_tokens,
+                               batch_size=batch_size, seed=seed,
+                               stops=(*STOP_SEQUENCES, FENCE) if chat else STOP_SEQUENCES)  # fmt: skip
         programs = [check_program({"prompt": p["prompt"], "test": p.get("test", p.get("tests")),
                                    "entry_point": p["entry_point"]}, c) for p, cs in zip(problems, completions)
                     for c in cs]  # fmt: skip
@@ -274,6 +279,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--device", default="auto", help="where the models run: auto (the GPU when there is one), cpu, "
                     "cuda, cuda:N")  # fmt: skip
+    ap.add_argument("--chat", action="store_true", help="ask each model in its chat template, as "
+                    "data_prep.instruct's set asks (the answer prefilled up to the body): for chat models")  # fmt: skip
     ap.add_argument("--out", type=Path, help="write the result as JSON")
     ap.add_argument("--cache", type=Path, help="scores kept per (model, problems, setting, n), so a killed or "
                     "extended evaluation resumes (default: OUT's name + .scores.jsonl)")  # fmt: skip
@@ -300,11 +307,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if "heldout" in a.sets:
         sets["heldout"] = heldout_problems(a.heldout)
     settings = grid(a.temperatures, a.top_k, a.top_p)
-    scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens, device=a.device)
+    scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens, device=a.device, chat=a.chat)
     cache = a.cache or (a.out.with_name(a.out.stem + ".scores.jsonl") if a.out else None)
     if cache:
-        scorer = cached(scorer, cache, tag=f"max_new_tokens={a.max_new_tokens}")
-    result = {"seed": a.seed, "grid": [s.name for s in settings], "sets": {}}
+        scorer = cached(scorer, cache, tag=f"max_new_tokens={a.max_new_tokens}" + (",chat" if a.chat else ""))
+    result = {"seed": a.seed, "grid": [s.name for s in settings], "prompt": "chat" if a.chat else "plain", "sets": {}}
     for name, problems in sets.items():
         result["sets"][name] = evaluate_set(problems, models, settings, scorer, a.n_dev, a.n_test, seed=a.seed)
     runs = {}
