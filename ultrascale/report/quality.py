@@ -95,7 +95,7 @@ def draw(run_dir: Path, evals: list[Path], out: Path) -> Path:
     right.set(title=f"HumanEval pass@1, greedy, dev half ({len(he['split']['dev'])} problems)",
               xlabel="tokens trained", ylabel="pass@1")  # fmt: skip
     right.grid(alpha=0.3)
-    right.legend(fontsize=7, loc="lower left")
+    right.legend(fontsize=7, loc="best")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

@@ -234,12 +234,13 @@ def table(result: dict, runs: dict[str, dict] | None = None) -> str:
         n_test = len(r["split"]["test"])
         lines.append(f"{set_name}: dev {len(r['split']['dev'])} / test {n_test} problems (seed {result['seed']}); "
                      f"n_dev {r['n_dev']}, n_test {r['n_test']} samples per problem at a sampled setting, 1 at greedy")  # fmt: skip
-        lines.append(f"  {'model':<10}{'checkpoint':<28}{'setting':<30}{'dev':>7}{'test':>7}  diff vs base [95% CI]")
+        w = max(10, *(len(n) + 2 for n in r["models"]))  # a long model name keeps its column
+        lines.append(f"  {'model':<{w}}{'checkpoint':<28}{'setting':<30}{'dev':>7}{'test':>7}  diff vs base [95% CI]")
         for name, m in r["models"].items():
             vs = next((v for k, v in m.items() if k.startswith("vs_")), None)
             ci = f"{vs['diff']:+.4f} [{vs['lo']:+.4f}, {vs['hi']:+.4f}] {vs['verdict']}" if vs else "(base)"
             ckpt = Path(m["chosen_checkpoint"]).name or m["chosen_checkpoint"]
-            lines.append(f"  {name:<10}{ckpt[:27]:<28}{m['chosen_setting']['name']:<30}{m['dev_pass@1']:>7.4f}"
+            lines.append(f"  {name:<{w}}{ckpt[:27]:<28}{m['chosen_setting']['name']:<30}{m['dev_pass@1']:>7.4f}"
                          f"{m['test_pass@1']:>7.4f}  {ci}")  # fmt: skip
     for name, top in (runs or {}).items():
         r0 = (top.get("rounds") or {}).get("00", {})
