@@ -17,13 +17,11 @@ from ultrascale.paths import resolve_path
 
 def corpus_documents(cfg: ProblemsConfig, counts: Counter) -> list[dict]:
     """Source files of ``problems.input`` as data prep reads them (same files, same repository names)."""
-    from data_prep.config import register_configs as register_data_prep
+    from data_prep.config import to_cfg
     from data_prep.sources import iter_documents
-    from ultrascale.config.compose import compose
 
-    register_data_prep()
     source = cfg.input if cfg.input == "stdlib" else resolve_path(cfg.input)
-    dp = compose([f"input={source}"], "data_prep")
+    dp = to_cfg({"input": str(source)})  # data prep's defaults (conf/data_prep.yaml adds none a reader sees)
     docs = list(iter_documents(dp, counts=Counter()))
     counts["files"] = len(docs)
     if cfg.train_repos_from:
