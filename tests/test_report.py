@@ -398,7 +398,8 @@ def test_the_quality_figure_places_each_checkpoint_by_the_tokens_it_trained(tmp_
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"tokens": 60 * 4096, "steps": 60}))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
-        {"step": 5, "loss": 1.0}, {"step": 20, "loss": 0.7, "eval_loss": 0.9}, {"step": 40, "loss": 0.6})))  # fmt: skip
+        {"step": 5, "time_s": 1.0, "loss": 1.0}, {"step": 20, "time_s": 4.0, "loss": 0.7, "eval_loss": 0.9},
+        {"step": 40, "time_s": 8.0, "loss": 0.6})))  # fmt: skip
     cands = []
     for step in (40, 20):  # listed out of order: the points come sorted by tokens
         d = tmp_path / f"hf_{step}"

@@ -14,23 +14,19 @@ import json
 from pathlib import Path
 
 from ultrascale.atomic import atomic_write_bytes
-from ultrascale.errors import ConfigError, UltrascaleError
+from ultrascale.errors import ConfigError, DataError, UltrascaleError
+from ultrascale.report.load import Run, load_run
 
 
-def tokens_per_step(run_dir: Path) -> int:
-    """The run's tokens per optimizer step (``summary.json``'s tokens over steps; else its config's batch)."""
-    summary = run_dir / "summary.json"
-    if summary.exists():
-        s = json.loads(summary.read_text())
-        if s.get("tokens") and s.get("steps"):
-            return round(s["tokens"] / s["steps"])
-    from omegaconf import OmegaConf
-
-    cfg = run_dir / "config.yaml"
-    if not cfg.exists():
-        raise ConfigError(f"--run {run_dir}: no summary.json or config.yaml (is it a training run's output_dir?)")
-    data = OmegaConf.load(cfg).data
-    return int(data.global_batch) * int(data.seq_len)
+def tokens_per_step(run: Run) -> int:
+    """The run's tokens per optimizer step: its config's batch, else ``summary.json``'s tokens over steps."""
+    gb, seq = run.cfg("data.global_batch"), run.cfg("data.seq_len")
+    if gb and seq:
+        return int(gb) * int(seq)
+    s = run.summary
+    if s.get("tokens") and s.get("steps"):
+        return round(s["tokens"] / s["steps"])
+    raise DataError(f"{run.path}: neither config.yaml nor summary.json gives the tokens per step")
 
 
 def checkpoint_step(model_dir: str) -> int | None:
@@ -64,10 +60,9 @@ def draw(run_dir: Path, evals: list[Path], out: Path) -> Path:
 
     import matplotlib.pyplot as plt
 
-    from ultrascale.train.loggers import read_metrics
-
-    per_step = tokens_per_step(run_dir)
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    run = load_run(run_dir)  # one clear line for a missing dir or metrics; after a rollback the last row wins
+    per_step = tokens_per_step(run)
+    rows = run.curve()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     train = [(r["step"] * per_step, r["loss"]) for r in rows if "loss" in r]
     held = [(r["step"] * per_step, r["eval_loss"]) for r in rows if "eval_loss" in r]
@@ -114,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="the PNG to write")
     a = ap.parse_args(argv)
     try:
-        for p in [a.run / "metrics.jsonl", *a.eval]:
+        for p in a.eval:
             if not p.exists():
-                raise ConfigError(f"{p}: no such file")
+                raise ConfigError(f"--eval {p}: no such file (an `ultrascale.ssd.evaluate --out` JSON)")
         print(f"wrote {draw(a.run, a.eval, a.out)}")
     except UltrascaleError as e:
         print(f"error: {e}", flush=True)
