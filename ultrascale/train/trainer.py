@@ -133,7 +133,7 @@ class Trainer:
                                    document_masking=d.document_masking.on, mixture=self.mixture)  # fmt: skip
         if os.environ.get(TRACE_ENV):
             self.batches.trace_to(os.environ[TRACE_ENV], self.rank)
-        self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+        self.tokens_per_step = length.tokens_per_step(cfg.data)
         self.flops_per_token = train_flops_per_token(d.hf_config, cfg.data.seq_len, causal=True)
         self.peak, self.peak_src = peak_flops(str(cfg.precision.dtype), d.autocast.on, d.gpu)
         self.memory = MemoryMeter()
