@@ -1,9 +1,9 @@
 """``python -m data_prep.instruct output=FILE.jsonl problems.train_repos_from=DATA``: a real instruction set from
 the code on this machine, as chat JSONL for ``python -m data_prep.chat``.
 
-Every documented function (and, with ``kinds=[function,method]``, method) of the corpus's *train* repositories (the ``repos.json`` of the prepared
-dataset ``problems.train_repos_from``, so its validation repositories, where held-out evaluations come from, stay
-out) becomes one docstring -> function pair: the user turn asks for the code and shows what HumanEval shows, the
+Every documented function (and, with ``kinds=[function,method]``, method) of the corpus's *train* repositories
+(the ``repos.json`` of the prepared dataset ``problems.train_repos_from``, so its validation repositories, where
+held-out evaluations come from, stay out) becomes one docstring -> function pair: the user turn asks for the code and shows what HumanEval shows, the
 imports and helpers it uses, the signature and the docstring; the assistant turn is that code with the file's own
 body under it. The pairs are mined, filtered and decontaminated by SSD's prompt builder
 (:func:`ultrascale.data.prompts.build_prompts`): stubs, over-long prompts and bodies, duplicate prompts and bodies

@@ -17,10 +17,14 @@ def user_turn(prompt: str, instruction: str = INSTRUCTION) -> str:
     return f"{instruction}\n\n{FENCE}python\n{prompt}{FENCE}"
 
 
+def _answer_up_to_body(prompt: str) -> str:
+    return f"{FENCE}python\n{prompt}"
+
+
 def assistant_turn(prompt: str, body: str) -> str:
     """The answer repeats the prompt before the body, so the body is learned right after the docstring, where a
     completion benchmark asks for it."""
-    return f"{FENCE}python\n{prompt}{body}{FENCE}"
+    return f"{_answer_up_to_body(prompt)}{body}{FENCE}"
 
 
 def chat_prompt(tokenizer: Any, prompt: str, instruction: str = INSTRUCTION) -> str:
@@ -30,4 +34,4 @@ def chat_prompt(tokenizer: Any, prompt: str, instruction: str = INSTRUCTION) -> 
     opened = tokenizer.apply_chat_template(
         [{"role": "user", "content": user_turn(prompt, instruction)}], tokenize=False, add_generation_prompt=True
     )
-    return f"{opened}{FENCE}python\n{prompt}"
+    return opened + _answer_up_to_body(prompt)
