@@ -55,20 +55,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _probe(out: str, overrides: list[str]) -> None:
-    from omegaconf import OmegaConf
-
-    from ultrascale.config.compose import compose
+    from ultrascale.config.compose import compose, typed
     from ultrascale.levers.deepspeed import build_ds_config
     from ultrascale.levers.rules import agree_across_ranks, validate
     from ultrascale.runtime import hostmem
     from ultrascale.train.engine import build_engine
 
     dist.configure_env()
-    cfg = compose(overrides)
+    cfg = typed(compose(overrides))  # converted once, as run_app does for train.py
     d = validate(cfg, dist.world_size())
     dist.init_distributed()
     d = agree_across_ranks(d)
-    engine, info = build_engine(OmegaConf.to_object(cfg), d, build_ds_config(cfg, d))
+    engine, info = build_engine(cfg, d, build_ds_config(cfg, d))
     one_step(engine, d, cfg.data.micro_batch, cfg.data.seq_len, d.hf_config.vocab_size)
     hostmem.trim()  # the live tensors, not the free heap pages glibc keeps for later
     after_step = (_rss_kb() - info.memory["base_kb"]) / 2**20
