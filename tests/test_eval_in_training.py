@@ -39,11 +39,13 @@ STALLS = f"slow_data@3:0x{STALL_S},slow_data@4:1x{STALL_S}"
 def test_eval_and_humaneval_during_training_runs_every_completion_in_the_sandbox(bpe_data, tmp_path):
     out = tmp_path / "run"
     check(launch([*FAST, f"data.path={bpe_data}", f"output_dir={out}", "train.steps=4", "train.eval_interval=2",
-                  "train.eval_humaneval=2", "train.eval_humaneval_max_new_tokens=16"],
+                  "train.eval_at_start=true", "train.eval_humaneval=2", "train.eval_humaneval_max_new_tokens=16"],
                  env={"ULTRASCALE_INJECT": STALLS}))  # fmt: skip
     rows = metrics(out)
     evals = [r for r in rows if r.get("event") == "eval"]
-    assert [e["step"] for e in evals] == [2, 4]
+    # eval_at_start: the untrained model's held-out loss is the curve's before point, above the trained one's
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    assert evals[0]["eval_loss"] > evals[-1]["eval_loss"], evals
     for e in evals:
         assert e["eval_perplexity"] == pytest.approx(math.exp(e["eval_loss"]), rel=1e-6) and e["eval_s"] > 0
         assert e["humaneval_problems"] == 2

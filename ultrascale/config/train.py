@@ -48,6 +48,9 @@ class TrainConfig:
     """Evaluate held-out loss every N steps (0 = only at the end)."""
     checkpoint_interval: int = num(50, ge=0)
     """Save a checkpoint every N steps (0 = only at the end)."""
+    eval_at_start: bool = False
+    """Evaluate once before the first step of a run that starts from step 0 (not on a resume), logged at step 0:
+    the before point of the held-out curve, which a fine-tune's figure needs (HF Trainer's ``eval_on_start``)."""
     final_eval: bool = True
     """Evaluate after the last step even when ``eval_interval`` does not land on it. False (benchmarks such as
     bench/gpu_probe.py, which time steps and not the end of a run): only the interval's evals run."""

@@ -259,6 +259,10 @@ class Trainer:
         if self._stop_before_training():
             res.stopped = self.stop.describe(self.stop.code)
             step = steps  # nothing to run; the checkpoint resumed from is current
+        elif self.cfg.train.eval_at_start and step == 0 < steps:
+            with self.stop.unguarded():
+                res.last_eval = self.evaluator.run(0)
+            self.metrics.event(0, "eval", **res.last_eval)
         while step < steps:
             self.at_step(self, step)  # the one hook point tests plant failures through (a no-op otherwise)
             t_step = time.perf_counter()
