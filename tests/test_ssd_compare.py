@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import needs, sandbox_missing
 from ultrascale.ssd.compare import Setting, cached, evaluate_set, grid, table
 from ultrascale.ssd.stats import NO_GAIN
+
+needs_sandbox = needs(sandbox_missing())
 
 PROBLEMS = [{"task_id": f"P/{i:03d}", "prompt": "", "test": "", "entry_point": "f"} for i in range(120)]
 
@@ -220,3 +223,27 @@ def test_the_evaluation_cli_refuses_a_mismatched_heldout_in_one_line_before_gene
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --heldout ") and "problems.train_repos_from=null" in lines[0]
+
+
+# What the full fine-tuning chat SFT checkpoint wrote for HumanEval/23 in plain completion (greedy, step 20): the
+# right body, then a closing fence and prose, as the instruction set's assistant turns end.
+CHAT_HABIT = (
+    "    return len(string)\n```\n\nThis implementation uses the `len` function to calculate the length of a string."
+)
+
+
+@needs_sandbox
+def test_the_fence_stop_scores_the_body_a_chat_tuned_model_writes_not_its_prose():
+    """``--stop-fence``: a plain completion ends at a code fence (as with ``--chat``), so the body is scored; with
+    HumanEval's stops alone the prose after the fence is run as Python and fails."""
+    from ultrascale.eval.humaneval import STOP_SEQUENCES, check_program, load_problems, truncate
+    from ultrascale.eval.sandbox import run_many
+    from ultrascale.ssd.compare import completion_stops, parser
+
+    assert completion_stops() == STOP_SEQUENCES
+    assert completion_stops(fence=True) == completion_stops(chat=True) == (*STOP_SEQUENCES, "```")
+    assert parser().parse_args(["--model", "a=m", "--stop-fence"]).stop_fence
+    problem = load_problems(24)[23]
+    programs = [check_program(problem, truncate(CHAT_HABIT, stops)) for stops in (completion_stops(),
+                completion_stops(fence=True))]  # fmt: skip
+    assert [o.passed for o in run_many(programs, workers=2)] == [False, True]

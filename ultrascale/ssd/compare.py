@@ -58,15 +58,27 @@ Scorer = Callable[[str, list[dict], Setting, int], dict[str, float]]
 """(model_dir, problems, setting, n samples) -> per-problem pass@1."""
 
 
+def completion_stops(chat: bool = False, fence: bool = False) -> tuple[str, ...]:
+    """Where a completion ends: HumanEval's next top-level statement, and a code fence for a chat prompt or when
+    asked (``fence``). A chat-tuned model asked in plain completion writes the body, then closes its 'code block'
+    and explains it; without the fence stop that prose is scored as Python (a SyntaxError), which measures the
+    format and not the code. bigcode-evaluation-harness stops HumanEval at a fence for the same reason."""
+    from ultrascale.data.instruct_format import FENCE
+    from ultrascale.eval.humaneval import STOP_SEQUENCES
+
+    return (*STOP_SEQUENCES, FENCE) if chat or fence else STOP_SEQUENCES
+
+
 def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 1234, workers: int = 2,
-                   device: str = "auto", chat: bool = False) -> Scorer:  # fmt: skip
+                   device: str = "auto", chat: bool = False, fence: bool = False) -> Scorer:  # fmt: skip
     """Generate with the project's sampler and run every completion in the kernel sandbox (HumanEval's programs
     for HumanEval problems, SSD's for mined ones). Models are loaded once and kept while their candidates are
     scored. ``chat``: each model is asked in its own chat template, the answer prefilled up to the body
     (:func:`ultrascale.data.instruct_format.chat_prompt`, the instruction set's own turns), and a closing code
-    fence ends the body; the program scored is still the problem's prompt + the body."""
-    from ultrascale.data.instruct_format import FENCE, chat_prompt
-    from ultrascale.eval.humaneval import STOP_SEQUENCES, check_program, generate
+    fence ends the body; the program scored is still the problem's prompt + the body. ``fence``: a fence ends
+    a plain completion too (:func:`completion_stops`)."""
+    from ultrascale.data.instruct_format import chat_prompt
+    from ultrascale.eval.humaneval import check_program, generate
     from ultrascale.eval.sandbox import Limits, run_many
 
     cache: dict[str, tuple] = {}
@@ -87,7 +99,7 @@ def sandbox_scorer(max_new_tokens: int = 256, batch_size: int = 32, seed: int = 
         completions = generate(model, tok, prompts, n_samples=n, temperature=setting.temperature,
                                top_k=setting.top_k, top_p=setting.top_p, max_new_tokens=max_new_tokens,
                                batch_size=batch_size, seed=seed,
-                               stops=(*STOP_SEQUENCES, FENCE) if chat else STOP_SEQUENCES)  # fmt: skip
+                               stops=completion_stops(chat, fence))  # fmt: skip
         programs = [check_program({"prompt": p["prompt"], "test": p.get("test", p.get("tests")),
                                    "entry_point": p["entry_point"]}, c) for p, cs in zip(problems, completions)
                     for c in cs]  # fmt: skip
@@ -282,6 +294,9 @@ def parser() -> argparse.ArgumentParser:
                     "cuda, cuda:N")  # fmt: skip
     ap.add_argument("--chat", action="store_true", help="ask each model in its chat template, as "
                     "data_prep.instruct's set asks (the answer prefilled up to the body): for chat models")  # fmt: skip
+    ap.add_argument("--stop-fence", action="store_true", help="also end a plain completion at a code fence (```), "
+                    "as bigcode-evaluation-harness does: a chat-tuned model closes its 'code block' after the body "
+                    "and explains it, and that prose would be scored as Python (always on with --chat)")  # fmt: skip
     ap.add_argument("--out", type=Path, help="write the result as JSON")
     ap.add_argument("--cache", type=Path, help="scores kept per (model, problems, setting, n), so a killed or "
                     "extended evaluation resumes (default: OUT's name + .scores.jsonl)")  # fmt: skip
@@ -308,11 +323,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if "heldout" in a.sets:
         sets["heldout"] = heldout_problems(a.heldout)
     settings = grid(a.temperatures, a.top_k, a.top_p)
-    scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens, device=a.device, chat=a.chat)
+    fence = a.stop_fence and not a.chat  # a chat prompt always stops at the fence
+    scorer = sandbox_scorer(max_new_tokens=a.max_new_tokens, device=a.device, chat=a.chat, fence=fence)
     cache = a.cache or (a.out.with_name(a.out.stem + ".scores.jsonl") if a.out else None)
     if cache:
-        scorer = cached(scorer, cache, tag=f"max_new_tokens={a.max_new_tokens}" + (",chat" if a.chat else ""))
-    result = {"seed": a.seed, "grid": [s.name for s in settings], "prompt": "chat" if a.chat else "plain", "sets": {}}
+        tag = f"max_new_tokens={a.max_new_tokens}" + (",chat" if a.chat else "") + (",fence" if fence else "")
+        scorer = cached(scorer, cache, tag=tag)
+    result = {"seed": a.seed, "grid": [s.name for s in settings], "prompt": "chat" if a.chat else "plain",
+              "stops": list(completion_stops(a.chat, fence)), "sets": {}}  # fmt: skip
     for name, problems in sets.items():
         result["sets"][name] = evaluate_set(problems, models, settings, scorer, a.n_dev, a.n_test, seed=a.seed)
     runs = {}
