@@ -392,14 +392,25 @@ def test_real_run_books_planted_stalls_in_their_own_parts_and_names_the_largest(
 def test_the_quality_figure_places_each_checkpoint_by_the_tokens_it_trained(tmp_path):
     """``python -m ultrascale.report.quality``: a checkpoint's pass@1 sits at its export's step x the run's tokens
     per step, the base at 0; loss and pass@1 share that axis, and the PNG is written."""
-    from ultrascale.report.quality import main, pass_at_1_points
+    from ultrascale.report.load import load_run
+    from ultrascale.report.quality import loss_points, main, pass_at_1_points, prompt_label
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"tokens": 60 * 4096, "steps": 60}))
+    # As the trainer writes them: held-out evals are event rows (step 0 with train.eval_at_start), and a step
+    # rolled back and run again is logged twice (its eval too): the last row wins.
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
-        {"step": 5, "time_s": 1.0, "loss": 1.0}, {"step": 20, "time_s": 4.0, "loss": 0.7, "eval_loss": 0.9},
-        {"step": 40, "time_s": 8.0, "loss": 0.6})))  # fmt: skip
+        {"step": 0, "time_s": 0.5, "event": "eval", "eval_loss": 0.95}, {"step": 5, "time_s": 1.0, "loss": 1.0},
+        {"step": 20, "time_s": 4.0, "loss": 0.7}, {"step": 20, "time_s": 4.5, "event": "eval", "eval_loss": 0.99},
+        {"step": 20, "time_s": 5.0, "event": "checkpoint"}, {"step": 20, "time_s": 6.0, "loss": 0.72},
+        {"step": 20, "time_s": 6.5, "event": "eval", "eval_loss": 0.9}, {"step": 40, "time_s": 8.0, "loss": 0.6})))  # fmt: skip
+    train, held = loss_points(load_run(run), 4096)
+    assert train == [(5 * 4096, 1.0), (20 * 4096, 0.72), (40 * 4096, 0.6)]
+    assert held == [(0, 0.95), (20 * 4096, 0.9)]
+    assert prompt_label({"prompt": "chat", "stops": ["\ndef ", "```"]}) == "chat prompt"
+    assert prompt_label({"prompt": "plain", "stops": ["\ndef ", "```"]}) == "plain prompt + fence stop"
+    assert prompt_label({"prompt": "plain"}) == "plain prompt"
     cands = []
     for step in (40, 20):  # listed out of order: the points come sorted by tokens
         d = tmp_path / f"hf_{step}"

@@ -49,6 +49,12 @@ class Run:
             last[r["step"]] = r
         return [last[s] for s in sorted(last)]
 
+    def eval_curve(self) -> list[dict]:
+        """The held-out evals (``event: eval`` rows, step 0 included where the run evaluated at start), one per
+        step: a rolled-back step's eval is run again, and the last row wins."""
+        last = {r["step"]: r for r in self.events if r["event"] == "eval" and "eval_loss" in r}
+        return [last[s] for s in sorted(last)]
+
     def cfg(self, dotted: str, default: Any = None) -> Any:
         node: Any = self.config
         for part in dotted.split("."):

@@ -52,6 +52,22 @@ def pass_at_1_points(result: dict, per_step: int, set_name: str = "humaneval") -
     return out
 
 
+def loss_points(run: Run, per_step: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(tokens trained, loss) of the logged steps and of the held-out evals (eval events, step 0 where the run
+    evaluated at start), on one tokens axis."""
+    train = [(r["step"] * per_step, r["loss"]) for r in run.curve() if "loss" in r]
+    held = [(r["step"] * per_step, r["eval_loss"]) for r in run.eval_curve()]
+    return train, held
+
+
+def prompt_label(result: dict) -> str:
+    """How the models were asked and where their completions ended, from an evaluate result: ``chat prompt``,
+    ``plain prompt``, or ``plain prompt + fence stop`` (``--stop-fence``)."""
+    prompt = result.get("prompt", "plain")
+    fenced = prompt == "plain" and any(s.strip() == "```" for s in result.get("stops", ()))
+    return f"{prompt} prompt" + (" + fence stop" if fenced else "")
+
+
 def draw(run_dir: Path, evals: list[Path], out: Path) -> Path:
     import matplotlib
 
@@ -62,10 +78,8 @@ def draw(run_dir: Path, evals: list[Path], out: Path) -> Path:
 
     run = load_run(run_dir)  # one clear line for a missing dir or metrics; after a rollback the last row wins
     per_step = tokens_per_step(run)
-    rows = run.curve()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    train = [(r["step"] * per_step, r["loss"]) for r in rows if "loss" in r]
-    held = [(r["step"] * per_step, r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.5))
+    train, held = loss_points(run, per_step)
     if train:
         left.plot(*zip(*train), lw=1.2, label="training loss")
     if held:
@@ -78,19 +92,19 @@ def draw(run_dir: Path, evals: list[Path], out: Path) -> Path:
         he = result["sets"]["humaneval"]
         base, *rest = list(he["models"])
         points = pass_at_1_points(result, per_step)
-        prompt = result.get("prompt", "plain")
+        prompt = prompt_label(result)
         for name in rest:
             pts = points[base][:1] + points[name]  # the base at 0 tokens, then each checkpoint
             m = he["models"][name]
             vs = m.get(f"vs_{base}", {})
-            label = (f"{name}, {prompt} prompt: dev pass@1 (test {m['test_pass@1']:.3f} vs base "
+            label = (f"{name}, {prompt}: dev pass@1 (test {m['test_pass@1']:.3f} vs base "
                      f"{he['models'][base]['test_pass@1']:.3f}, diff {vs.get('diff', 0):+.3f} "
                      f"[{vs.get('lo', 0):+.3f}, {vs.get('hi', 0):+.3f}])")  # fmt: skip
             right.plot(*zip(*pts), "o-", lw=1.5, label=label)
     right.set(title=f"HumanEval pass@1, greedy, dev half ({len(he['split']['dev'])} problems)",
               xlabel="tokens trained", ylabel="pass@1")  # fmt: skip
     right.grid(alpha=0.3)
-    right.legend(fontsize=7, loc="best")
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below: the curves stay visible
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
