@@ -22,6 +22,12 @@ from ultrascale.errors import DataError
 from ultrascale.train.rundir import LATEST, META, METRICS
 
 
+def _last_per_step(rows) -> list[dict]:
+    """One row per step, in step order: a step logged again (after a rollback) keeps its last row."""
+    last = {r["step"]: r for r in rows}
+    return [last[s] for s in sorted(last)]
+
+
 @dataclass
 class Run:
     """One run's rows and whatever describes it. ``rows`` keeps file order: that is what really happened."""
@@ -44,16 +50,12 @@ class Run:
 
     def curve(self) -> list[dict]:
         """The surviving history: after a rollback the same step is logged again, and the last row wins."""
-        last: dict[int, dict] = {}
-        for r in self.step_rows:
-            last[r["step"]] = r
-        return [last[s] for s in sorted(last)]
+        return _last_per_step(self.step_rows)
 
     def eval_curve(self) -> list[dict]:
         """The held-out evals (``event: eval`` rows, step 0 included where the run evaluated at start), one per
         step: a rolled-back step's eval is run again, and the last row wins."""
-        last = {r["step"]: r for r in self.events if r["event"] == "eval" and "eval_loss" in r}
-        return [last[s] for s in sorted(last)]
+        return _last_per_step(r for r in self.events if r["event"] == "eval" and "eval_loss" in r)
 
     def cfg(self, dotted: str, default: Any = None) -> Any:
         node: Any = self.config
