@@ -199,7 +199,8 @@ def test_a_killed_rank_restarts_the_job_which_finishes_like_the_uninterrupted_ru
     --max-restarts; the driver's loop for the deepspeed launcher), resumes from step 5 and finishes; the
     restart and the 2 steps it lost are in metrics.jsonl and the comb report."""
     out, trace = tmp_path / "run", tmp_path / "trace"
-    args = [*BASE, f"data.path={tiny_data}", f"output_dir={out}", f"launcher={launcher}", "launcher.max_restarts=1"]
+    args = [*BASE, f"data.path={tiny_data}", f"output_dir={out}", f"launcher={launcher}", "launcher.max_restarts=1",
+            faults.SYNC_SAVES]  # step 5's checkpoint is `latest` before the kill  # fmt: skip
     proc = launch(args, nproc=0, env={**faults.env(kill_at="7:1"), "ULTRASCALE_TRACE_SAMPLES": str(trace)})
     check(proc)
     (resume,) = _events(out, "resume")

@@ -63,6 +63,7 @@ def test_layout_with_data_parallelism_trains_agrees_and_resumes_after_a_kill(nam
         diffs = {s: abs(curve[s] - plain[s]) for s in plain}
         assert max(diffs.values()) <= TOL, f"{name} vs the 1-rank model: {diffs}"
     killed = tmp_path / "killed"
+    args = [*args, faults.SYNC_SAVES]  # step 2's checkpoint is `latest` before step 3 starts
     proc = launch([*args, f"output_dir={killed}"], nproc=4, env=faults.env(kill_at="3"))
     assert proc.returncode != 0 and (killed / "checkpoints" / "latest").read_text() == "step_00000002"
     check(launch([*args, f"output_dir={killed}"], nproc=4))

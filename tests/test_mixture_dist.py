@@ -108,6 +108,7 @@ def test_summary_data_mix_is_the_count_of_the_traced_samples(uninterrupted):
 def test_a_kill_mid_stage_resumes_to_the_same_samples_across_the_stage_boundary(uninterrupted, tmp_path):
     ref_dir, ref_reads, args = uninterrupted
     out = tmp_path / "killed"
+    args = [*args, faults.SYNC_SAVES]  # step 4's checkpoint is `latest` before step 5 starts
     killed = launch([*args, f"output_dir={out}"], env={**faults.env(kill_at="5"),
                                                        "ULTRASCALE_TRACE_SAMPLES": str(tmp_path / "t1")})  # fmt: skip
     assert killed.returncode != 0, "the fault hook did not kill the run"

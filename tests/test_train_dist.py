@@ -69,6 +69,7 @@ def test_zero1_trains_and_keeps_every_checkpoint(uninterrupted):
 def test_kill_then_resume_equals_uninterrupted(uninterrupted, tmp_path):
     ref_dir, args = uninterrupted
     out = tmp_path / "killed"
+    args = [*args, faults.SYNC_SAVES]  # step 3's checkpoint is `latest` before step 4 starts
     killed = launch([*args, f"output_dir={out}"], env=faults.env(kill_at="5"))
     assert killed.returncode != 0, "the fault hook did not kill the run"
     assert (out / "checkpoints" / "latest").read_text() == "step_00000003"

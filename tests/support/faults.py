@@ -23,6 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 FAULT_ENV = "ULTRASCALE_FAULT_AT_STEP"
 FAULT_ROLLBACK_ENV = "ULTRASCALE_FAULT_AFTER_ROLLBACK"
 RAISE_ENV = "ULTRASCALE_RAISE_ON_RANK"
+SYNC_SAVES = "train.checkpoint_async=false"
+"""For a test that kills a run and then asserts which checkpoint ``latest`` names. By default a checkpoint is written
+in the background and becomes ``latest`` only once every rank reports it written, at a later step's all-gather; under
+load that can come after the kill (stop 52's CI: killed one step after the save, no ``latest`` at all). That is the
+design (a crash mid-write keeps the previous checkpoint), not what these tests measure; the background path's crash is
+test_failures_dist's ``test_a_kill_during_the_background_write_keeps_the_previous_latest_and_resumes_exactly``."""
 _last_step: list[int] = []
 """The step this rank's hook saw last: a step that is not past it follows a rollback."""
 
