@@ -199,6 +199,36 @@ def test_cpu_peak_is_measured_once_per_cpu_dtype_threads_and_ranks(tmp_path, mon
     assert len(calls) == 4 and len(json.loads((tmp_path / "peak_flops.json").read_text())) == 3
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bf16_run_divides_by_the_bf16_peak_only_where_the_cpu_multiplies_bf16_natively(tmp_path, monkeypatch,
+                                                                                       native):  # fmt: skip
+    """Without AMX or AVX-512 BF16, bf16 matmuls are emulated through fp32: MFU's peak is the fp32 GEMM's, and the
+    emulated bf16 GEMM is never calibrated (on an AVX2 EPYC it ran at 0.3 GFLOP/s: over 5 minutes of start-up in
+    every fresh run with autocast, and MFU 900 %)."""
+    import dataclasses
+
+    import torch
+
+    from ultrascale.runtime import cpu, peak
+
+    real = cpu.detect()
+    flags = (real.flags - {"amx_bf16", "avx512_bf16"}) | ({"avx512_bf16"} if native else set())
+    monkeypatch.setattr(cpu, "detect", lambda: dataclasses.replace(real, flags=frozenset(flags)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+
+    def fake_rate(dtype=torch.float32, **_):
+        calls.append(dtype)
+        return {"flops": 5e10 if dtype == torch.float32 else 2e11, "min": 4e10, "max": 6e10, "windows": 9}
+
+    monkeypatch.setenv("ULTRASCALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(peak, "gemm_rate", fake_rate)
+    flops, src = peak.device_peak_flops(torch.bfloat16)
+    assert calls == [torch.bfloat16 if native else torch.float32], calls
+    assert flops == (2e11 if native else 5e10) and ("emulated" in src) == (not native), src
+    assert peak.device_peak_flops(torch.float32)[0] == 5e10 and len(calls) == (2 if native else 1)
+
+
 def test_gemm_rate_is_the_median_of_five_or_more_windows_timed_after_an_untimed_warm_up():
     """What the reading is made of, counted by torch's profiler: products ran before the first timed window
     (the warm-up, so cold caches and the thread pool's start are not in it), at least 5 windows even with no
