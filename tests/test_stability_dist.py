@@ -29,7 +29,10 @@ def _summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("zero", ["stage0", "stage1", "stage2"])
+# stage2 (partitioned gradients, the hardest to agree on) in the default suite; stage0 and stage1 in `make test-all`
+# (~30 s each on the 2-core CI box, whose 90-minute limit the suite came within 10 minutes of).
+@pytest.mark.parametrize("zero", [pytest.param("stage0", marks=pytest.mark.slow),
+                                  pytest.param("stage1", marks=pytest.mark.slow), "stage2"])  # fmt: skip
 def test_nan_on_rank1_is_skipped_on_both_ranks_and_a_spike_cuts_the_lr(zero, tiny_data, tmp_path):
     out = tmp_path / zero
     args = [*FAST, f"zero={zero}", f"data.path={tiny_data}", f"output_dir={out}", "train.steps=10",
