@@ -174,8 +174,9 @@ def test_fused_adamw_is_the_same_update_as_the_foreach_one():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def test_cpu_peak_is_measured_once_per_cpu_dtype_threads_and_ranks(tmp_path, monkeypatch):
-    """The calibrated peak is stored by (CPU model, dtype, threads, ranks) and read back, not re-measured."""
+def _planted_gemm(monkeypatch, tmp_path) -> list:
+    """``gemm_rate`` replaced by fixed readings (fp32 50, bf16 200 GFLOP/s) over an empty peak cache; returns the
+    list of the dtypes it is asked to measure, in order."""
     import torch
 
     from ultrascale.runtime import peak
@@ -188,6 +189,16 @@ def test_cpu_peak_is_measured_once_per_cpu_dtype_threads_and_ranks(tmp_path, mon
 
     monkeypatch.setenv("ULTRASCALE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(peak, "gemm_rate", fake_rate)
+    return calls
+
+
+def test_cpu_peak_is_measured_once_per_cpu_dtype_threads_and_ranks(tmp_path, monkeypatch):
+    """The calibrated peak is stored by (CPU model, dtype, threads, ranks) and read back, not re-measured."""
+    import torch
+
+    from ultrascale.runtime import peak
+
+    calls = _planted_gemm(monkeypatch, tmp_path)
     first, _ = peak.cpu_peak(torch.float32)
     again, src = peak.cpu_peak(torch.float32)
     assert first == again == 5e10 and len(calls) == 1 and "calibrated 20" in src
@@ -215,14 +226,7 @@ def test_a_bf16_run_divides_by_the_bf16_peak_only_where_the_cpu_multiplies_bf16_
     flags = (real.flags - {"amx_bf16", "avx512_bf16"}) | ({"avx512_bf16"} if native else set())
     monkeypatch.setattr(cpu, "detect", lambda: dataclasses.replace(real, flags=frozenset(flags)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    calls = []
-
-    def fake_rate(dtype=torch.float32, **_):
-        calls.append(dtype)
-        return {"flops": 5e10 if dtype == torch.float32 else 2e11, "min": 4e10, "max": 6e10, "windows": 9}
-
-    monkeypatch.setenv("ULTRASCALE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(peak, "gemm_rate", fake_rate)
+    calls = _planted_gemm(monkeypatch, tmp_path)
     flops, src = peak.device_peak_flops(torch.bfloat16)
     assert calls == [torch.bfloat16 if native else torch.float32], calls
     assert flops == (2e11 if native else 5e10) and ("emulated" in src) == (not native), src
