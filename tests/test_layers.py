@@ -9,6 +9,7 @@ an exception that no longer exists fails too, so the list only shrinks.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from tests.test_import_graph import edges, modules
 from ultrascale.paths import PROJECT_ROOT
@@ -51,6 +52,13 @@ def layer_of(module: str, order: list[tuple[str, list[str]]]) -> int | None:
     return best[0] if best else None
 
 
+def unknown(names: set[str], mods: dict[str, Path] | set[str]) -> list[str]:
+    """The names that are neither a module nor a package of the tree. A prefix that names nothing places no
+    module in its layer, so a moved module (``ultrascale.rundir``, now ``ultrascale/train/rundir.py``) would
+    leave the page describing code that is not there, and every other check would still pass."""
+    return sorted(n for n in names if n not in mods and not any(m.startswith(n + ".") for m in mods))
+
+
 def upward(graph: dict[str, set[str]], order: list[tuple[str, list[str]]]) -> list[tuple[str, str]]:
     """Every edge from a module to one in a higher layer."""
     return sorted(
@@ -64,6 +72,15 @@ def upward(graph: dict[str, set[str]], order: list[tuple[str, list[str]]]) -> li
 def test_every_module_has_a_layer():
     order = layers(PAGE.read_text())
     assert [m for m in modules() if layer_of(m, order) is None] == []
+
+
+def test_every_name_on_the_page_is_a_module():
+    text = PAGE.read_text()
+    layer_names = {p for _, prefixes in layers(text) for p in prefixes}
+    upward_names = {name for pair in upward_allowed(text) for name in pair}
+    mods = modules()
+    assert unknown(layer_names, mods) == [], "ARCHITECTURE.md's layers block names no such module or package"
+    assert unknown(upward_names, mods) == [], "ARCHITECTURE.md's upward block names no such module"
 
 
 def test_no_module_imports_a_layer_above_it():
@@ -89,3 +106,8 @@ def test_a_planted_upward_import_is_caught():
     assert layers(text) == [("base", ["a"]), ("top", ["a.b", "c"])]
     assert layer_of("a.b.c", layers(text)) == 1 and layer_of("a.z", layers(text)) == 0
     assert upward_allowed(text) == {("x", "y")}
+
+
+def test_a_name_that_is_no_module_is_caught():
+    mods = {"a", "a.b.c", "c"}
+    assert unknown({"a", "a.b", "a.b.c", "c", "a.rundir", "d"}, mods) == ["a.rundir", "d"]  # a.b: a package
