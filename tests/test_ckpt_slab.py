@@ -204,6 +204,49 @@ def test_a_refused_page_lock_leaves_no_cuda_error_and_is_said_once(monkeypatch, 
                          "last error cleared")  # fmt: skip
 
 
+VENDORED = "/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart-5e4c6f2a.so.13"
+MAPS = f"""\
+7f2a1c000000-7f2a1c1a2000 r-xp 00000000 fd:01 1311  /usr/lib/x86_64-linux-gnu/libc.so.6
+7f2a1d000000-7f2a1d0b1000 r--p 00000000 fd:01 5678  {VENDORED}
+7f2a1d0b1000-7f2a1d1c0000 r-xp 000b1000 fd:01 5678  {VENDORED}
+7f2a1e000000-7f2a1e004000 r-xp 00000000 fd:01 9012  /opt/stubs/libcudart_stub.so
+7ffd0a1f0000-7ffd0a211000 rw-p 00000000 00:00 0     [stack]
+"""
+"""A CUDA 13 process's maps: the runtime a pip wheel vendors, renamed by auditwheel (no ``libcudart.so`` in it)."""
+
+
+def test_a_refused_page_lock_clears_the_error_through_a_vendored_libcudart(monkeypatch, tmp_path, caplog):
+    """torch's own ``cudart()`` binds no ``cudaGetLastError`` (the recorder above does, so its tests never leave
+    it), so the error is cleared through the libcudart the process has mapped, opened with ctypes: here a pip
+    wheel's ``libcudart-<hash>.so.13`` in a planted maps file. ctypes opens only that path (dlopen of anything else
+    fails), and the library's ``cudaGetLastError`` is the runtime's."""
+    from ultrascale.train import ckpt_writer
+
+    runtime = StrictCudart(fail_with=2)
+    opened = []
+
+    class TorchsCudart:  # what torch.cuda.cudart() binds of the runtime: no cudaGetLastError
+        cudaHostRegister, cudaHostUnregister = runtime.cudaHostRegister, runtime.cudaHostUnregister
+
+    class Library:
+        def __init__(self, path: str) -> None:
+            opened.append(path)
+            if path != VENDORED:
+                raise OSError(f"{path}: cannot open shared object file: No such file or directory")
+            self.cudaGetLastError = lambda: runtime.cudaGetLastError()
+
+    (tmp_path / "maps").write_text(MAPS)
+    monkeypatch.setattr(ckpt_writer, "PROC_MAPS", str(tmp_path / "maps"))
+    monkeypatch.setattr(ckpt_writer.ctypes, "CDLL", Library)
+    monkeypatch.setattr(torch.cuda, "cudart", TorchsCudart)
+    monkeypatch.setattr(ckpt_writer, "_REGISTER_FAILED", [])
+    with caplog.at_level(logging.WARNING, logger="ultrascale"):
+        snap = planted_staging(runtime).stage("a.pt", {"w": torch.full((64, 1024), 3.0)})
+    assert torch.equal(snap["w"], torch.full((64, 1024), 3.0)) and len(runtime.registers()) == 1
+    assert opened == [VENDORED] and runtime.last_error == 0, (opened, runtime.last_error)
+    assert caplog.records[-1].getMessage().endswith("CUDA's last error cleared")
+
+
 # ---- pre-staging: the buffers exist before the first save ---------------------------------------------------
 
 

@@ -22,6 +22,7 @@ import math
 import mmap
 import os
 import queue
+import re
 import threading
 import time
 import weakref
@@ -104,15 +105,27 @@ _REGISTER_FAILED: list[str] = []
 """The first failed page-lock's message: said once a process."""
 
 
+PROC_MAPS = "/proc/self/maps"
+"""Where the process's mapped files are listed (a test plants its own)."""
+_CUDART_FILE = re.compile(r"libcudart(?:-[0-9A-Za-z]+)?\.so(?:\.[0-9]+)*")
+"""A CUDA runtime's file name: ``libcudart.so.12`` as the toolkit and the ``nvidia-cuda-runtime`` wheels name it,
+and ``libcudart-<hash>.so.13`` as auditwheel renames the copy a wheel vendors (a plain ``"libcudart.so" in line``
+never matched that one). Not ``libcudart_static`` or a ``.so.12.bak``."""
+
+
 def _libcudart(name: str) -> Callable[[], int] | None:
     """``name`` from the libcudart this process has loaded (torch's ``cudart()`` binds no ``cudaGetLastError``):
     found in ``/proc/self/maps`` so ctypes opens that same library, whose per-thread error slot torch reads."""
+    paths = set()
     try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({ln.split()[-1] for ln in f if "libcudart.so" in ln})
+        with open(PROC_MAPS) as f:
+            for line in f:
+                parts = line.rstrip("\n").split(maxsplit=5)  # address perms offset dev inode path (spaces and all)
+                if len(parts) == 6 and _CUDART_FILE.fullmatch(os.path.basename(parts[5])):
+                    paths.add(parts[5])
     except OSError:
         return None
-    for path in paths:
+    for path in sorted(paths):
         try:
             fn = getattr(ctypes.CDLL(path), name)
         except (OSError, AttributeError):
