@@ -252,3 +252,19 @@ def test_gemm_rate_is_the_median_of_five_or_more_windows_timed_after_an_untimed_
     assert got["flops"] == statistics.median(rates) and (got["min"], got["max"]) == (min(rates), max(rates))
     got = gemm_rate(n=256, warmup_s=0.0, measure_s=0.2)
     assert got["windows"] > 5 and got["flops"] == statistics.median(got["rates"])
+
+
+TRAINER_MAX_LINES = 50
+"""The design goal for ``ultrascale/train/trainer.py``: no function longer than this, its ``def`` line to its last
+(issue 54: ``Trainer.fit`` had grown to 60)."""
+
+
+def test_every_function_of_the_trainer_fits_in_50_lines():
+    import ast
+
+    from tests.conftest import ROOT
+
+    tree = ast.parse((ROOT / "ultrascale" / "train" / "trainer.py").read_text())
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > TRAINER_MAX_LINES}  # fmt: skip
+    assert not long, f"trainer.py functions over {TRAINER_MAX_LINES} lines (def to last line): {long}"

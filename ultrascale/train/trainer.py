@@ -251,39 +251,23 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------------
     def fit(self) -> FitResult:
+        """Run the steps from ``start_step`` to ``train.steps`` (a rollback steps back, a stop ends early); each
+        step's row is logged, then what is due after it runs and a background checkpoint every rank has written
+        becomes ``latest``."""
         steps, res = self.cfg.train.steps, FitResult()
         bar = progress_bar(dist.is_rank0(), steps, self.start_step)
         profiler = StepProfiler(self.out, self.rank, self.cfg.train.profile_start, self.cfg.train.profile_steps,
                                 self.start_step)  # fmt: skip
-        step, t_first, t_last = self.start_step, None, None
-        if self._stop_before_training():
-            res.stopped = self.stop.describe(self.stop.code)
-            step = steps  # nothing to run; the checkpoint resumed from is current
-        elif self.cfg.train.eval_at_start and step == 0 < steps:
-            with self.stop.unguarded():
-                res.last_eval = self.evaluator.run(0)
-            self.metrics.event(0, "eval", **res.last_eval)
+        step, t_first, t_last = self._before_first_step(res), None, None
         while step < steps:
-            self.at_step(self, step)  # the one hook point tests plant failures through (a no-op otherwise)
-            t_step = time.perf_counter()
-            profiler.before(res.steps_run)
-            res.last, st = self.train_step(step)
-            verdict = st.verdict
-            self.stop.beat(res.last["step_s"])
-            profiler.after(res.steps_run)
-            self.injector.fired(step + 1)
+            st = self._run_step(step, res, profiler)
             done = step + 1
-            if res.steps_run == 0 and self.decisions.compile.on:
-                log.info(f"compile: first step (compile included) took {time.perf_counter() - t_step:.1f}s")
-            res.steps_run += 1
-            if res.steps_run > 1:  # the first step includes one-off warm-up costs
-                res.tokens_per_s.append(res.last["tokens_per_s"])
             stopping = bool(st.stop) and done < steps
             if stopping:  # the views wait until the stop's checkpoint is `latest`: no dashboard may cost the step
                 self.metrics.hold()
-            self._record(done, verdict, res.last)
-            if verdict.action == "rollback":
-                step = self._rollback(step, verdict)
+            self._record(done, st.verdict, res.last)
+            if st.verdict.action == "rollback":
+                step = self._rollback(step, st.verdict)
                 continue
             if bar:
                 bar.update(1)
@@ -310,6 +294,35 @@ class Trainer:
         if bar:
             bar.close()
         return res
+
+    def _before_first_step(self, res: FitResult) -> int:
+        """The step the loop starts at: ``train.steps`` when a stop came during setup (nothing to run; the
+        checkpoint resumed from is current), else ``start_step``, after the eval of ``train.eval_at_start``."""
+        if self._stop_before_training():
+            res.stopped = self.stop.describe(self.stop.code)
+            return self.cfg.train.steps
+        if self.cfg.train.eval_at_start and self.start_step == 0 < self.cfg.train.steps:
+            with self.stop.unguarded():
+                res.last_eval = self.evaluator.run(0)
+            self.metrics.event(0, "eval", **res.last_eval)
+        return self.start_step
+
+    def _run_step(self, step: int, res: FitResult, profiler: StepProfiler) -> StepState:
+        """Step ``step`` (0-based) with what surrounds it: the test hook, the profiler window, the stop watchdog's
+        heartbeat and the run's counts; its row is ``res.last``."""
+        self.at_step(self, step)  # the one hook point tests plant failures through (a no-op otherwise)
+        t_step = time.perf_counter()
+        profiler.before(res.steps_run)
+        res.last, st = self.train_step(step)
+        self.stop.beat(res.last["step_s"])
+        profiler.after(res.steps_run)
+        self.injector.fired(step + 1)
+        if res.steps_run == 0 and self.decisions.compile.on:
+            log.info(f"compile: first step (compile included) took {time.perf_counter() - t_step:.1f}s")
+        res.steps_run += 1
+        if res.steps_run > 1:  # the first step includes one-off warm-up costs
+            res.tokens_per_s.append(res.last["tokens_per_s"])
+        return st
 
     def _logs(self, done: int, verdict: Verdict) -> bool:
         """Whether step ``done``'s row is logged: every ``train.log_interval`` steps, the last, and a bad step."""
