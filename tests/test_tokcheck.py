@@ -41,6 +41,28 @@ def _swapped_tokenizer(smollm2: Path, out: Path) -> Path:
     return out
 
 
+def _legacy(tok_dir: Path, out: Path) -> Path:
+    """``tok_dir``'s tokenizer re-saved in the legacy form, as a slow tokenizer's ``save_pretrained`` leaves it:
+    ``vocab.json`` + ``merges.txt`` and a ``tokenizer_config.json`` naming ``GPT2Tokenizer`` (how ``AutoTokenizer``
+    knows what to build), no ``tokenizer.json``."""
+    from tokenizers import Tokenizer
+
+    out.mkdir(parents=True)
+    Tokenizer.from_file(str(tok_dir / "tokenizer.json")).model.save(str(out))
+    conf = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**conf, "tokenizer_class": "GPT2Tokenizer"}))
+    return out
+
+
+def _legacy_model(smollm2: Path, out: Path) -> Path:
+    """SmolLM2 as a model directory whose tokenizer is in the legacy form (the weights linked, not copied)."""
+    _legacy(smollm2, out)
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(smollm2 / name, out / name)
+    (out / "model.safetensors").symlink_to((smollm2 / "model.safetensors").resolve())
+    return out
+
+
 def _dataset(out: Path, tok_dir: Path, vocab_size: int, special: dict | None, with_hash: bool) -> Path:
     import numpy as np
 
@@ -77,10 +99,15 @@ def test_the_models_own_tokenizer_passes(smollm2_data, smollm2_135m):
     assert "train /" in check_prepared(cfg.data, 49152, model_dir=pretrained_dir(cfg.model))
 
 
-def test_train_refuses_another_tokenizers_data_in_one_line_and_writes_nothing(bpe_data, smollm2_135m, tmp_path):
-    """The issue's command, on one rank: the refusal comes from the preflight, before the run directory exists."""
+@pytest.mark.parametrize("form", ["tokenizer.json", "legacy"])
+def test_train_refuses_another_tokenizers_data_in_one_line_and_writes_nothing(bpe_data, smollm2_135m, tmp_path,
+                                                                              tmp_path_factory, form):  # fmt: skip
+    """The issue's command, on one rank: the refusal comes from the preflight, before the run directory exists.
+    ``legacy``: the model's tokenizer as vocab.json + merges.txt (issue 54), which used to pass unseen and train."""
+    legacy = tmp_path_factory.mktemp("legacy") / "smollm2"  # outside the cwd, so the line shows it whole
+    model = smollm2_135m if form == "tokenizer.json" else _legacy_model(smollm2_135m, legacy)
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=smollm2_135m_lora", f"model.pretrained_path={smollm2_135m}",
+    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=smollm2_135m_lora", f"model.pretrained_path={model}",
            f"data.path={bpe_data}", "data.seq_len=64", "train.steps=2", f"output_dir={out}"]  # fmt: skip
     # 120 s is a hang guard: without the check this trains (and writes a checkpoint)
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, **TEST_ENV}, capture_output=True, text=True,
@@ -90,9 +117,57 @@ def test_train_refuses_another_tokenizers_data_in_one_line_and_writes_nothing(bp
     assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr[-3000:]
     line = errors[0]
     assert f"data.path={bpe_data}" in line and f"by {bpe_data / 'tokenizer'}," in line, line
-    assert f"model.pretrained_path={smollm2_135m}" in line and "512 vs 49,152 tokens" in line, line
-    assert f"tokenizer.path={smollm2_135m} fim.rate=0 pack.seq_len=64" in line, line
+    assert f"model.pretrained_path={model}" in line and "512 vs 49,152 tokens" in line, line
+    assert f"tokenizer.path={model} fim.rate=0 pack.seq_len=64" in line, line
+    assert ("has written its tokenizer.json" in line) == (form == "legacy"), line  # what data prep reads
     assert not out.exists(), sorted(p.name for p in out.rglob("*"))
+
+
+def test_the_same_tokenizer_in_the_legacy_form_passes(smollm2_data, smollm2_135m, tmp_path):
+    """SmolLM2's tokenizer as vocab.json + merges.txt is read through AutoTokenizer to the vocabulary its
+    tokenizer.json has, so data tokenized by it passes (before issue 54 it passed unread, with no hash)."""
+    from ultrascale.data.tokcheck import check_tokenizer, read_vocab, vocab_sha256
+
+    legacy = _legacy(smollm2_135m, tmp_path / "legacy")
+    assert not (legacy / "tokenizer.json").exists()
+    assert read_vocab(legacy) == read_vocab(smollm2_135m)  # token -> id, the 17 added tokens included
+    assert vocab_sha256(legacy) == vocab_sha256(smollm2_135m)
+    check_tokenizer(smollm2_data, "data.path", legacy, "model.pretrained_path")
+
+
+def test_another_tokenizer_in_the_legacy_form_is_refused_in_one_line(smollm2_data, smollm2_135m, tmp_path):
+    """The strongest case: the same size and special ids, two ordinary tokens' ids swapped, only in vocab.json."""
+    from ultrascale.data.tokcheck import check_tokenizer
+    from ultrascale.errors import DataError
+
+    legacy = _legacy(_swapped_tokenizer(smollm2_135m, tmp_path / "swapped"), tmp_path / "legacy")
+    with pytest.raises(DataError, match=r"49,152 vs 49,152 tokens, vocabulary sha256 \w{12} vs \w{12}") as e:
+        check_tokenizer(smollm2_data, "data.path", legacy, "model.pretrained_path")
+    assert "\n" not in str(e.value), str(e.value)
+
+
+def test_a_tokenizer_that_cannot_be_read_here_is_refused_in_one_line_saying_what_is_missing(
+    smollm2_data, smollm2_135m, tmp_path, monkeypatch
+):
+    """tokenizer.model alone needs sentencepiece (transformers, without it, would blame tiktoken); vocab.json +
+    merges.txt that name no class cannot be built by AutoTokenizer. Neither passes in silence."""
+    from ultrascale.data.tokcheck import check_tokenizer
+    from ultrascale.errors import DataError
+
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # not installed, as on this box, whatever is
+    spm = tmp_path / "spm"
+    spm.mkdir()
+    (spm / "tokenizer.model").write_bytes(b"\n\x00")  # never opened: what reads it is missing
+    want = rf"{re.escape(str(spm / 'tokenizer.model'))} is a sentencepiece tokenizer .*`pip install sentencepiece`"
+    with pytest.raises(DataError, match=want) as e:
+        check_tokenizer(smollm2_data, "data.path", spm, "model.pretrained_path")
+    assert "\n" not in str(e.value), str(e.value)
+    bare = _legacy(smollm2_135m, tmp_path / "bare")
+    (bare / "tokenizer_config.json").unlink()
+    want = r"has vocab\.json \+ merges\.txt but no tokenizer\.json, and AutoTokenizer cannot load it \w+ \(ValueError"
+    with pytest.raises(DataError, match=want) as e:
+        check_tokenizer(smollm2_data, "data.path", bare, "model.pretrained_path")
+    assert "\n" not in str(e.value), str(e.value)
 
 
 def test_a_vocabulary_of_the_same_size_and_special_ids_is_told_apart_by_its_hash(smollm2_135m, tmp_path):

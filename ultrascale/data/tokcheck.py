@@ -7,13 +7,15 @@ in-training eval, which read the run's sources with the model, eval's perplexity
 manifest is compared with the model's tokenizer first, in :func:`check_tokenizer`, before anything is built or
 written.
 
-The comparison is a hash of the vocabulary computed on both sides (:func:`vocab_sha256`); a manifest from before
-the hash falls back to the vocabulary size and the special tokens' ids.
+The comparison is a hash of the vocabulary computed on both sides (:func:`vocab_sha256`), a legacy-format model
+tokenizer's read through ``AutoTokenizer`` (:func:`read_vocab`); a manifest from before the hash falls back to the
+vocabulary size and the special tokens' ids.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -33,6 +35,9 @@ ADDED_KEY = "tokenizer_added"
 (``base_vocab_sha256``, ``base_vocab_size``) and the appended tokens' ids. A model of that vocabulary reads the data
 once its embedding has the new rows (``model.config.vocab_size``, checked against the manifest's ``vocab_size``)."""
 FIM_PREFIX = "<fim_prefix>"
+LEGACY_FILES = ("vocab.json", "merges.txt", "tokenizer.model")
+"""A tokenizer's files without ``tokenizer.json`` (the slow tokenizers' form): BPE's vocabulary and merges, or a
+sentencepiece model. Any of them makes a directory one with a tokenizer to compare."""
 
 
 def pretrained_dir(model_cfg: ModelConfig) -> Path | None:
@@ -44,14 +49,46 @@ def pretrained_dir(model_cfg: ModelConfig) -> Path | None:
 
 
 def read_vocab(tok_dir: str | os.PathLike) -> dict[str, int] | None:
-    """``token -> id`` of a tokenizer directory's ``tokenizer.json``, added tokens included; None without one
-    (a model directory saved without a tokenizer: nothing to compare)."""
-    path = Path(tok_dir) / "tokenizer.json"
-    if not path.exists():
-        return None
-    from tokenizers import Tokenizer
+    """``token -> id`` of a tokenizer directory, added tokens included; None when it holds no tokenizer file (a
+    model directory saved without a tokenizer: nothing to compare).
 
-    return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    ``tokenizer.json`` is read by ``tokenizers`` alone. A directory in the legacy form (``vocab.json`` +
+    ``merges.txt``, or a sentencepiece ``tokenizer.model``) is loaded through ``AutoTokenizer``, as training, eval
+    and the export load it, so it is compared too instead of passing unseen; one that cannot be loaded here raises
+    :class:`DataError` saying what is missing (:func:`legacy_vocab`)."""
+    d = Path(tok_dir)
+    if (d / "tokenizer.json").exists():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    files = [name for name in LEGACY_FILES if (d / name).exists()]
+    return legacy_vocab(d, files) if files else None
+
+
+def legacy_vocab(tok_dir: Path, files: list[str]) -> dict[str, int]:
+    """``token -> id`` of a tokenizer without ``tokenizer.json``, loaded by ``AutoTokenizer`` (``files``: which
+    of :data:`LEGACY_FILES` it has). Refused, in one line naming the directory and the fix, when it cannot be
+    loaded here: a ``tokenizer.model`` alone needs ``sentencepiece`` (transformers would otherwise fall back to
+    tiktoken and say that one is missing)."""
+    if "vocab.json" not in files and importlib.util.find_spec("sentencepiece") is None:
+        raise DataError(
+            f"{shown(tok_dir / 'tokenizer.model')} is a sentencepiece tokenizer without a tokenizer.json, and "
+            "sentencepiece is not installed to read it, so its vocabulary cannot be compared with the data's: "
+            "`pip install sentencepiece`, or save the tokenizer as tokenizer.json (AutoTokenizer.from_pretrained("
+            "dir).save_pretrained(dir) where sentencepiece is installed)"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    except Exception as e:  # whatever the loader says goes into the one line
+        why = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+        raise DataError(
+            f"{shown(tok_dir)} has {' + '.join(files)} but no tokenizer.json, and AutoTokenizer cannot load it here "
+            f"({type(e).__name__}: {why[:300]}), so its vocabulary cannot be compared with the data's: name its "
+            "class in tokenizer_config.json's tokenizer_class, or save it as tokenizer.json"
+        ) from e
+    return dict(tok.get_vocab())  # a fast tokenizer's vocabulary, added tokens included
 
 
 def vocab_sha256(tok_dir: str | os.PathLike) -> str | None:
@@ -113,7 +150,8 @@ def check_tokenizer(data_path: str | os.PathLike, data_key: str, model_dir: str 
                     model_key: str) -> None:  # fmt: skip
     """Refuse, in one line naming both tokenizers' paths, prepared data whose ids the model reads as other
     tokens. ``data_key``/``model_key`` name the settings (``data.path``, ``model.pretrained_path``). A model
-    without a ``tokenizer.json`` (None, or a directory saved without one) has nothing to compare and passes."""
+    without a tokenizer (None, or a directory saved without any tokenizer file) has nothing to compare and passes;
+    one in the legacy form is compared, or refused when it cannot be read here (:func:`read_vocab`)."""
     if model_dir is None:
         return
     model_dir = Path(model_dir)
@@ -125,9 +163,12 @@ def check_tokenizer(data_path: str | os.PathLike, data_key: str, model_dir: str 
     if not diffs:
         return
     data_tok = Path(data_path) / str(manifest.get("tokenizer") or "tokenizer")
+    save = ""
+    if not (model_dir / "tokenizer.json").exists():  # data prep reads tokenizer.json only
+        save = ", once AutoTokenizer.from_pretrained(dir).save_pretrained(dir) has written its tokenizer.json"
     raise DataError(
         f"{data_key}={shown(data_path)} was tokenized by {shown(data_tok)}, not by {model_key}={shown(model_dir)}'s "
         f"tokenizer ({'; '.join(diffs[:3])}): the model would read every id as another token; prepare the data "
-        f"with the model's tokenizer, `{prep_command('<new dir>', model_dir, int(manifest['seq_len']))}`, and "
-        f"point {data_key} at it"
+        f"with the model's tokenizer, `{prep_command('<new dir>', model_dir, int(manifest['seq_len']))}`{save}, "
+        f"and point {data_key} at it"
     )
