@@ -63,17 +63,22 @@ def _legacy_model(smollm2: Path, out: Path) -> Path:
     return out
 
 
-def _dataset(out: Path, tok_dir: Path, vocab_size: int, special: dict | None, with_hash: bool) -> Path:
+def _dataset(out: Path, tok_dir: Path, vocab_size: int, special: dict | None, with_hash: bool,
+             added: dict | None = None) -> Path:  # fmt: skip
+    """Shards whose manifest says what data prep's would: the tokenizer's hash, and ``added`` as ``tokenizer_added``
+    (data prep's ``tokenizer.add_fim``)."""
     import numpy as np
 
     from ultrascale.data.shards import write_samples
-    from ultrascale.data.tokcheck import VOCAB_KEY, vocab_sha256
+    from ultrascale.data.tokcheck import ADDED_KEY, VOCAB_KEY, vocab_sha256
 
     shutil.copytree(tok_dir, out / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors"))
     ids = np.arange(64 * 4).reshape(4, 64) % 1000
     extra = {"special_tokens": special} if special else {}
     if with_hash:
         extra[VOCAB_KEY] = vocab_sha256(out / "tokenizer")
+    if added:
+        extra[ADDED_KEY] = added
     write_samples(out, {"train": [ids], "validation": [ids]}, seq_len=64, vocab_size=vocab_size, eos_token_id=0,
                   tokenizer="tokenizer", extra=extra)  # fmt: skip
     return out
@@ -178,6 +183,26 @@ def test_a_vocabulary_of_the_same_size_and_special_ids_is_told_apart_by_its_hash
     data = _dataset(tmp_path / "data", swapped, 49152, {"<|endoftext|>": 0}, with_hash=True)
     with pytest.raises(DataError, match=r"49,152 vs 49,152 tokens, vocabulary sha256 \w{12} vs \w{12}"):
         check_tokenizer(data, "data.path", smollm2_135m, "model.pretrained_path")
+
+
+def test_fim_data_grown_from_one_base_passes_that_base_only(smollm2_135m, tmp_path):
+    """``tokenizer.add_fim`` data (issue 48): SmolLM2's tokenizer with the 4 FIM sentinels appended, the manifest's
+    ``tokenizer_added`` written by data prep's own ``grown_record``. ``_differences`` lets it through for a model of
+    that base vocabulary (the model grows the new rows), and for no other: not for a base of the same size and
+    special ids with two ordinary ids swapped. Issue 54's planted ``if added:`` let it through for any model."""
+    from data_prep.tokenizer import FIM_TOKENS, add_special
+    from data_prep.tokens import grown_record
+    from ultrascale.data.tokcheck import check_tokenizer
+    from ultrascale.errors import DataError
+
+    grown = tmp_path / "grown"
+    shutil.copytree(smollm2_135m, grown, ignore=shutil.ignore_patterns("*.safetensors"))
+    added = grown_record(str(smollm2_135m), add_special(grown, FIM_TOKENS))
+    data = _dataset(tmp_path / "data", grown, 49152 + 4, {"<|endoftext|>": 0}, with_hash=True, added=added)
+    check_tokenizer(data, "data.path", smollm2_135m, "model.pretrained_path")  # its own base
+    other = _swapped_tokenizer(smollm2_135m, tmp_path / "other")
+    with pytest.raises(DataError, match=r"49,156 vs 49,152 tokens, vocabulary sha256 \w{12} vs \w{12}"):
+        check_tokenizer(data, "data.path", other, "model.pretrained_path")
 
 
 def test_a_manifest_without_the_hash_falls_back_to_size_and_special_ids(smollm2_135m, tiny_data, tmp_path):
