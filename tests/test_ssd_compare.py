@@ -161,6 +161,34 @@ def test_the_score_cache_is_keyed_by_the_models_content_not_its_path_or_file_tim
     assert [c[0] for c in bins] == [str(tmp_path / "bin_a")] * 2 + [str(tmp_path / "bin_b")] * 2
 
 
+def test_the_cli_keeps_a_fence_stopped_or_chat_runs_scores_apart_from_a_plain_runs(tmp_path, monkeypatch):
+    """``--stop-fence`` and ``--chat`` score other completions than a plain prompt, so ``compare.main`` tags the
+    score cache with them: a plain run's cached scores are never served to them, while each repeated run is served
+    from the cache. Issue 54's planted defect 5 (``",fence"`` dropped from the tag) reused the plain scores for
+    ``--stop-fence`` silently. The generating scorer is planted (nothing generates), so is the sandbox check."""
+    from ultrascale.eval import sandbox
+    from ultrascale.ssd import compare
+
+    made: list = []  # (chat, fence) each run's scorer was built with
+    calls: list = []
+
+    def scorer(max_new_tokens: int = 256, device: str = "auto", chat: bool = False, fence: bool = False):
+        made.append((chat, fence))
+        return planted({}, calls)
+
+    monkeypatch.setattr(compare, "sandbox_scorer", scorer)
+    monkeypatch.setattr(sandbox, "check_available", lambda: None)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    args = ["--model", f"m={model}", "--limit", "4", "--temperatures", "--cache", str(tmp_path / "scores.jsonl")]
+    for extra, scored in (([], 2), ([], 0), (["--stop-fence"], 2), (["--stop-fence"], 0), (["--chat"], 2)):
+        calls.clear()
+        compare.main([*args, *extra])
+        assert len(calls) == scored, f"{extra}: scored {calls}, want {scored} (dev and test, greedy) or 0 (cached)"
+    assert made == [(False, False)] * 2 + [(False, True)] * 2 + [(True, False)]
+
+
 def _ssd_run(root, train_repos_from) -> str:
     """An SSD output_dir as the entry point leaves it: ssd_manifest.json with the run's config, round_00/model."""
     import json
