@@ -12,7 +12,7 @@ PY_VERSION ?= 3.12
 WITH_WANDB ?= 0
 PROBE_PY ?= python3
 
-.PHONY: setup test test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd bench-lora soak-exit wheelhouse wheelhouse-check gpu-probe clean
+.PHONY: setup test test-time test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd bench-lora soak-exit wheelhouse wheelhouse-check gpu-probe clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ $(SMOLLM2): | $(STAMP)
 
 test: setup $(SMOLLM2)
 	$(BIN)/python -m pytest -q --durations=25 tests
+
+# Seconds per test file and the 25 slowest tests of the last pytest run (make test writes them; nothing re-runs).
+test-time:
+	@$(PY) -m tests.support.budget
 
 test-all: setup $(SMOLLM2)
 	$(BIN)/python -m pytest -q -m "" tests

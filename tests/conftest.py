@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.support.budget"]  # seconds per test file after every run (make test-time prints the last)
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -90,8 +92,15 @@ def launch(
     launcher: str = "torchrun",
     timeout: int = 600,
     script: str = "train.py",
+    real: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` on ``nproc`` CPU ranks via torchrun/deepspeed (or plain python for nproc=0)."""
+    """Run ``script`` on ``nproc`` CPU ranks via torchrun/deepspeed (or plain python for nproc=0).
+
+    A torchrun or plain-python launch is forked warm (``tests/support/warm.py``: the same ranks and code, without
+    paying the imports again) unless ``real`` asks for the launcher itself, ``ULTRASCALE_TESTS_REAL_LAUNCH=1`` is
+    set, or ``env`` changes what the interpreter reads at start-up. ``deepspeed`` always launches for real."""
+    from tests.support import warm
+
     full_env = {**os.environ, **TEST_ENV, **(env or {})}
     if launcher == "python" or nproc == 0:
         cmd = [sys.executable, script, *args]
@@ -99,6 +108,9 @@ def launch(
         cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script, *args]
     else:
         cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), script, *args]
+    if not real and launcher != "deepspeed" and not warm.can_fork(full_env):
+        torchrun = not (launcher == "python" or nproc == 0)
+        return warm.launch(cmd, script, args, nproc if torchrun else 0, full_env, ROOT, timeout, torchrun)
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

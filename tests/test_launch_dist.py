@@ -41,7 +41,7 @@ def _run_dir_checks(out, world: int = 2, sweep_job: bool = False) -> None:
 def torchrun_run(tiny_data, tmp_path_factory):
     """The reference: torchrun, 1 node x 2 ranks."""
     out = tmp_path_factory.mktemp("torchrun") / "run"
-    proc = check(launch([*BASE, f"data.path={tiny_data}", f"output_dir={out}"], launcher="torchrun"))
+    proc = check(launch([*BASE, f"data.path={tiny_data}", f"output_dir={out}"], launcher="torchrun", real=True))
     return out, proc
 
 
@@ -50,6 +50,20 @@ def test_torchrun(torchrun_run):
     _run_dir_checks(out)
     assert sorted(losses(out)) == list(range(1, STEPS + 1))
     assert "device     cpu / gloo" in proc.stdout
+
+
+def test_a_warm_launch_runs_as_torchrun_does(torchrun_run, tiny_data, tmp_path):
+    """The suite's other launches fork their ranks from a warm server (tests/support/warm.py) instead of paying
+    torchrun's and every rank's imports: the same config must give the run torchrun gives, to the last bit (the
+    same losses, parameter digests and run directory), or every test that launches warm proves less than it says."""
+    ref, ref_proc = torchrun_run
+    out = tmp_path / "run"
+    proc = check(launch([*BASE, f"data.path={tiny_data}", f"output_dir={out}"]))
+    _run_dir_checks(out)
+    assert losses(out) == losses(ref)
+    summary, reference = (json.loads((d / "summary.json").read_text()) for d in (out, ref))
+    assert summary["param_digests"] == reference["param_digests"] and summary["world_size"] == 2
+    assert "device     cpu / gloo" in proc.stdout and "warm launch" not in proc.stderr
 
 
 def test_deepspeed_launcher_with_overrides(tiny_data, tmp_path):
