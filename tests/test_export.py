@@ -10,8 +10,6 @@ config.yaml, loads the checkpoint and saves its logits (on the ranks it trained 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,34 +18,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.conftest import launch
 from ultrascale.runtime.device import to_device
-from ultrascale.runtime.dist import free_port  # torchrun passes --master_port 0 to the ranks literally
 
 STAGES = (0, 1, 2, 3)
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "DS_ACCELERATOR": "cpu",
-    "WANDB_MODE": "offline",
-    "TOKENIZERS_PARALLELISM": "false",
-    "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions")),
-}
 
 
 def _torchrun(args: list[str], log: Path, nproc: int = 2) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        *args,
-    ]
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT, timeout=900)
+    """``torchrun --nproc_per_node NPROC SCRIPT ARGS...`` (forked warm, tests/support/warm.py), its output in ``log``."""
+    proc = launch(args[1:], nproc=nproc, script=args[0], timeout=900)
+    log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args[:3])} failed (rc {proc.returncode}):\n{log.read_text()[-3000:]}")
 
@@ -208,9 +189,8 @@ def test_eval_py_on_a_run_dir(runs):
     run_dir = runs["runs"]["zero2"]
     ref = torch.load(runs["logits"] / "zero2.pt")
     n = ref["ids"].shape[0]
-    cmd = [sys.executable, str(ROOT / "eval.py"), f"run_dir={run_dir}", "tasks=[perplexity]",
-           f"perplexity.max_samples={n}"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = launch([f"run_dir={run_dir}", "tasks=[perplexity]", f"perplexity.max_samples={n}"], nproc=0,
+                  script=str(ROOT / "eval.py"), timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((run_dir / "eval" / "step_00000003" / "eval_results.json").read_text())
     ppl = res["tasks"]["perplexity"]
