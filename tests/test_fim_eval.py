@@ -99,15 +99,22 @@ def test_left_to_right_prompts_are_healed_and_a_single_line_ends_at_its_own_newl
     assert res["single_line/l2r/exact_match"] == 1.0 and res["multi_line/l2r/exact_match"] == 1.0
 
 
+_FIM_MODEL: list[Path] = []
+"""The fixture's directory, built once a session: test_infill imports the fixture, and pytest keeps a module-scoped
+fixture per module that names it, so it was trained and saved twice (about 10 s on a 2-core box)."""
+
+
 @pytest.fixture(scope="module")
 def fim_model(tmp_path_factory) -> Path:
     """A tiny Llama with data prep's tokenizer (trained here on stdlib sources, FIM tokens included), saved as an
-    HF directory the way an export is."""
+    HF directory the way an export is. Tests only read it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from data_prep.tokenizer import save_hf, train_bpe
 
+    if _FIM_MODEL:
+        return _FIM_MODEL[0]
     out = tmp_path_factory.mktemp("fim_model")
     texts = [f.read_text(errors="replace") for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]]
     save_hf(train_bpe(texts, 600), out, 512)
@@ -116,6 +123,7 @@ def fim_model(tmp_path_factory) -> Path:
                       num_key_value_heads=2, max_position_embeddings=512, eos_token_id=0, bos_token_id=0,
                       pad_token_id=0)  # fmt: skip
     LlamaForCausalLM(cfg).save_pretrained(out)
+    _FIM_MODEL.append(out)
     return out
 
 

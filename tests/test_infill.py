@@ -109,14 +109,13 @@ def test_left_to_right_cut_keeps_the_masked_lines():
     assert infill.cut(span, "random-span", "psm", "ber") == "ber"
 
 
-def _hf_greedy(model_dir, prompt: str, n: int) -> str:
+def _hf_greedy(model, tok, prompt: str, n: int) -> str:
+    """HF ``generate``, greedy, on one unpadded row: ``prompt`` encoded as the sampler encodes it (special tokens
+    spelled out, each piece on its own)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ultrascale.generate import Sampler
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     sampler = Sampler.__new__(Sampler)
     sampler.tokenizer = tok
     ids = torch.tensor([sampler.encode(prompt)])
@@ -126,36 +125,65 @@ def _hf_greedy(model_dir, prompt: str, n: int) -> str:
     return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-@needs_sandbox
-def test_eval_py_infill_end_to_end_matches_hf_greedy(fim_model, tmp_path):  # noqa: F811
-    from transformers import AutoTokenizer
+CASES = [("single-line", "psm", 2, 8), ("single-line", "spm", 2, 8), ("single-line", "l2r", 2, 8),
+         ("multi-line", "psm", 3, 16), ("multi-line", "l2r", 2, 8), ("random-span", "spm", 1, 8),
+         ("random-span", "l2r", 1, 8)]  # fmt: skip
+"""(benchmark, mode, tasks, max_new_tokens): every mode on the paper's single lines; the multi-line and random-span
+cuts in a FIM mode (the middle runs to EOS) and left to right (cut by the masked line count). multi-line's first
+tasks mask one and two lines of HumanEval/0; on the third this model's 16 greedy tokens hold a newline inside."""
 
-    from ultrascale.eval import fim
+
+def _reference(model, tok, task: dict, benchmark: str, mode: str, fim_tokens: tuple[str, str, str], n: int) -> str:
+    """The completion HF greedy gives ``task``: the prompt laid out for ``mode``, then the task set's cut
+    (``infill.CUTS``), written out here for the FIM modes; ``l2r``'s line counting is ``infill.cut``'s own (its
+    unit test: test_left_to_right_cut_keeps_the_masked_lines), applied to HF's healed, stopped text."""
+    from ultrascale.eval.humaneval import STOP_SEQUENCES, truncate
+
+    fp, fs, fm = fim_tokens
+    pre, suf = task["prompt"], task["suffix"]
+    if mode == "l2r":  # healed: the prompt without its trailing newlines, which the completion gives back
+        healed = pre.rstrip("\n")
+        text, k = _hf_greedy(model, tok, healed, n), len(pre) - len(healed)
+        text = truncate(text[k:] if text.startswith("\n" * k) else text, STOP_SEQUENCES)
+        return text.split("\n", 1)[0] + "\n" if benchmark == "single-line" else infill.cut(task, benchmark, mode, text)
+    text = _hf_greedy(model, tok, f"{fp}{pre}{fs}{suf}{fm}" if mode == "psm" else f"{fp}{fs}{suf}{fm}{pre}", n)
+    if benchmark == "single-line":
+        return text.split("\n", 1)[0] + "\n"
+    return text if benchmark == "random-span" or text.endswith("\n") else text + "\n"
+
+
+@needs_sandbox
+def test_eval_py_infill_end_to_end_matches_hf_greedy(fim_model, tmp_path, monkeypatch):  # noqa: F811
+    """eval.py's infill task, per (task set, mode) of ``CASES``, writes HF greedy's completion of each task's
+    prompt, cut as the task set cuts it: the sampler's prompt layout (SPM's suffix first, the prefix right before the
+    middle), its stops and its healing, and the cut, on the same prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ultrascale.eval import fim, sandbox
     from ultrascale.eval.config import check, register_eval_configs
     from ultrascale.eval.run import run
 
     register_eval_configs()
-    tasks = infill.problems("single-line")[:2]
-    fp, fs, fm = fim.fim_tokens(AutoTokenizer.from_pretrained(str(fim_model)))
-    for mode in ("psm", "l2r"):
-        out = tmp_path / mode
-        cfg = compose([f"model_dir={fim_model}", "tasks=[infill]", "infill.benchmark=single-line",
-                       f"infill.mode={mode}", "infill.limit=2", "infill.max_new_tokens=8", f"output_dir={out}",
-                       "wandb=false"], "eval")  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(str(fim_model))
+    model = AutoModelForCausalLM.from_pretrained(str(fim_model)).eval()
+    tokens = fim.fim_tokens(tok)
+    cfg = compose([f"model_dir={fim_model}", "tasks=[infill]", "wandb=false"], "eval")
+    for benchmark, mode, n, new in CASES:  # the composed config's keys set per case (composing each costs a second)
+        out = tmp_path / f"{benchmark}_{mode}"
+        cfg.infill.benchmark, cfg.infill.mode, cfg.infill.limit, cfg.output_dir = benchmark, mode, n, str(out)
+        cfg.infill.max_new_tokens = new
         res = run(typed(cfg))["tasks"]["infill"]
-        assert (res["tasks"], res["of"], res["mode"]) == (2, 1033, mode) and res["pass@1"] == 0.0
+        monkeypatch.setattr(sandbox, "check_available", lambda: None)  # checked for real by the first case (0.4 s)
+        tasks = infill.problems(benchmark)
+        assert (res["tasks"], res["of"], res["mode"]) == (n, len(tasks), mode) and res["pass@1"] == 0.0
         samples = [json.loads(line) for line in (out / "infill_samples.jsonl").read_text().splitlines()]
-        assert [s["task_id"] for s in samples] == [t["task_id"] for t in tasks]
+        assert [s["task_id"] for s in samples] == [t["task_id"] for t in tasks[:n]]
         assert any(s["completion"].strip() for s in samples)  # the model wrote something: the comparison has teeth
         for t, s in zip(tasks, samples):
-            if mode == "psm":
-                text = _hf_greedy(fim_model, f"{fp}{t['prompt']}{fs}{t['suffix']}{fm}", 8)
-            else:  # healed: the prompt without its trailing newlines, which the completion gives back
-                healed = t["prompt"].rstrip("\n")
-                text = _hf_greedy(fim_model, healed, 8)
-                k = len(t["prompt"]) - len(healed)
-                text = text[k:] if text.startswith("\n" * k) else text
-            assert s["completion"] == text.split("\n", 1)[0] + "\n", (mode, text)
+            want = _reference(model, tok, t, benchmark, mode, tokens, new)
+            assert s["completion"] == want, (benchmark, mode, t["task_id"], s["completion"], want)
+        if (benchmark, mode) == ("multi-line", "psm"):  # a middle past its first line: cut at EOS, not at a newline
+            assert any("\n" in s["completion"].rstrip("\n") for s in samples), samples
     with pytest.raises(ConfigError, match=r"infill\.k=\[1, 2\] needs n_samples >= 2"):
         check(compose(["model_dir=x", "tasks=[infill]", "infill.k=[1,2]"], "eval"))
     with pytest.raises(ConfigError, match=r"infill\.benchmark='single_line' is not one of \[single-line, multi-line"):
