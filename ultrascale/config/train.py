@@ -3,10 +3,25 @@ recompute). Each lever's ``auto`` is decided in ``ultrascale/levers/decide.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
-from ultrascale.config.fields import num
+from ultrascale.config.fields import RANGE, Range, num
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class StepsOrAuto(Range):
+    """A step count in range, or ``auto``: checked when the config is composed (``config/fields.check``), so
+    ``train.checkpoint_interval=-1`` or ``=often`` fails there naming the key, as an int field's bound does."""
+
+    def holds(self, v: Any) -> bool:
+        return v == AUTO or (isinstance(v, int) and super().holds(v))
+
+    def __str__(self) -> str:
+        return f"{super().__str__()} (a number of steps), or {AUTO}"
 
 
 class CompileScope(StrEnum):
@@ -46,8 +61,19 @@ class TrainConfig:
     (``ultrascale/levers/length.py``)."""
     eval_interval: int = num(50, ge=0)
     """Evaluate held-out loss every N steps (0 = only at the end)."""
-    checkpoint_interval: int = num(50, ge=0)
-    """Save a checkpoint every N steps (0 = only at the end)."""
+    checkpoint_interval: int | str = field(default=50, metadata={RANGE: StepsOrAuto(ge=0)})
+    """Save a checkpoint every N steps (0 = only at the end). ``auto``: the run measures its first save, the one
+    after step 3 (``cost/save_interval.AUTO_FIRST_SAVE_STEP``; steps 2-3 give the step time, step 1 carries the
+    warm-up) with its stall, size and, in the background, its write waited for; every rank takes the slowest
+    rank's figures, and the interval is Young/Daly's sqrt(2 x stall x job MTBF) from them and
+    ``train.node_mtbf_hours`` (at least one write and one step; ``cost/save_interval.from_saves``). It is logged
+    with the figures, recorded in every later checkpoint's ``ultrascale_meta.json``, and a resume keeps it. Saves
+    fall on its multiples; a short run's interval may exceed the run (the log says so), leaving the final save."""
+    node_mtbf_hours: float | None = num(None, gt=0)
+    """Mean time between failures of one node, in hours, for ``checkpoint_interval=auto`` (the job's is this over
+    the nodes). Unset: the run's ``cluster.node_mtbf_hours`` when it names a cluster (GPU recipes do), else the
+    cluster default, 5,000 h (Llama 3's fleet: ``config/cluster.py``). Set it to state this machine's; a tiny
+    value gives a short interval (the tests plant one). The dry run's suggested interval reads it too."""
     eval_at_start: bool = False
     """Evaluate once before the first step of a run that starts from step 0 (not on a resume), logged at step 0:
     the before point of the held-out curve, which a fine-tune's figure needs (HF Trainer's ``eval_on_start``)."""

@@ -5,13 +5,24 @@ every interval of training risks being recomputed, and each checkpoint costs the
 :func:`lost_share` is that first-order trade and :func:`young_daly` its optimum. With the background writer the
 stall is the snapshot copy, not the write, so the interval shrinks; it cannot go below one write.
 
-Pure arithmetic: the planner and the dry run pass in the byte counts and rates they estimate or measured.
+Pure arithmetic: the planner and the dry run pass in the byte counts and rates they estimate or measured;
+:func:`from_saves` is the one function that turns a run's measured saves into an interval, for the dry run (a run's
+metrics) and for ``train.checkpoint_interval=auto`` (its own first save) alike.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ultrascale.config.cluster import ClusterConfig
+
+AUTO_FIRST_SAVE_STEP = 3
+"""``train.checkpoint_interval=auto`` measures the save after this step (of the run, or of a resume that brought no
+interval): step 1 carries one-off costs (compile, first allocations, pinning the staging), so steps 2-3 give the step
+time and the save is a warm engine's."""
 
 
 def young_daly(stall_s: float, mtbf_s: float) -> float:
@@ -79,6 +90,32 @@ def advise(bytes_per_node: float, bytes_per_rank: float, step_s: float, nodes: i
     save, rework = lost_share(steps * step_s, stall_s, mtbf_s, write_s if background else 0.0)
     return CheckpointAdvice(bytes_per_node, stall_s, write_s, mtbf_s / 3600, step_s, steps * step_s, steps, save,
                             rework)  # fmt: skip
+
+
+def from_saves(bytes_per_node: float, stall_s: float, write_s: float, step_s: float, nodes: int,
+               node_mtbf_h: float) -> CheckpointAdvice:  # fmt: skip
+    """The interval from a run's own saves: ``stall_s`` training waited per save, ``write_s`` its write took (the
+    stall itself for a save that is not in the background), ``step_s`` a step. Young/Daly on the job's MTBF (one
+    node's over ``nodes``), never shorter than one write (a save cannot start while the previous one is being
+    written) nor than one step."""
+    mtbf_s = node_mtbf_h * 3600 / max(nodes, 1)
+    interval = max(young_daly(stall_s, mtbf_s), write_s, step_s)
+    steps = max(1, round(interval / step_s))
+    save, rework = lost_share(steps * step_s, stall_s, mtbf_s, write_s)
+    return CheckpointAdvice(bytes_per_node, stall_s, write_s, mtbf_s / 3600, step_s, steps * step_s, steps, save,
+                            rework)  # fmt: skip
+
+
+def node_mtbf(stated_h: float | None, cluster: ClusterConfig | None) -> tuple[float, str]:
+    """(one node's MTBF in hours, where it comes from): ``train.node_mtbf_hours`` when set, else the run's cluster's
+    ``node_mtbf_hours``, else the cluster default (a run on this machine names no cluster)."""
+    from ultrascale.config.cluster import ClusterConfig
+
+    if stated_h is not None:
+        return float(stated_h), "train.node_mtbf_hours"
+    if cluster is not None:
+        return float(cluster.node_mtbf_hours), f"cluster.node_mtbf_hours of cluster={cluster.name}"
+    return float(ClusterConfig.node_mtbf_hours), "the cluster default; train.node_mtbf_hours=H states this machine's"
 
 
 def checkpoint_bytes(total_params: float, weight_bytes: int, zero_stage: int) -> float:

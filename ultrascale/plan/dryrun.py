@@ -239,41 +239,39 @@ def host_memory_line(cfg: RootConfig, d: Decisions, on_gpu: bool = False) -> str
 
 def checkpoint_line(cfg: RootConfig, d: Decisions, cluster: ClusterConfig | None = None) -> str:
     """The suggested checkpoint interval (Young/Daly) for this layout: from the run's own measured saves and
-    steps when its output_dir has them, else from the planner's step time and checkpoint size on ``cluster``
-    (the dry run's target: node MTBF, storage rate), or without one the default cluster at this launcher's node
-    count."""
+    steps when its output_dir has them (:func:`ultrascale.cost.save_interval.from_saves`, what
+    ``train.checkpoint_interval=auto`` runs on its first save), else from the planner's step time and checkpoint
+    size on ``cluster`` (the dry run's target: storage rate), or without one the default cluster at this
+    launcher's node count; the node MTBF is ``train.node_mtbf_hours``, else the cluster's."""
     from ultrascale.config.cluster import ClusterConfig
     from ultrascale.config.search import SearchConfig
+    from ultrascale.config.train import AUTO
     from ultrascale.cost.memory import DTYPE_BYTES
-    from ultrascale.cost.save_interval import advise, checkpoint_bytes
+    from ultrascale.cost.save_interval import AUTO_FIRST_SAVE_STEP, advise, checkpoint_bytes, from_saves, node_mtbf
     from ultrascale.cost.timing import step_time
     from ultrascale.paths import resolve_path
 
     c = cluster or ClusterConfig(nodes=cfg.launcher.nnodes, gpus_per_node=cfg.launcher.nproc_per_node)
+    mtbf_h, mtbf_from = node_mtbf(cfg.train.node_mtbf_hours, cluster)
     arch, lay = arch_from_hf(d.hf_config), planned_layout(cfg, d)
     total = checkpoint_bytes(arch.total_params, DTYPE_BYTES[lay.dtype], lay.zero_stage)
-    background = bool(cfg.train.checkpoint_async)
     measured = _measured_saves(resolve_path(cfg.output_dir) / "metrics.jsonl")
-    s = SearchConfig()
-    step_s = measured["step_s"] if measured else step_time(arch, lay, c, overlap=s.overlap,
-                                                           recompute_overhead=s.recompute_overhead).step  # fmt: skip
-    adv = advise(total / c.nodes, total / lay.world, step_s, c.nodes, c.node_mtbf_hours, c.storage_write_gbps,
-                 c.host_link_gbps, background)  # fmt: skip
-    if measured:  # the run's own stall and write times replace the estimates
-        from dataclasses import replace
-
-        from ultrascale.cost.save_interval import lost_share, young_daly
-
-        mtbf_s = adv.mtbf_h * 3600
-        interval = max(young_daly(measured["stall_s"], mtbf_s), measured["write_s"], step_s)
-        steps = max(1, round(interval / step_s))
-        save, rework = lost_share(steps * step_s, measured["stall_s"], mtbf_s, measured["write_s"])
-        adv = replace(adv, stall_s=measured["stall_s"], write_s=measured["write_s"], interval_s=steps * step_s,
-                      interval_steps=steps, save_share=save, rework_share=rework)  # fmt: skip
+    if measured:  # the run's own step, stall and write times replace the estimates
+        adv = from_saves(total / c.nodes, measured["stall_s"], measured["write_s"], measured["step_s"], c.nodes,
+                         mtbf_h)  # fmt: skip
+    else:
+        s = SearchConfig()
+        step_s = step_time(arch, lay, c, overlap=s.overlap, recompute_overhead=s.recompute_overhead).step
+        adv = advise(total / c.nodes, total / lay.world, step_s, c.nodes, mtbf_h, c.storage_write_gbps,
+                     c.host_link_gbps, bool(cfg.train.checkpoint_async))  # fmt: skip
     src = (f"measured in {cfg.output_dir}/metrics.jsonl" if measured else
-           f"planner estimate for {c.name} x {c.nodes} node(s): python plan.py ... cluster.node_mtbf_hours=H "
-           "cluster.storage_write_gbps=G to change")  # fmt: skip
-    return adv.describe(cfg.train.checkpoint_interval or None) + f"\n({src})"
+           f"planner estimate for {c.name} x {c.nodes} node(s): python plan.py ... cluster.storage_write_gbps=G "
+           "to change")  # fmt: skip
+    every = cfg.train.checkpoint_interval
+    auto = (f"\ntrain.checkpoint_interval=auto: the run measures its save after step {AUTO_FIRST_SAVE_STEP} and "
+            "takes the interval from it, as above" if every == AUTO else "")  # fmt: skip
+    return (adv.describe(every if every != AUTO and every else None) + auto
+            + f"\n({src}; node MTBF {mtbf_h:g} h: {mtbf_from})")  # fmt: skip
 
 
 def _measured_saves(metrics: Path) -> dict | None:

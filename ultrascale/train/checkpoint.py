@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -26,8 +27,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as tdist
 
 from ultrascale.atomic import atomic_write_text
+from ultrascale.cost.save_interval import AUTO_FIRST_SAVE_STEP, from_saves, node_mtbf, young_daly
 from ultrascale.errors import CheckpointError
 from ultrascale.levers import length
 from ultrascale.runtime import dist
@@ -140,6 +143,98 @@ def commit(ckpt_dir: Path, tag_dir: Path, meta: dict, keep: int) -> None:
         _prune(ckpt_dir, keep)
 
 
+INTERVAL_KEY = "checkpoint_interval"
+"""The key of ``ultrascale_meta.json`` (and of the metrics event) that holds ``train.checkpoint_interval=auto``'s
+interval and the figures it came from."""
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _secs(s: float) -> str:
+    return f"{s:.3g} s" if s < 120 else f"{s / 60:.3g} min" if s < 7200 else f"{s / 3600:.3g} h"
+
+
+class AutoInterval:
+    """``train.checkpoint_interval=auto``: the interval the run measures on its first save, then keeps.
+
+    The save after step :data:`~ultrascale.cost.save_interval.AUTO_FIRST_SAVE_STEP` (of the run, or of a resume
+    from a checkpoint that records no interval) is measured: its stall, its write (waited for at once when it is in
+    the background, so it is whole), the checkpoint's bytes and the median step after the first. Every rank takes
+    the slowest rank's figures (saving is collective: the ranks must save at the same steps), and
+    :func:`~ultrascale.cost.save_interval.from_saves` makes the interval, the dry run's arithmetic. The record
+    travels in every later checkpoint's meta; a resume adopts it instead of measuring again."""
+
+    def __init__(self, node_mtbf_h: float, mtbf_from: str, nodes: int, run_steps: int) -> None:
+        self.node_mtbf_h, self.mtbf_from, self.nodes, self.run_steps = node_mtbf_h, mtbf_from, nodes, run_steps
+        self.measure_at = AUTO_FIRST_SAVE_STEP
+        self.record: dict | None = None
+        self.kept_from: str | None = None
+        """The checkpoint whose record a resume adopted (None: measured by this run, or not yet)."""
+        self.known_at = 0
+        """The step saved last when the interval became known: the measured save, or the checkpoint resumed."""
+        self.step_times: list[float] = []
+
+    @classmethod
+    def for_run(cls, cfg: RootConfig) -> AutoInterval:
+        """The MTBF the run states (``train.node_mtbf_hours``, its cluster's, or the default) and its node count,
+        from the launcher: the ranks over the ranks on this node."""
+        hours, source = node_mtbf(cfg.train.node_mtbf_hours, cfg.cluster)
+        return cls(hours, source, -(-dist.world_size() // dist.local_world_size()), int(cfg.train.steps))
+
+    def adopt(self, record: dict | None, step: int, tag: str) -> None:
+        """A resume from checkpoint ``tag`` at ``step``: its recorded interval, or a measurement
+        :data:`AUTO_FIRST_SAVE_STEP` steps on when it records none. Nothing changes once an interval is known."""
+        if self.record is not None:
+            return
+        if record is None:
+            self.measure_at = step + AUTO_FIRST_SAVE_STEP
+            return
+        self.record, self.kept_from, self.known_at = dict(record), tag, step
+
+    def decide(self, step: int, every: list[tuple[float, float, float, float]]) -> dict:
+        """The interval from every rank's (stall, write, step, bytes) of the save after ``step``: the slowest
+        rank's of each, so all ranks compute the same."""
+        stall, write, step_s, nbytes = (max(r[i] for r in every) for i in range(4))
+        adv = from_saves(nbytes / self.nodes, stall, write, step_s, self.nodes, self.node_mtbf_h)
+        first, self.known_at = self.measure_at - AUTO_FIRST_SAVE_STEP + 2, step
+        self.record = {"steps": adv.interval_steps, "measured_after_step": step, "stall_s": round(stall, 4),
+                       "write_s": round(write, 4), "step_s": round(step_s, 4),
+                       "step_s_from": f"median of steps {first}-{step}", "bytes": int(nbytes), "nodes": self.nodes,
+                       "node_mtbf_h": self.node_mtbf_h, "mtbf_from": self.mtbf_from, "job_mtbf_h": adv.mtbf_h,
+                       "young_daly_s": round(young_daly(stall, adv.mtbf_h * 3600), 4), "interval_s": round(adv.interval_s, 4),
+                       "save_share": adv.save_share, "rework_share": adv.rework_share}  # fmt: skip
+        return self.record
+
+    def plan(self) -> str:
+        """The banner's line: what the run measures and when, or the interval a resume kept."""
+        if self.record is not None:
+            return self.describe(f"kept from {self.kept_from} (a resume keeps it)")
+        return (f"checkpoint interval: auto: measured on the save after step {self.measure_at} (its stall, size and "
+                f"write; the step time from the steps after the first), then Young/Daly with node MTBF "
+                f"{self.node_mtbf_h:g} h ({self.mtbf_from}) over {self.nodes} node(s)")  # fmt: skip
+
+    def describe(self, how: str = "") -> str:
+        """The interval in steps and every figure it came from, and whether it falls inside this run."""
+        r = self.record
+        n, floor = r["steps"], max(r["young_daly_s"], r["write_s"], r["step_s"])
+        line = (f"checkpoint interval: auto = {n} step(s){', ' + how if how else ''}: measured on the save after step "
+                f"{r['measured_after_step']} (the slowest rank's figures): stall {r['stall_s']:.3g} s, write "
+                f"{r['write_s']:.3g} s, {_size(r['bytes'])} ({_size(r['bytes'] / r['nodes'])} per node), step "
+                f"{r['step_s']:.3g} s ({r['step_s_from']}); job MTBF {_secs(r['job_mtbf_h'] * 3600)} = node MTBF "
+                f"{r['node_mtbf_h']:g} h ({r['mtbf_from']}) / {r['nodes']} node(s); max(Young/Daly sqrt(2 x stall x "
+                f"job MTBF) = {_secs(r['young_daly_s'])}, one write, one step) = {_secs(floor)} = {n} step(s): "
+                f"~{100 * r['save_share']:.3g} % of the time in saves, ~{100 * r['rework_share']:.3g} % recomputing "
+                "lost steps")  # fmt: skip
+        upcoming = (self.known_at // n + 1) * n
+        if upcoming > self.run_steps:
+            return line + (f". The interval exceeds this run: its next save on it would follow step {upcoming:,}, "
+                           f"past train.steps={self.run_steps}; the final save (train.final_save) and a stop's save "
+                           "remain")  # fmt: skip
+        return line + f"; saves after every multiple of {n} steps"
+
+
 class Checkpointer:
     """Owns when the run saves (every ``interval`` steps and at its last step), what travels with it, and, with
     ``background``, the write that goes on while training continues (one in flight at a time): the snapshot, the
@@ -147,8 +242,10 @@ class Checkpointer:
     (set by the trainer once its logger exists)."""
 
     def __init__(self, ckpt_dir: Path, interval: int, keep: int, meta: dict, background: bool = False,
-                 staging: str = "auto"):  # fmt: skip
+                 staging: str = "auto", auto: AutoInterval | None = None):  # fmt: skip
         self.ckpt_dir, self.interval, self.keep, self.meta = ckpt_dir, int(interval), int(keep), meta
+        self.auto = auto
+        """``train.checkpoint_interval=auto`` (``interval`` is then 0 until it is measured or adopted)."""
         self.background, self.staging = background, str(staging)
         self.writer: BackgroundWriter | None = None
         self.pending: tuple[int, Path, dict] | None = None
@@ -197,7 +294,44 @@ class Checkpointer:
         return secs
 
     def due(self, step: int, last_step: int) -> bool:
+        """A save after ``step``: the last one's, each multiple of the interval's, and under ``auto`` before its
+        interval is known, the measured one's."""
+        if self.auto is not None and self.auto.record is None:
+            return step in (last_step, self.auto.measure_at)
         return step == last_step or bool(self.interval and step % self.interval == 0)
+
+    def observe_step(self, step_s: float) -> None:
+        """A step's time, for ``auto``'s measurement (kept until it is made)."""
+        if self.auto is not None and self.auto.record is None:
+            self.auto.step_times.append(step_s)
+
+    def _use(self, record: dict) -> None:
+        self.interval = int(record["steps"])
+        self.meta[INTERVAL_KEY] = record  # every later checkpoint carries it: a resume keeps it
+
+    def measure_interval(self, step: int, stall_s: float, snapshot_end: float) -> None:
+        """Collective, right after ``auto``'s measured save of ``step`` (``stall_s`` training waited for it;
+        ``snapshot_end``: when its background write began). Wait for the write, size the checkpoint, agree on the
+        slowest rank's figures, then save on the interval they give; the measured checkpoint records it too."""
+        write_s = stall_s
+        if self.writer is not None:
+            self.writer.wait(self.beat)  # this rank's own write, before the barrier of the commit below
+            write_s = time.perf_counter() - snapshot_end
+        self.drain(step)
+        tag_dir = self.ckpt_dir / tag_for(step)
+        nbytes = float(sum(read_meta(tag_dir)["files"].values())) if dist.is_rank0() else 0.0
+        times = self.auto.step_times[1:] or self.auto.step_times
+        mine = (stall_s, write_s, statistics.median(times), nbytes)
+        every = [mine]
+        if tdist.is_initialized():
+            every = [None] * tdist.get_world_size()
+            tdist.all_gather_object(every, mine)
+        record = self.auto.decide(step, every)
+        self._use(record)
+        if dist.is_rank0():  # the measured checkpoint is already `latest`: it records the interval too
+            atomic_write_text(tag_dir / META, json.dumps({**read_meta(tag_dir), INTERVAL_KEY: record}, indent=1))
+        log.info(self.auto.describe())
+        self.metrics.event(step, INTERVAL_KEY, console=False, **record)
 
     def saved(self, step: int) -> bool:
         return self.last_saved == step
@@ -225,11 +359,14 @@ class Checkpointer:
         if not self.background:
             time.sleep(delay)
         waited = self.save(engine, step, client, write_delay=delay)
-        secs = time.perf_counter() - t0
+        snapshot_end = time.perf_counter()  # a background write starts here
+        secs = snapshot_end - t0
         how = "snapshot taken, writing in the background" if self.background else "saved"
         log.info(f"checkpoint {tag_for(step)} {how} in {secs:.1f}s")
         self.metrics.event(step, "checkpoint", checkpoint_s=secs, wait_s=waited or None, console=False,
                            background=self.background or None, **self.staging_record())  # fmt: skip
+        if self.auto is not None and self.auto.record is None and step == self.auto.measure_at:
+            self.measure_interval(step, secs, snapshot_end)
 
     def restore(self, engine, tag_dir: Path, cfg: RootConfig, same_world: bool) -> tuple[int, int, list, dict]:
         """Collective. Load a checkpoint (engine, optimizer, RNG) with any rollback recorded since it. Returns its
@@ -237,7 +374,12 @@ class Checkpointer:
         state."""
         step, client = load(engine, tag_dir, same_world=same_world)
         client.update(rollback_since(tag_dir) or {})  # a rollback after this checkpoint was saved
-        history = length.history_for(read_meta(tag_dir), cfg)
+        meta = read_meta(tag_dir)
+        if self.auto is not None and self.auto.record is None:
+            self.auto.adopt(meta.get(INTERVAL_KEY), step, _meta_dir(tag_dir).name)
+            if self.auto.record is not None:
+                self._use(self.auto.record)
+        history = length.history_for(meta, cfg)
         # the offset counts steps of the batch that wrote it: another global batch goes on from the same sample
         from_gb = int(client.get("global_batch") or history[-1].global_batch)
         offset = length.convert_offset(step, int(client.get("data_offset", 0)), from_gb, cfg.data, tag_dir.name)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as tdist
 
 from ultrascale.config.root import RootConfig
+from ultrascale.config.train import AUTO
 from ultrascale.data import sources as data_sources
 from ultrascale.data.loader import TRACE_ENV, Batch, StepBatches
 from ultrascale.data.prepare import check_prepared, ensure_prepared
@@ -62,9 +63,11 @@ class Trainer:
         self.ds_config = build_ds_config(cfg, d)
         self.rank = dist.rank()
         self.stop = stop or StopRequest(self.rank)
+        every = cfg.train.checkpoint_interval  # a number of steps, or `auto` (measured on the first save)
+        auto = checkpoint.AutoInterval.for_run(cfg) if every == AUTO else None
         self.checkpointer = checkpoint.Checkpointer(
-            out / "checkpoints", cfg.train.checkpoint_interval, cfg.train.keep_checkpoints, checkpoint_meta(cfg, d),
-            background=cfg.train.checkpoint_async, staging=d.checkpoint_staging.value,
+            out / "checkpoints", 0 if auto else every, cfg.train.keep_checkpoints, checkpoint_meta(cfg, d),
+            background=cfg.train.checkpoint_async, staging=d.checkpoint_staging.value, auto=auto,
         )  # fmt: skip
         self.checkpointer.beat = self.stop.beat
         self.stepper = OptimizerStep(self)
@@ -94,6 +97,8 @@ class Trainer:
         self.evaluator = Evaluator(self, train.eval_interval, train.eval_humaneval, eval_tokenizer(train, self.data_path),
                                    self.out)  # fmt: skip
         log.info(banner(self.cfg, self.decisions, self.ds_config, self.info, self.peak_src, self.out))
+        if self.checkpointer.auto is not None:
+            log.info(self.checkpointer.auto.plan())
 
     def _open_data(self) -> None:
         """The prepared sources (the built-in corpus built on rank 0 if missing), checked against the run, and
@@ -315,6 +320,7 @@ class Trainer:
         profiler.before(res.steps_run)
         res.last, st = self.train_step(step)
         self.stop.beat(res.last["step_s"])
+        self.checkpointer.observe_step(res.last["step_s"])
         profiler.after(res.steps_run)
         self.injector.fired(step + 1)
         if res.steps_run == 0 and self.decisions.compile.on:
