@@ -2,11 +2,12 @@
 """The GPU probe: one command, at most 8 minutes on one GPU with no network, that says what the project does there.
 
 It installs the dependencies from the running Python's wheelhouse (``make wheelhouse PY_VERSION=X.Y``; the node's
-own torch, CUDA and Triton are used), then runs its sections (install, data, llama_1b, sampler, trainer, zero,
-export, levers) as subprocesses under their own time limits, so a failed or slow section is a row with its error.
-The default run is the sections whose limits fit ``--budget``; ``--dry-run`` prints that plan and the further
-calls. The JSON (``--json``) is rewritten after every step, logs beside it. ``--job tiny`` runs the sections on
-the tiny model on a CPU host, which is how the probe is checked. Each section: bench/README.md, "The GPU probe".
+own torch, CUDA and Triton are used), then runs its sections (install, data, llama_1b, sampler, trainer,
+recompute, zero, export, levers) as subprocesses under their own time limits, so a failed or slow section is a row
+with its error. The default run is the sections whose limits fit ``--budget``; ``--dry-run`` prints that plan and
+the further calls. The JSON (``--json``) is rewritten after every step, logs beside it. ``--job tiny`` runs the
+sections on the tiny model on a CPU host, which is how the probe is checked. Each section: bench/README.md, "The GPU
+probe".
 
     python bench/gpu_probe.py [--dry-run] [--sections llama_1b,trainer] [--levers train.compile] [--budget 470]
                               [--wheelhouse wheelhouse/py3.12] [--work DIR] [--json PATH] [--job gpu|tiny]
@@ -40,12 +41,12 @@ LEVERS: dict[str, tuple[str, ...]] = {
 """Each lever of the llama_1b job and the values compared. A row sets one key, everything else stays at the
 recipe's decided default."""
 
-SECTIONS = ("install", "data", "llama_1b", "sampler", "trainer", "zero", "export", "levers")
+SECTIONS = ("install", "data", "llama_1b", "sampler", "trainer", "recompute", "zero", "export", "levers")
 """In the order a call runs them: what the GPU goals need first."""
 LIMITS: dict[str, float] = {  # each step's own time limit, seconds
     "pip": 40, "versions": 15, "smoke": 25, "data": 35,
     "llama_1b": 170, "predict": 20, "micro": 40,
-    "sampler": 75, "trainer": 140,
+    "sampler": 75, "trainer": 140, "recompute": 90,
     "zero_first": 50, "zero_resume": 40,
     "tokenizer": 10, "export": 20, "logits": 25,
     "lever": 110,
@@ -193,6 +194,14 @@ class Plan:
                                 str(self.work / "trainer_out"), mode)], "trainer", LIMITS["trainer"],
                  "Trainer tokens/s (same per-step median), speed ratio ours / Trainer, like for like or not",
                  run=str(run))  # fmt: skip
+
+    def _recompute(self, _levers) -> None:
+        self.add("recompute", "selective recompute under torch.compile with gradients (sdpa, flex)",
+                 [[self.py, __file__, "--worker", "recompute"]], "recompute", LIMITS["recompute"],
+                 "per attention kernel, forward re-runs of the attention and of the GEMMs in the Inductor-compiled "
+                 "backward of a selectively checkpointed layer (0 kept); a CPU cannot show this: it runs Inductor's "
+                 "partition with eager kernels and aten SDPA only (tests/test_recompute_flex.py), and torch refuses "
+                 "compiled FlexAttention with gradients there")  # fmt: skip
 
     def _zero(self, _levers) -> None:
         common = [f"model={self.job.zero_model}", "precision=bf16", f"data.path={self.data256}", "data.micro_batch=4",
@@ -648,6 +657,24 @@ def p_logits(step: Step, res: dict, ctx: dict) -> list[dict]:
              f"argmax agree {got['argmax_agree']:.1%}"}]  # fmt: skip
 
 
+def p_recompute(step: Step, res: dict, ctx: dict) -> list[dict]:
+    got = _json_from(res["tails"][0]) if res["tails"] else {}
+    if not got:
+        return [{"result": "no result line"}]
+    rows = []
+    for r in got["rows"]:
+        if "skipped" in r or "error" in r:
+            text = f"skipped: {r['skipped']}" if "skipped" in r else r["error"]
+        else:
+            reran = r["attention_forward_in_backward"] or r["mm_in_backward"] > r["mm_gradients"]
+            text = (f"{'RE-RUN' if reran else 'kept'}: {r['attention']} forward {r['attention_forward_in_backward']}x "
+                    f"in the compiled backward (its backward {r['attention_backward_in_backward']}x), GEMMs "
+                    f"{r['mm_in_backward']} of which gradients {r['mm_gradients']}; checkpoint in the graph "
+                    f"{r['checkpoint_in_graph']}; {r['seconds']:.1f} s")  # fmt: skip
+        rows.append({"name": f"{step.name[:30]}: {r['kernel']}", **r, "result": text})
+    return rows
+
+
 PARSERS = {name[2:]: f for name, f in dict(globals()).items() if name.startswith("p_")}
 
 
@@ -995,6 +1022,112 @@ def w_predict(run_dir: str) -> None:
     print(json.dumps({"step_s": t.step, "cluster": f"{preset} (1 rank)", "timing": t.as_dict()}))
 
 
+RECOMPUTE_FORWARD_OPS = frozenset({"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                                   "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                                   "flex_attention"})  # fmt: skip
+"""The attention kernels' forward ops, as :func:`_op_name` spells them: one of these in a backward graph is a
+re-run of the forward."""
+
+
+def w_recompute() -> None:
+    """Selective recompute under torch.compile with gradients, where a CPU cannot show it: a one-layer Llama (head
+    dim 64, 2 x 512 tokens, bf16 on CUDA) checkpointed as ``train.compile_scope=layers`` runs it
+    (``enable_checkpointing(compiled_layers=True)``), the layer compiled by Inductor, one forward and backward per
+    attention kernel: ``sdpa`` (one document a row: the causal kernel) and ``flex`` (two documents a row: a
+    BlockMask). Counted in the backward graph Inductor compiles (a Triton template is no op a dispatch mode sees):
+    the attention's forward (a re-run: the policy did not keep it) and backward, and the GEMMs against the two a
+    layer's 7 linears' gradients take. One JSON line."""
+    import torch
+
+    from ultrascale.model import recompute
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kept: list[str] = []
+    policy = recompute.selective_policy
+
+    def recorded(ctx, func, *a, **kw):
+        verdict = policy(ctx, func, *a, **kw)
+        if verdict.name == "MUST_SAVE":
+            kept.append(_op_name(func))
+        return verdict
+
+    recompute.selective_policy = recorded  # read when enable_checkpointing builds the checkpoint's context
+    rows = []
+    for kernel in ("sdpa", "flex"):
+        kept.clear()
+        if kernel == "flex" and device.type != "cuda":
+            rows.append({"kernel": kernel, "skipped": "torch compiles FlexAttention with gradients only on a GPU"})
+            continue
+        try:
+            rows.append(_recompute_row(kernel, device, kept))
+        except Exception as e:  # a kernel that does not compile here is a row with its error
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            rows.append({"kernel": kernel, "error": why})
+    print(json.dumps({"device": str(device), "rows": rows}))
+
+
+def _recompute_row(kernel: str, device, kept: list[str]) -> dict:
+    """One attention kernel's compiled forward and backward, and what its backward graph runs."""
+    import torch
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ultrascale.model import flex, recompute
+
+    graphs, tagged, ops = [], [], []
+
+    def inner(gm, example_inputs, **kw):
+        if kw.get("is_backward"):
+            for n in (n for n in gm.graph.nodes if n.op == "call_function"):
+                ops.append(_op_name(n.target))
+                if ops[-1].endswith("run_with_rng_state"):  # a random op recomputed under its forward's state
+                    ops.extend(_op_name(a) for a in n.args if callable(getattr(a, "name", None)))
+        return compile_fx_inner(gm, example_inputs, **kw)
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        tagged.extend(n for n in gm.graph.nodes if _op_name(n.target) == "tag_activation_checkpoint")
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+    hf = AutoConfig.for_model("llama", vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                              use_cache=False)  # fmt: skip
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa").to(device, dtype).train()
+    if kernel == "flex":
+        flex.install_flex_attention(model)
+    recompute.enable_checkpointing(model, "selective", compiled_layers=True)
+    model.model.layers[0].compile(backend=backend, fullgraph=True)
+    ids = torch.randint(0, 256, (2, 512), device=device, generator=torch.Generator(device=device).manual_seed(0))
+    pos = torch.arange(256).repeat(2).expand(2, 512).to(device) if kernel == "flex" else None  # two documents a row
+    t0 = time.perf_counter()
+    model(input_ids=ids, labels=ids, position_ids=pos).loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    forward = [o for o in ops if o in RECOMPUTE_FORWARD_OPS]
+    backward = [o for o in ops if o.endswith("_backward") and o[: -len("_backward")] in RECOMPUTE_FORWARD_OPS]
+    return {
+        "kernel": kernel,
+        "device": str(device),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "graphs": len(graphs),
+        "checkpoint_in_graph": bool(tagged),
+        "kept": sorted(set(kept)),
+        "attention": "/".join(sorted(set(kept) & RECOMPUTE_FORWARD_OPS)) or "no attention op kept",
+        "attention_forward_in_backward": len(forward),
+        "attention_backward_in_backward": len(backward),
+        "mm_in_backward": sum(o in ("mm", "addmm") for o in ops),
+        "mm_gradients": 2 * 7,  # q k v o gate up down: dX and dW each (the head is outside the compiled layer)
+    }
+
+
+def _op_name(target) -> str:
+    """An fx node's or the policy's op as ``aten::mm.default`` -> ``mm``; a higher-order op by its name."""
+    name = getattr(target, "name", None)
+    return name().split("::")[-1] if callable(name) else getattr(target, "__name__", str(target))
+
+
 def w_logits(run_dir: str, hf_dir: str) -> None:
     """The engine rebuilt from the run's checkpoint and the exported HF model score the same two validation rows
     on the GPU, each in the run's dtype."""
@@ -1049,7 +1182,7 @@ def w_tokenizer(model_dir: str, data_dir: str) -> None:
 
 
 WORKERS = {"install": w_install, "versions": w_versions, "smoke": w_smoke, "data": w_data, "predict": w_predict,
-           "logits": w_logits, "tokenizer": w_tokenizer}  # fmt: skip
+           "logits": w_logits, "tokenizer": w_tokenizer, "recompute": w_recompute}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
