@@ -90,8 +90,10 @@ def test_the_staging_mode_follows_the_device():
 
 
 def test_the_staging_is_the_runs_decision():
-    """The rule runs once, in the levers: the run's Decisions carry the mode for its device (an nccl run has CUDA)
-    and the trainer hands that value to the checkpointer."""
+    """The rule runs once, in the levers: the run's Decisions carry the mode for its device (an nccl run has CUDA).
+    That the trainer hands that value to its checkpointer, and pre-stages the pinned buffers after the first step,
+    is checked on the trainer's own path by tests/test_decisions_agree.py (a planted GPU node, pinned staging
+    against test_ckpt_slab's strict cudart recorder)."""
     from ultrascale.config.compose import compose
     from ultrascale.levers.decide import decide
     from ultrascale.levers.rules import validate

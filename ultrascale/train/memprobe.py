@@ -1,8 +1,9 @@
 """What setting a layout up costs in host memory, per rank, without training: build the engine exactly as
 ``train.py`` does (same overrides), write this rank's figures (``EngineInfo.memory``: the RSS peak while the
 model is built or loaded, after engine setup, and after one optimizer step on random tokens, when the
-optimizer's state exists) to ``OUT.rankN``, and stop. ``bench/scale_memory.py`` and the
-construction-memory tests run it; so can a user about to book a machine:
+optimizer's state exists) and the decisions it built with (rank 0's on every rank, as a run agrees them) to
+``OUT.rankN``, and stop. ``bench/scale_memory.py`` and the construction-memory tests run it; so can a user about
+to book a machine:
 
     torchrun --nproc_per_node 2 -m ultrascale.train.memprobe /tmp/mem.json recipe=starcoder2_7b_zero3 ...
 """
@@ -72,7 +73,8 @@ def _probe(out: str, overrides: list[str]) -> None:
     after_step = (_rss_kb() - info.memory["base_kb"]) / 2**20
     with open(f"{out}.rank{dist.rank()}", "w") as f:
         json.dump({"rank": dist.rank(), "stage": getattr(engine, "stage_id", 0), "n_params": info.n_params,
-                   **info.memory, "after_step_gb": after_step}, f)  # fmt: skip
+                   **info.memory, "after_step_gb": after_step,
+                   "decisions": {k: [c.on, c.value] for k, c in d.features().items()}}, f, default=str)  # fmt: skip
     engine.destroy()
     del engine
     dist.shutdown()
