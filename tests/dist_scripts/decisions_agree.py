@@ -20,6 +20,7 @@ registrations at the top of steps 1 and 2; the probe writes OUT_DIR/mem.json.ran
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -30,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 FREE = {0: 70 * GIB, 1: 6 * GIB}
 """Free memory of each planted device: the tiny model's fused-loss chunk differs between the two."""
-OUT: list[Path] = []
 GOT: dict[str, Any] = {"asked": []}
 CUDART: list = []
 
@@ -72,7 +72,6 @@ def at_step(trainer, step: int) -> None:
     checkpointer was handed; before step 2 (step 1 done, nothing saved yet), what that staging holds."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from tests.test_ckpt_slab import StrictCudart, planted_staging
     from ultrascale.train.ckpt_writer import Staging
 
@@ -97,11 +96,9 @@ def main() -> None:
     from ultrascale.train.hooks import STEP_HOOK_ENV
 
     out, overrides = Path(sys.argv[1]), sys.argv[2:]
-    OUT.append(out)
+    sys.path.insert(0, str(ROOT))  # the hook imports test_ckpt_slab's planted cudart
     plant_gpu_node()
     os.environ[STEP_HOOK_ENV] = f"{__name__}:at_step"
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("train_entry", ROOT / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
