@@ -114,6 +114,22 @@ def launch(
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_py(argv: list[str], env: dict | None = None, timeout: int = 600, cwd: Path = ROOT,
+           real: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+    """``python ARGV...`` (a script, or ``-m module``) with output captured, as ``subprocess.run`` would, forked
+    warm (tests/support/warm.py) unless ``real`` or the environment says otherwise. For entry points whose own
+    start-up is what a test checks (``--help`` speed, imports), pass ``real=True``."""
+    from tests.support import warm
+
+    full_env = {**os.environ, **TEST_ENV, **(env or {})}
+    cmd = [sys.executable, *argv]
+    if real or warm.can_fork(full_env):
+        return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if argv[0] == "-m":
+        return warm.launch(cmd, "", argv[2:], 0, full_env, cwd, timeout, torchrun=False, module=argv[1])
+    return warm.launch(cmd, argv[0], argv[1:], 0, full_env, cwd, timeout, torchrun=False)
+
+
 def memprobe(tmp_path: Path, args: list[str], nproc: int = 4) -> list[dict]:
     """``ultrascale.train.memprobe`` under torchrun on ``nproc`` CPU ranks: each rank's record of what setup cost
     it in host memory (build, engine, step), in rank order."""

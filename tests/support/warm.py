@@ -102,7 +102,7 @@ def _rank_main(script: str, module: str | None, argv: list[str], env: dict[str, 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
-    sys.argv = [script if module is None else str(Path(cwd) / "-m"), *argv]
+    sys.argv = [script if module is None else "-m", *argv]  # run_module puts the module's path in argv[0]
     sys.path[0] = str(Path(cwd, script).resolve().parent) if module is None else cwd
     code: int = 0
     try:
