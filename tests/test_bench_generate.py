@@ -7,12 +7,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_py
 from tests.test_generate import PROMPTS, tiny  # noqa: F401  (the module's tiny model fixture)
 from ultrascale.generate import Sampler, SamplingParams
 
@@ -120,9 +118,9 @@ def test_the_cli_sweeps_hf_pairs_rounds_and_checks_newline_prompts(tiny, tmp_pat
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, "bench/bench_generate.py", "--model", str(tmp_path / "m"), "--limit", "3",
+    run = run_py(["bench/bench_generate.py", "--model", str(tmp_path / "m"), "--limit", "3",
                           "--max-new-tokens", "6", "--hf-batch-sizes", "1,2", "--rounds", "2", "--newline", "2",
-                          "--threads", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          "--threads", "1", "--json", str(out)], timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(out.read_text())
     assert {"hf_b1", "hf_b2", "hf_best", "ours"} <= set(got["tokens_per_s"])

@@ -10,17 +10,14 @@ In-process (compose + ``dry_run_text``: what ``train.py dry_run=true`` prints), 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, TEST_ENV
+from tests.conftest import run_py
 from tests.test_recipes import _pretrained_stand_in
 from ultrascale.config.compose import compose
 from ultrascale.paths import RECIPES_DIR
@@ -187,9 +184,8 @@ def test_a_dry_run_never_prepares_data(name, tmp_path, monkeypatch):
 def test_train_py_dry_run_speaks_for_the_recipes_cluster(tmp_path):
     """The command a user types, on this CPU box: the cluster's decisions, not this CPU's, and nothing written."""
     run, data = tmp_path / "run", tmp_path / "data"
-    proc = subprocess.run([sys.executable, "train.py", "recipe=starcoder2_7b_zero3", "dry_run=true", f"output_dir={run}",
-                           f"data.path={data}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **TEST_ENV})  # fmt: skip
+    proc = run_py(["train.py", "recipe=starcoder2_7b_zero3", "dry_run=true", f"output_dir={run}", f"data.path={data}"],
+                  timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "cluster h100_8x: 2 node(s) x 8 GPUs, each NVIDIA H100 SXM5 80GB" in out

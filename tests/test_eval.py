@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import needs, sandbox_missing, tool_missing
+from tests.conftest import needs, run_py, sandbox_missing, tool_missing
 from ultrascale.config.compose import compose
 from ultrascale.data.shards import write_samples
 from ultrascale.errors import ConfigError
@@ -166,7 +166,7 @@ def test_eval_py_end_to_end_on_a_model_dir(tiny, tmp_path):
     out = tmp_path / "eval_out"
     cmd = [sys.executable, str(PROJECT_ROOT / "eval.py"), f"model_dir={model_dir}", f"perplexity.data_path={data}"]
     cmd += ["humaneval.limit=2", "humaneval.max_new_tokens=16", f"output_dir={out}", "wandb=false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=PROJECT_ROOT)
+    proc = run_py(cmd[1:], timeout=600, cwd=PROJECT_ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((out / "eval_results.json").read_text())
     assert res["tasks"]["perplexity"]["tokens"] == 10 * (SEQ - 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENV
+from tests.conftest import TEST_ENV, run_py
 from tests.test_ssd_prompts import write_corpus
 from ultrascale.config.compose import compose, typed
 from ultrascale.errors import ConfigError
@@ -238,7 +238,7 @@ def test_in_training_eval_includes_fim_on_the_datas_held_out_files(tmp_path):
     data = tmp_path / "data"
     prep = [sys.executable, "-m", "data_prep", f"input={FIXTURE}", f"output_dir={data}", "tokenizer.vocab_size=400",
             "pack.seq_len=64", "split.validation_fraction=0.3", "executor.progress=false"]  # fmt: skip
-    check(subprocess.run(prep, cwd=PROJECT_ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True))
+    check(run_py(prep[1:], cwd=PROJECT_ROOT))
     out = tmp_path / "run"
     args = ["model=tiny", *FAST, f"data.path={data}", "train.steps=2", "train.eval_fim=2",
             f"train.eval_fim_input={FIXTURE}", f"output_dir={out}"]  # fmt: skip

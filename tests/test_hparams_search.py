@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-from tests.conftest import FAST, ROOT, TEST_ENV
+from tests.conftest import FAST, run_py
 from tests.wandb_files import read_run
 
 SMALL = [*FAST, "train.steps=6", "train.eval_interval=0", "train.checkpoint_interval=0"]
@@ -21,9 +19,7 @@ SEARCHED = ("optim.lr=", "optim.sched.warmup_steps=")  # the search's own: FAST'
 
 
 def _sweep(args: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    full = {**os.environ, **TEST_ENV, **(env or {})}
-    return subprocess.run([sys.executable, "train.py", "-m", *args], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return run_py(["train.py", "-m", *args], env=env, timeout=timeout)
 
 
 def _summaries(sweep: Path) -> dict[str, dict]:

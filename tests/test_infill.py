@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import TEST_ENV, needs, sandbox_missing
+from tests.conftest import TEST_ENV, needs, run_py, sandbox_missing
 from tests.test_fim_eval import fim_model  # noqa: F401  (the tiny FIM model fixture)
 from ultrascale.config.compose import compose, typed
 from ultrascale.errors import ConfigError
@@ -85,9 +85,7 @@ def test_canonical_solutions_pass_and_empty_ones_fail_in_the_sandbox(tmp_path):
                                for c in (tasks[t]["canonical_solution"], "")))  # fmt: skip
     cmd = [sys.executable, "-m", "ultrascale.eval.infill", "score", "--benchmark", "single-line", "--samples",
            str(samples), "--json", str(tmp_path / "r.json"), "--k", "1", "2", "10"]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=PROJECT_ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True, timeout=120
-    )
+    proc = run_py(cmd[1:], timeout=120, cwd=PROJECT_ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "pass@1: 0.5000, pass@2: 1.0000" in proc.stdout and "on 3 of 1033 tasks" in proc.stdout
     res = json.loads((tmp_path / "r.json").read_text())

@@ -56,7 +56,7 @@ def test_a_warm_launch_runs_as_torchrun_does(torchrun_run, tiny_data, tmp_path):
     """The suite's other launches fork their ranks from a warm server (tests/support/warm.py) instead of paying
     torchrun's and every rank's imports: the same config must give the run torchrun gives, to the last bit (the
     same losses, parameter digests and run directory), or every test that launches warm proves less than it says."""
-    ref, ref_proc = torchrun_run
+    ref, _ = torchrun_run
     out = tmp_path / "run"
     proc = check(launch([*BASE, f"data.path={tiny_data}", f"output_dir={out}"]))
     _run_dir_checks(out)

@@ -3,13 +3,12 @@ for adapters, and what the dry run and ``python train.py`` say."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 
-from tests.conftest import ROOT, TEST_ENV
+from tests.conftest import run_py
 from ultrascale.config.compose import compose
 from ultrascale.errors import ConfigError
 from ultrascale.levers.rules import validate
@@ -47,7 +46,7 @@ def test_validation_refuses_what_adapters_cannot_run(smollm2_135m, overrides, me
 def test_qlora_on_cpu_is_one_error_line(smollm2_135m):
     cmd = [sys.executable, "train.py", "recipe=smollm2_135m_lora", "finetune=qlora",
            f"model.pretrained_path={smollm2_135m}", "output_dir=/tmp/never"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env={**TEST_ENV, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    proc = run_py(cmd[1:], env={"PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "finetune=qlora needs a CUDA GPU" in errors[0], proc.stderr[-2000:]
@@ -83,7 +82,7 @@ def test_planner_counts_gradients_and_adam_for_the_adapters_only(smollm2_135m):
 def test_dry_run_prints_trainable_params_and_the_saving(smollm2_135m):
     cmd = [sys.executable, "train.py", "recipe=smollm2_135m_lora", f"model.pretrained_path={smollm2_135m}",
            "dry_run=true"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env={**TEST_ENV, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    proc = run_py(cmd[1:], env={"PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "trainable 4.88M of 139.40M params (3.50%)" in proc.stdout, proc.stdout[-3000:]
     assert "for a full fine-tune: saves" in proc.stdout

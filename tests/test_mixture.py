@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import FAST, ROOT, TEST_ENV
+from tests.conftest import FAST, ROOT, TEST_ENV, run_py
 from ultrascale.config.compose import compose
 from ultrascale.data.loader import StepBatches
 from ultrascale.data.mixture import QUANTUM, Mixture, Stage, quantize
@@ -177,9 +177,7 @@ def test_a_resume_refuses_a_mixture_that_changed_before_the_checkpoint():
 
 
 def _train(args, tmp_path):
-    env = {**os.environ, **TEST_ENV}
-    return subprocess.run([sys.executable, "train.py", *FAST, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return run_py(["train.py", *FAST, *args], timeout=300)
 
 
 def _one_error_nothing_written(proc, out, needle):

@@ -8,10 +8,8 @@ the SSD entry point, and the eval is eval.py's HumanEval path.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 from collections import Counter
 from pathlib import Path
@@ -20,7 +18,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import PY_ERROR, ROOT, TEST_ENV, needs, sandbox_missing
+from tests.conftest import PY_ERROR, ROOT, needs, run_py, sandbox_missing
 from tests.support import faults
 from ultrascale.config.compose import compose
 from ultrascale.data.problems_config import DENY_NAMES
@@ -375,11 +373,7 @@ def tiny_start_model(tokenizer_dir, tmp_path_factory) -> Path:
 
 
 def _ssd(args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **TEST_ENV, **(extra_env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", "ultrascale.ssd", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    return proc
+    return run_py(["-m", "ultrascale.ssd", *args], env=extra_env, timeout=600)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -534,13 +528,9 @@ def test_the_comparison_runs_on_real_models_and_reports_an_identical_pair_as_no_
         if not (other / f.name).exists():
             shutil.copy(f, other / f.name)
     out = tmp_path / "compare.json"
-    env = {**os.environ, **TEST_ENV}
-    proc = subprocess.run(
-        [sys.executable, "-m", "ultrascale.ssd.evaluate", "--model", f"base={tiny_start_model}", "--model",
-         f"same={copy}", "--model", f"other={other}", "--limit", "6", "--temperatures", "0.8", "--n-dev", "1",
-         "--n-test", "2", "--max-new-tokens", "8", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = run_py(["-m", "ultrascale.ssd.evaluate", "--model", f"base={tiny_start_model}", "--model",
+                   f"same={copy}", "--model", f"other={other}", "--limit", "6", "--temperatures", "0.8", "--n-dev",
+                   "1", "--n-test", "2", "--max-new-tokens", "8", "--out", str(out)], timeout=600)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     r = json.loads(out.read_text())["sets"]["humaneval"]
     assert len(r["split"]["dev"]) == 3 and len(r["split"]["test"]) == 3

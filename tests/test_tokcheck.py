@@ -7,16 +7,14 @@ word. The data here is real: data prep's own BPE on stdlib files, and SmolLM2's 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TEST_ENV
+from tests.conftest import ROOT, run_py
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +113,7 @@ def test_train_refuses_another_tokenizers_data_in_one_line_and_writes_nothing(bp
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=smollm2_135m_lora", f"model.pretrained_path={model}",
            f"data.path={bpe_data}", "data.seq_len=64", "train.steps=2", f"output_dir={out}"]  # fmt: skip
     # 120 s is a hang guard: without the check this trains (and writes a checkpoint)
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, **TEST_ENV}, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = run_py(cmd[1:], timeout=120, cwd=tmp_path)
     assert proc.returncode != 0, proc.stdout[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr[-3000:]
