@@ -130,13 +130,21 @@ def run_py(argv: list[str], env: dict | None = None, timeout: int = 600, cwd: Pa
     return warm.launch(cmd, argv[0], argv[1:], 0, full_env, cwd, timeout, torchrun=False)
 
 
-def memprobe(tmp_path: Path, args: list[str], nproc: int = 4) -> list[dict]:
-    """``ultrascale.train.memprobe`` under torchrun on ``nproc`` CPU ranks: each rank's record of what setup cost
-    it in host memory (build, engine, step), in rank order."""
+def memprobe(tmp_path: Path, args: list[str], nproc: int = 4, real: bool = False) -> list[dict]:
+    """``ultrascale.train.memprobe`` under torchrun on ``nproc`` CPU ranks (forked warm unless ``real``): each rank's
+    record of what setup cost it in host memory (build, engine, step), in rank order. A forked rank starts with the
+    forkserver's imports resident, as a fresh rank has them once imported; the probe measures from its own base."""
+    from tests.support import warm
+
     out = tmp_path / "mem.json"
+    full_env = {**os.environ, **TEST_ENV}
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "-m",
            "ultrascale.train.memprobe", str(out), *args]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **TEST_ENV}, capture_output=True, text=True, timeout=900)
+    if real or warm.can_fork(full_env):
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=900)
+    else:
+        proc = warm.launch(cmd, "", [str(out), *args], nproc, full_env, ROOT, 900, torchrun=True,
+                           module="ultrascale.train.memprobe")  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return [json.loads(f.read_text()) for f in sorted(tmp_path.glob("mem.json.rank*"))]
 
