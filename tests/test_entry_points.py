@@ -1,6 +1,8 @@
 """Every entry point as a new user meets it: ``--help`` that reads like train.py's, and bad input answered in
 one ``error:`` line naming the key or file, with no traceback, a non-zero exit within seconds, and no file
-written. Each command runs as a real subprocess from a scratch directory."""
+written. Each command runs as its own process from a scratch directory: ``--help`` from a fresh interpreter, the
+bad inputs forked warm (``conftest.run_py``: the same program with torch already imported, which is what a bad
+input that is refused after the imports would otherwise spend its seconds on)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, ROOT, TEST_ENV, check
+from tests.conftest import FAST, ROOT, TEST_ENV, check, run_py
 
 PY = sys.executable
 
@@ -189,7 +191,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(name, args, needle, inpu
         argv[0] = str(ROOT / argv[0])  # run from a scratch directory, as a user elsewhere would
     before_inputs, before_root = _files(inputs["root"]), _files(ROOT)
     # 60 s is a hang guard, not a speed claim: a bad input must be refused before anything is built or trained
-    proc = subprocess.run([PY, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=_env())
+    proc = run_py(argv, timeout=60, cwd=tmp_path)
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -212,19 +214,15 @@ def _changed(before: dict, after: dict) -> dict:
 
 
 def test_plans_best_command_dry_runs_to_the_planned_layout(tmp_path):
-    plan = subprocess.run(
-        [PY, "plan.py", "model=tiny", "cluster=h100_8x", "precision=fp16", "data.seq_len=512",
-         f"output_json={tmp_path / 'plan.json'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
-    )  # fmt: skip
+    plan = run_py(["plan.py", "model=tiny", "cluster=h100_8x", "precision=fp16", "data.seq_len=512",
+                   f"output_json={tmp_path / 'plan.json'}"], timeout=300)  # fmt: skip
     assert plan.returncode == 0, plan.stderr[-2000:]
     best = json.loads((tmp_path / "plan.json").read_text())["best"]
     line = plan.stdout.split("best:\n", 1)[1].splitlines()[0].strip()
     argv = shlex.split(line)
     assert argv[:2] == ["python", "train.py"]
     fresh = [f"output_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}"]  # data: 'not here' (a note)
-    dry = subprocess.run([PY, *argv[1:], "dry_run=true", *fresh], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, env=_env())  # fmt: skip
+    dry = run_py([*argv[1:], "dry_run=true", *fresh], timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
     lay = best["layout"]
     topo = dry.stdout.split("== topology ==\n", 1)[1].splitlines()[0]
@@ -238,10 +236,8 @@ def test_plans_best_command_dry_runs_to_the_planned_layout(tmp_path):
 
 
 def test_a_sweep_started_outside_the_repo_writes_its_summary(tiny_data, tmp_path):
-    proc = subprocess.run(
-        [PY, str(ROOT / "train.py"), "-m", *FAST, f"data.path={tiny_data}", "train.steps=1", "optim.lr=1e-3,2e-3"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env(),
-    )  # fmt: skip
+    proc = run_py([str(ROOT / "train.py"), "-m", *FAST, f"data.path={tiny_data}", "train.steps=1", "optim.lr=1e-3,2e-3"],
+                  timeout=600, cwd=tmp_path)  # fmt: skip
     check(proc)
     (summary,) = list(tmp_path.glob("multirun/*/*/sweep_summary.csv"))
     rows = summary.read_text().splitlines()
