@@ -1,7 +1,12 @@
 """Shared fixtures: real shards from real source text, and a real multi-rank launcher.
 
-Nothing here is mocked: ``launch`` starts ``torchrun`` (or ``deepspeed``) on ``train.py`` with gloo
-ranks on this CPU, exactly as a user would.
+Nothing here is mocked: ``launch`` runs ``train.py`` on real gloo ranks on this CPU. A torchrun or plain-python
+launch forks its ranks from a warm server that imported torch, DeepSpeed and transformers once
+(``tests/support/warm.py``: torchrun's environment and exit status, the same code, bit for bit the same run, as
+``test_launch_dist::test_a_warm_launch_runs_as_torchrun_does`` checks); ``launch(real=True)`` and every
+``deepspeed`` launch start the launcher itself, as a user types it, and ``ULTRASCALE_TESTS_REAL_LAUNCH=1`` makes
+every launch real. The real launchers keep their own tests: ``torchrun`` and ``deepspeed`` in
+``test_launch_dist``, Ctrl-C under each and the Slurm script in ``test_failures_dist``.
 """
 
 from __future__ import annotations
