@@ -71,17 +71,12 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _job_dirs(sweep_dir: Path) -> list[Path]:
-    dirs = [d for d in sweep_dir.iterdir() if (d / ".hydra" / "overrides.yaml").is_file()]
-    return sorted(dirs, key=lambda d: (0, int(d.name)) if d.name.isdigit() else (1, d.name))
-
-
 def collect(sweep_dir: str | Path) -> list[dict]:
     """One row per job directory: the overrides that differ between jobs, status and final numbers."""
-    sweep_dir = Path(sweep_dir)
-    jobs = _job_dirs(sweep_dir) if sweep_dir.is_dir() else []
-    overrides = {d: [str(o) for o in OmegaConf.load(d / ".hydra" / "overrides.yaml")] for d in jobs}
-    common = set.intersection(*(set(v) for v in overrides.values())) if overrides else set()
+    from ultrascale.report import overrides as ov
+
+    jobs = ov.job_dirs(sweep_dir)
+    differ = ov.differing({d: ov.read(d) for d in jobs})
     rows = []
     for d in jobs:
         summary, status = _read_json(d / "summary.json"), _read_json(d / STATUS_FILE)
@@ -96,7 +91,7 @@ def collect(sweep_dir: str | Path) -> list[dict]:
         rows.append(
             {
                 "job": d.name,
-                "overrides": " ".join(o for o in overrides[d] if o not in common) or "(none)",
+                "overrides": " ".join(differ[d]) or "(none)",
                 "status": state,
                 **{k: summary.get(k) for k in ("final_loss", "eval_loss", "tokens_per_s", "mfu", "mem_gb")},
                 "run_dir": str(d),

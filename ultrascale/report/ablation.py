@@ -1,0 +1,329 @@
+"""An ablation read from a Hydra sweep: arms, seeds paired against a baseline, a Student t interval, a figure.
+
+    python train.py -m recipe=cpu_smoke optim=adamw,muon train.seed=1,2,3 hydra.sweep.dir=sweeps/opt \\
+        hydra.sweep.subdir='${hydra.job.override_dirname}'
+    python -m ultrascale.report.ablation sweeps/opt --baseline optim=adamw --json opt.json --plot opt.png
+
+A job's arm is the overrides that tell it from the other jobs of its sweep, less its seed (``train.seed``); jobs
+of one arm differ only in their seed, and a seed fixes the data order and the initial weights, so an arm's run
+and the baseline's run of the same seed form a pair. Per arm: the final held-out loss (the last eval, at the run's
+last step) as mean and spread over its seeds, and tokens/s. Per arm against the baseline: the mean of the paired
+differences with a Student t 95 % interval (t on n - 1 degrees of freedom: 4.30 with 3 pairs), whose half-width
+is the smallest difference this many seeds could have told from zero; and the tokens the arm needed to reach the
+baseline's final loss, read off its eval curve (linear between evals), as a ratio of the baseline's tokens, or
+"not reached". A pair's difference is the arm's loss less the baseline's: below zero, the arm is better.
+
+What would make the comparison say less than it seems to is refused in one ``error:`` line: runs whose configs
+differ in a key no override names (two sweeps' runs mixed), runs that saw different numbers of tokens, a run
+without an eval at its last step, a seed twice in one arm, a baseline that is not an arm.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ultrascale.errors import DataError, UltrascaleError
+from ultrascale.report import overrides as ov
+from ultrascale.report.load import load_run
+from ultrascale.report.quality import tokens_per_step
+
+SEED_KEY = "train.seed"
+IGNORED = ("output_dir", "logger.run_name", "logger.wandb_group", "logger.wandb_name", "hydra")
+"""Config keys that differ between the runs of any sweep by design (where each writes, what it is called)."""
+
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+"""Student t's 97.5th percentile for 1 to 30 degrees of freedom (the two-sided 95 % multiplier)."""
+
+
+def t975(df: int) -> float:
+    """The two-sided 95 % Student t multiplier on ``df`` degrees of freedom (tabled to 30, then the Cornish-Fisher
+    expansion around 1.96, within 0.001 of the exact value there)."""
+    if df < 1:
+        raise ValueError(f"a t interval needs at least 1 degree of freedom (got {df})")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+@dataclass
+class SeedRun:
+    seed: int
+    run_dir: str
+    final_eval_loss: float
+    tokens: int
+    tokens_per_s: float | None
+    curve: list[list[float]]
+    """``[tokens, held-out loss]`` at each eval, in order."""
+
+
+@dataclass
+class Arm:
+    name: str
+    overrides: list[str]
+    runs: list[SeedRun] = field(default_factory=list)
+
+    def by_seed(self) -> dict[int, SeedRun]:
+        return {r.seed: r for r in self.runs}
+
+
+@dataclass
+class Comparison:
+    arm: str
+    n_pairs: int
+    diff_mean: float | None
+    ci95: list[float] | None
+    detectable: float | None
+    """The interval's half-width: the smallest mean difference these pairs could have told from zero."""
+    diffs: dict[int, float]
+    tokens_to_baseline_final: float | None
+    """Mean over the pairs of (tokens the arm needed to reach its pair's baseline final loss) / (the baseline's
+    tokens); None where a pair's arm never reached it."""
+    reached: dict[int, float | None]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _seed(run_overrides: list[str], config: dict) -> int:
+    for o in run_overrides:
+        if _key(o) == SEED_KEY:
+            return int(o.split("=", 1)[1])
+    return int(((config.get("train") or {}).get("seed")) or 0)
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _named_by(key: str, axes: set[str]) -> bool:
+    """Whether a config key is one an axis sets: ``optim.lr`` by ``optim.lr=...``, anything under ``optim.`` by the
+    group choice ``optim=muon``."""
+    return any(key == a or key.startswith(a + ".") for a in axes) or key.split(".")[0] in IGNORED or key in IGNORED
+
+
+def _crossing(curve: list[list[float]], target: float) -> float | None:
+    """The tokens at which a held-out curve first reaches ``target`` (linear between evals), None if it never does."""
+    for i, (t, loss) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return t
+            t0, l0 = curve[i - 1]
+            return t0 + (l0 - target) / (l0 - loss) * (t - t0)
+    return None
+
+
+def load_sweep(sweep_dir: str | Path) -> list[Arm]:
+    """The sweep's arms, each with its seeds' runs; DataError for anything the comparison cannot stand on."""
+    sweep_dir = Path(sweep_dir)
+    jobs = ov.job_dirs(sweep_dir)
+    if not jobs:
+        raise DataError(f"{sweep_dir}: no sweep jobs here (no */.hydra/overrides.yaml): pass a `train.py -m` run's "
+                        "hydra.sweep.dir")  # fmt: skip
+    typed = {d: ov.read(d) for d in jobs}
+    differ = ov.differing(typed)
+    axes = {_key(o) for v in differ.values() for o in v}
+    runs = {d: load_run(d) for d in jobs}
+    _same_config_but_the_axes(runs, axes)
+    _same_tokens(runs)
+    arms: dict[str, Arm] = {}
+    for d in jobs:
+        run = runs[d]
+        named = [o for o in differ[d] if _key(o) != SEED_KEY]
+        name = " ".join(named) or "(none)"
+        arm = arms.setdefault(name, Arm(name, named))
+        seed = _seed(typed[d], run.config)
+        if seed in arm.by_seed():
+            raise DataError(f"arm {name!r} has seed {seed} twice ({arm.by_seed()[seed].run_dir} and {d}): a sweep's "
+                            "arms differ in their overrides, and an arm's runs in their seed only")  # fmt: skip
+        arm.runs.append(_seed_run(d, run, seed))
+    return list(arms.values())
+
+
+def _same_config_but_the_axes(runs: dict, axes: set[str]) -> None:
+    flat = {d: _flat(r.config) for d, r in runs.items()}
+    first = next(iter(flat))
+    for d, cfg in flat.items():
+        for key in sorted(set(cfg) | set(flat[first])):
+            if _named_by(key, axes):
+                continue
+            if cfg.get(key) != flat[first].get(key):
+                raise DataError(
+                    f"{first.name} and {d.name} differ in {key} ({flat[first].get(key)!r} vs {cfg.get(key)!r}), which "
+                    f"no override of the sweep names (its axes: {', '.join(sorted(axes)) or 'none'}): the runs are "
+                    "not one sweep's; compare a sweep whose jobs differ only in what it sweeps"
+                )
+
+
+def _same_tokens(runs: dict) -> None:
+    tokens = {d: r.summary.get("tokens") for d, r in runs.items()}
+    if len(set(tokens.values())) > 1:
+        shown = ", ".join(f"{d.name}: {t if t is not None else 'unknown'}" for d, t in tokens.items())
+        raise DataError(f"the runs saw different numbers of tokens ({shown}): arms compare at equal tokens; set "
+                        "train.tokens (or train.steps) alike for every job")  # fmt: skip
+
+
+def _seed_run(d: Path, run, seed: int) -> SeedRun:
+    evals = run.eval_curve()
+    last_step = run.summary.get("steps") or (run.curve()[-1]["step"] if run.curve() else None)
+    if not evals or last_step is None or evals[-1]["step"] != last_step:
+        where = f"its last is at step {evals[-1]['step']}" if evals else "it has none"
+        raise DataError(f"{d}: no held-out eval at its last step ({last_step}; {where}): an unfinished run, or "
+                        "train.eval_interval that does not land on train.steps; the final loss is that eval's")  # fmt: skip
+    per_step = tokens_per_step(run)
+    curve = [[float(e["step"] * per_step), float(e["eval_loss"])] for e in evals]
+    tps = run.summary.get("tokens_per_s")
+    return SeedRun(seed, str(d), float(evals[-1]["eval_loss"]), int(run.summary.get("tokens") or last_step * per_step),
+                   float(tps) if tps is not None else None, curve)  # fmt: skip
+
+
+def baseline_arm(arms: list[Arm], baseline: str | None) -> Arm:
+    """The arm named ``baseline`` (its full name, or one of its overrides); the first arm without one."""
+    if baseline is None:
+        return arms[0]
+    found = [a for a in arms if baseline == a.name or baseline in a.overrides]
+    if len(found) != 1:
+        names = "; ".join(a.name for a in arms)
+        why = "is not an arm" if not found else f"names {len(found)} arms"
+        raise DataError(f"--baseline {baseline} {why} of this sweep: its arms are {names}")
+    return found[0]
+
+
+def compare(arm: Arm, base: Arm) -> Comparison:
+    """The arm against the baseline, paired by seed."""
+    a, b = arm.by_seed(), base.by_seed()
+    seeds = sorted(set(a) & set(b))
+    diffs = {s: a[s].final_eval_loss - b[s].final_eval_loss for s in seeds}
+    mean = statistics.fmean(diffs.values()) if diffs else None
+    ci, half = None, None
+    if len(diffs) >= 2:
+        half = t975(len(diffs) - 1) * statistics.stdev(diffs.values()) / math.sqrt(len(diffs))
+        ci = [mean - half, mean + half]
+    reached = {}
+    for s in seeds:
+        t = _crossing(a[s].curve, b[s].final_eval_loss)
+        reached[s] = None if t is None else t / b[s].tokens
+    ratios = list(reached.values())
+    to_final = statistics.fmean(ratios) if ratios and None not in ratios else None
+    return Comparison(arm.name, len(seeds), mean, ci, half, diffs, to_final, reached)
+
+
+def report(sweep_dir: str | Path, baseline: str | None = None) -> dict:
+    """The ablation as the JSON ``--json`` writes: the baseline, each arm's runs, each comparison."""
+    arms = load_sweep(sweep_dir)
+    base = baseline_arm(arms, baseline)
+    return {
+        "sweep_dir": str(sweep_dir),
+        "baseline": base.name,
+        "arms": {a.name: {"overrides": a.overrides, "runs": [asdict(r) for r in a.runs]} for a in arms},
+        "comparisons": [asdict(compare(a, base)) for a in arms if a is not base],
+    }
+
+
+def _fmt(v: float | None, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(result: dict) -> str:
+    """The report's table: one row per arm (the baseline first), with its comparison."""
+    comps = {c["arm"]: c for c in result["comparisons"]}
+    names = [result["baseline"], *(n for n in result["arms"] if n != result["baseline"])]
+    head = ["arm", "seeds", "final held-out loss", "tokens/s", "diff vs baseline [95% CI]", "detectable",
+            "tokens to baseline's final"]  # fmt: skip
+    rows = [head]
+    for n in names:
+        runs = result["arms"][n]["runs"]
+        losses = [r["final_eval_loss"] for r in runs]
+        spread = f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""
+        tps = [r["tokens_per_s"] for r in runs if r["tokens_per_s"] is not None]
+        row = [n + (" (baseline)" if n == result["baseline"] else ""), str(len(runs)),
+               f"{statistics.fmean(losses):.4f}{spread}", f"{statistics.fmean(tps):,.0f}" if tps else "-"]  # fmt: skip
+        c = comps.get(n)
+        if c is None:
+            row += ["", "", ""]
+        else:
+            ci = f" [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]" if c["ci95"] else " (one pair: no interval)"
+            ttf = c["tokens_to_baseline_final"]
+            row += [f"{_fmt(c['diff_mean'], '+.4f')}{ci} ({c['n_pairs']} pairs)", _fmt(c["detectable"]),
+                    "not reached" if ttf is None else f"{ttf:.2f}x"]  # fmt: skip
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(result: dict, out: str | Path) -> Path:
+    """Held-out loss against tokens: each arm's mean over its seeds, the seeds' range shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ultrascale.atomic import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, arm in result["arms"].items():
+        curves = [r["curve"] for r in arm["runs"]]
+        xs = [p[0] for p in curves[0]]
+        label = name + (" (baseline)" if name == result["baseline"] else "")
+        if all([p[0] for p in c] == xs for c in curves):
+            ys = list(zip(*([p[1] for p in c] for c in curves)))
+            (line,) = ax.plot(xs, [statistics.fmean(y) for y in ys], label=f"{label}, {len(curves)} seed(s)")
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
+        else:  # evals at other tokens per seed: each seed's own line
+            for i, c in enumerate(curves):
+                ax.plot([p[0] for p in c], [p[1] for p in c], lw=1, label=label if i == 0 else None)
+    ax.set_xlabel("tokens trained")
+    ax.set_ylabel("held-out loss")
+    ax.set_title(f"ablation: {Path(result['sweep_dir']).name}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(Path(out), buf.getvalue())
+    return Path(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ultrascale.argv import ArgParser
+    from ultrascale.jsonio import write_json
+
+    ap = ArgParser(prog="python -m ultrascale.report.ablation", description=__doc__)
+    ap.add_argument("sweep_dir", type=Path, help="a `train.py -m` sweep's hydra.sweep.dir")
+    ap.add_argument("--baseline", help="the baseline arm: its name or one of its overrides, e.g. optim=adamw "
+                                       "(default: the first arm)")  # fmt: skip
+    ap.add_argument("--json", type=Path, help="write the report here (arms, runs, curves, comparisons)")
+    ap.add_argument("--plot", type=Path, help="write held-out loss against tokens here (PNG)")
+    a = ap.parse_args(argv)
+    try:
+        result = report(a.sweep_dir, a.baseline)
+        print(table(result))
+        if a.json:
+            write_json(a.json, result)
+            print(f"wrote {a.json}")
+        if a.plot:
+            print(f"wrote {plot(result, a.plot)}")
+    except UltrascaleError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
