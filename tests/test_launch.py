@@ -236,3 +236,16 @@ def test_slurm_sweep_writes_one_sbatch_per_job(tmp_path):
     rows = collect(sweep)
     assert [r["status"] for r in rows] == ["sbatch written", "sbatch written"]
     assert "sweep summary" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["/s/launcher=torchrun,optim=muon,train.seed=1", "/s/it's [a, b]", "runs/plain-1.x"])
+def test_a_sweep_job_passes_its_directory_as_one_value_whatever_its_name(value):
+    """A job directory named by its overrides (``hydra.sweep.subdir='${hydra.job.override_dirname}'``, as an
+    ablation sweep names its runs) holds ``=`` and ``,``: passed on unquoted, its launch failed in Hydra's grammar
+    ("mismatched input '='") and every job of the sweep exited 1."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from launch.sweep import override
+
+    parsed = OverridesParser.create().parse_override(override("output_dir", value))
+    assert parsed.key_or_group == "output_dir" and parsed.value() == value

@@ -121,7 +121,7 @@ def _sweep_job(cfg: DictConfig, hc: Any, explicit_out: bool) -> Any:
     Hydra's composed DictConfig: the job's extras are written into it by key path."""
     from launch.slurm import submit_run
     from launch.spawn import JobFailed, spawn
-    from launch.sweep import job_extras
+    from launch.sweep import job_extras, override
 
     extras = job_extras(cfg.logger, hc.runtime.output_dir, hc.sweep.dir, hc.job.num)
     if explicit_out:
@@ -131,7 +131,7 @@ def _sweep_job(cfg: DictConfig, hc: Any, explicit_out: bool) -> Any:
         for part in leaf[:-1]:
             node = node[part]
         node[leaf[-1]] = v
-    args = [o for o in hc.overrides.task if _key(o) not in extras] + [f"{k}={v}" for k, v in extras.items()]
+    args = [o for o in hc.overrides.task if _key(o) not in extras] + [override(k, v) for k, v in extras.items()]
     if cfg.launcher.name == "slurm":
         return submit_run(cfg, args, sys.argv[0])
     res = spawn(cfg, sys.argv[0], args)
