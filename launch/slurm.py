@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.spawn import STATUS_FILE
+from launch.spawn import STATUS_FILE, override
 from ultrascale.errors import ConfigError
 from ultrascale.paths import PROJECT_ROOT, resolve_path
 
@@ -34,7 +34,7 @@ def _run_args(output_dir: str, args: list[str]) -> list[str]:
     """The overrides each rank gets: the user's, with the run directory pinned to an absolute path so
     every node and every requeue of the job resolves the same one."""
     out = str(resolve_path(output_dir))
-    return [a for a in args if not a.startswith("output_dir=")] + [f"output_dir={out}"]
+    return [a for a in args if not a.startswith("output_dir=")] + [override("output_dir", out)]
 
 
 def _opt(key: str, value) -> str:

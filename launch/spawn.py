@@ -15,6 +15,7 @@ The driver is also what makes a stop and a lost rank cheap:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,3 +183,21 @@ def spawn(cfg: RootConfig, script: str, args: list[str]) -> LaunchResult:
         restarts += 1
         print(f"{cfg.launcher.name} exited with code {res.returncode}: restart {restarts} of "
               f"{cfg.launcher.max_restarts}, from the newest complete checkpoint", flush=True)  # fmt: skip
+
+
+_PLAIN = re.compile(r"[\w./@+%~ -]*")  # spaces inside a value are the grammar's own
+
+
+def override(key: str, value: str) -> str:
+    """``key=value`` as a job's launch passes it on: the value quoted for Hydra's override grammar when it holds
+    anything the grammar reads (``=``, ``,``, brackets, quotes, leading or trailing spaces). A job directory named by its overrides
+    (``hydra.sweep.subdir='${hydra.job.override_dirname}'``, what an ablation sweep uses) is
+    ``.../optim=muon,train.seed=1``, which unquoted is a second override and a list."""
+    value = str(value)
+    if _PLAIN.fullmatch(value) and value == value.strip():
+        return f"{key}={value}"
+    if "'" not in value:
+        return f"{key}='{value}'"
+    if '"' not in value:
+        return f'{key}="{value}"'
+    return f"{key}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -63,24 +63,6 @@ def job_extras(logger: LoggerConfig, job_dir: str, sweep_dir: str, job_num: int)
     }
 
 
-_PLAIN = re.compile(r"[\w./@+%~-]*")
-
-
-def override(key: str, value: str) -> str:
-    """``key=value`` as a job's launch passes it on: the value quoted for Hydra's override grammar when it holds
-    anything the grammar reads (``=``, ``,``, brackets, quotes, spaces). A job directory named by its overrides
-    (``hydra.sweep.subdir='${hydra.job.override_dirname}'``, what an ablation sweep uses) is
-    ``.../optim=muon,train.seed=1``, which unquoted is a second override and a list."""
-    value = str(value)
-    if _PLAIN.fullmatch(value):
-        return f"{key}={value}"
-    if "'" not in value:
-        return f"{key}='{value}'"
-    if '"' not in value:
-        return f'{key}="{value}"'
-    return f"{key}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def _read_json(path: Path) -> dict:
     """A job's summary or status; a job still writing (or killed mid-write) is just not done yet."""
     try:

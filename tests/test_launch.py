@@ -245,7 +245,7 @@ def test_a_sweep_job_passes_its_directory_as_one_value_whatever_its_name(value):
     ("mismatched input '='") and every job of the sweep exited 1."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from launch.sweep import override
+    from launch.spawn import override
 
     parsed = OverridesParser.create().parse_override(override("output_dir", value))
     assert parsed.key_or_group == "output_dir" and parsed.value() == value

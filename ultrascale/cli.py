@@ -120,8 +120,8 @@ def _sweep_job(cfg: DictConfig, hc: Any, explicit_out: bool) -> Any:
     """One ``-m`` job driven from the sweep process: its own launcher (or sbatch) and run directory. ``cfg`` is
     Hydra's composed DictConfig: the job's extras are written into it by key path."""
     from launch.slurm import submit_run
-    from launch.spawn import JobFailed, spawn
-    from launch.sweep import job_extras, override
+    from launch.spawn import JobFailed, override, spawn
+    from launch.sweep import job_extras
 
     extras = job_extras(cfg.logger, hc.runtime.output_dir, hc.sweep.dir, hc.job.num)
     if explicit_out:
