@@ -122,3 +122,56 @@ def test_a_seed_twice_in_one_arm_and_an_empty_sweep_are_refused(tmp_path, capsys
     sweep = _sweep(tmp_path, {"optim=adamw": {}})
     _job(sweep, ["optim=adamw", "train.seed=1"], 3.0, name="7")  # numbered job dirs: `train.seed=1,1` makes two
     _one_error(capsys, [str(sweep)], "has seed 1 twice")
+
+
+def _plant_evals(sweep: Path, values: dict[str, dict[int, dict[str, float]]], step: int = STEPS) -> None:
+    """``eval/step_N/eval_results.json`` for each job, as ``python eval.py run_dir=JOB tasks=[fim,infill]`` writes it."""
+    for d in sweep.iterdir():
+        arm, seed = (o.strip("- \n") for o in (d / ".hydra" / "overrides.yaml").read_text().splitlines())
+        tasks: dict[str, dict] = {}
+        for key, v in values[arm][int(seed.split("=")[1])].items():
+            task, metric = key.split("/", 1)
+            tasks.setdefault(task, {})[metric] = v
+        out = d / "eval" / f"step_{step:08d}" / "eval_results.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"step": step, "tasks": tasks}))
+
+
+def test_post_hoc_evaluations_are_paired_by_seed_with_their_interval(tmp_path, capsys):
+    sweep = _sweep(tmp_path, {"data.path=d0": {}, "data.path=d50": BETTER})
+    infill = {1: 0.05, 2: 0.07, 3: 0.06}  # the FIM arm's planted pass@1 gain: mean 0.06, sd 0.01
+    values = {
+        "data.path=d0": {s: {"infill/pass@1": 0.03, "fim/all/psm/middle_loss": 5.0} for s in BASE},
+        "data.path=d50": {s: {"infill/pass@1": 0.03 + g, "fim/all/psm/middle_loss": 4.0} for s, g in infill.items()},
+    }
+    _plant_evals(sweep, values)
+    result = ablation.report(sweep, "data.path=d0")
+    (c,) = result["comparisons"]
+    half = 4.303 * 0.01 / math.sqrt(3)
+    assert c["evals"]["infill/pass@1"]["diff_mean"] == pytest.approx(0.06)
+    assert c["evals"]["infill/pass@1"]["ci95"] == pytest.approx([0.06 - half, 0.06 + half])
+    assert c["evals"]["fim/all/psm/middle_loss"]["diff_mean"] == pytest.approx(-1.0)
+    assert "fim/single_line/psm/exact_match" not in c["evals"]  # no run has it
+    text = ablation.eval_table(result)
+    assert "(empty completions: 0.0261)" in text and "+0.0600 [" in text, text
+    # an eval of another checkpoint than the run's last is not the run's final model's: not read
+    _plant_evals(sweep, {a: {s: {"infill/pass@1": 0.9} for s in BASE} for a in values}, step=STEPS - 1)
+    assert ablation.report(sweep, "data.path=d0")["comparisons"][0]["evals"]["infill/pass@1"]["diff_mean"] == (
+        pytest.approx(0.06)
+    )
+
+
+def test_the_table_goes_to_wandb_when_the_runs_logged_there(tmp_path, monkeypatch):
+    sweep = _sweep(tmp_path, {"optim=adamw": {}, "optim=muon": BETTER})
+    result = ablation.report(sweep, "optim=adamw")
+    assert ablation.wandb_settings(result) is None  # the runs did not log to wandb: no run is started for them
+    for cfg_path in sweep.glob("*/config.yaml"):
+        cfg = json.loads(cfg_path.read_text())
+        cfg["logger"] = {"wandb": True, "wandb_mode": "offline", "wandb_project": "abl"}
+        cfg_path.write_text(json.dumps(cfg))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    settings = ablation.wandb_settings(result)
+    assert settings == {"project": "abl", "mode": "offline"}
+    png = ablation.plot(result, tmp_path / "f.png")
+    where = Path(ablation.log_wandb(result, settings, png))
+    assert where.is_relative_to(sweep) and list(sweep.glob("wandb/offline-run-*/run-*.wandb"))

@@ -82,3 +82,31 @@ def test_humaneval_during_training_needs_a_tokenizer(tiny_data, tmp_path):
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "train.eval_humaneval=2 needs a tokenizer" in errors[0], proc.stderr[-2000:]
+
+
+def test_an_ablation_scores_every_arm_on_one_held_out_split(bpe_data, tiny_data, tmp_path):
+    """``data.eval_path``: a FIM arm trains on its own data and is scored on the FIM-free data's validation split,
+    with the masking ``data.eval_document_masking`` fixes (here on, against training's off); ``data.final_eval_batches=0``
+    reads the whole split after the last step, beside the curve's ``eval_loss``. Data whose tokenizer is not the
+    training data's is refused in one line before anything is written."""
+    from data_prep.api import prepare
+    from ultrascale.data.shards import open_split
+
+    fim = tmp_path / "fim"
+    prepare(str(fim), source="stdlib", seq_len=64, max_files=30,
+            overrides=["fim.rate=0.9", f"tokenizer.path={bpe_data / 'tokenizer'}"])  # fmt: skip
+    plain_val, fim_val = (len(open_split(p, "validation", verify=False)) for p in (bpe_data, fim))
+    assert plain_val != fim_val  # fewer files: the two validation splits differ in size, so which one was read shows
+    out = tmp_path / "run"
+    check(launch([*FAST, f"data.path={fim}", f"data.eval_path={bpe_data}", "data.document_masking=false",
+                  "data.eval_document_masking=true", "data.final_eval_batches=0", f"output_dir={out}",
+                  "train.steps=2", "train.eval_interval=1"]))  # fmt: skip
+    evals = [r for r in metrics(out) if r.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [1, 2] and "eval_loss_final" not in evals[0]
+    assert evals[-1]["eval_samples_final"] == plain_val and evals[-1]["eval_samples"] == 2 * 2 * 2
+    assert math.isfinite(evals[-1]["eval_loss_final"]) and evals[-1]["eval_coverage"] == pytest.approx(8 / plain_val)
+    proc = launch([*FAST, f"data.path={fim}", f"data.eval_path={tiny_data}", f"output_dir={tmp_path / 'bad'}",
+                   "train.steps=2"])  # fmt: skip
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "data.eval_path" in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "bad").exists()

@@ -89,6 +89,32 @@ def entry(argv: list[str]) -> tuple[str, list[str], int]:
 ALL = [(p.name, " ".join(argv)) for p in HEADERS for argv in commands(p)]
 
 
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The jobs of a ``train.py -m`` command: a comma-separated value is swept (every combination); ``hydra.*``
+    settings (where the sweep writes) are the launcher's, not the job's config."""
+    import itertools
+
+    axes = []
+    for o in overrides:
+        if o.startswith("hydra."):
+            continue
+        key, _, value = o.partition("=")
+        swept = "," in value and not any(c in value for c in "[]{}()'\"")
+        axes.append([f"{key}={v}" for v in value.split(",")] if swept else [o])
+    return [list(job) for job in itertools.product(*axes)]
+
+
+def _check_train(overrides: list[str], world: int) -> None:
+    from ultrascale.levers.rules import validate
+
+    cfg = compose(overrides)
+    if cfg.model.pretrained_path and not Path(cfg.model.pretrained_path).exists():
+        cfg.model.pretrained_path = None  # the user's weights are not here: the recipe's model group has the shape
+    if world > 1 or cfg.launcher.nproc_per_node * cfg.launcher.nnodes > 1:
+        cfg.dry_run = True  # the recipe's hardware, as the dry run plans it
+    validate(cfg, world if world > 1 else cfg.launcher.nproc_per_node * cfg.launcher.nnodes)
+
+
 def test_the_headers_hold_the_commands_users_copy():
     """The parser finds the commands (a parser that found none would pass everything below)."""
     kinds = {entry(shlex.split(cmd))[0] for _, cmd in ALL}
@@ -99,15 +125,15 @@ def test_the_headers_hold_the_commands_users_copy():
 @pytest.mark.parametrize(("recipe", "command"), ALL, ids=[f"{r}:{c[:60]}" for r, c in ALL])
 def test_a_header_command_composes(recipe: str, command: str):
     kind, overrides, world = entry(shlex.split(command))
-    if kind == "train":
-        from ultrascale.levers.rules import validate
+    if kind == "train" and overrides[:1] == ["-m"]:  # a sweep: every job it launches composes and validates
+        for job in sweep_jobs(overrides[1:]):
+            _check_train(job, world)
+    elif kind == "train":
+        _check_train(overrides, world)
+    elif kind == "ultrascale.report.ablation":
+        from ultrascale.report.ablation import parser
 
-        cfg = compose(overrides)
-        if cfg.model.pretrained_path and not Path(cfg.model.pretrained_path).exists():
-            cfg.model.pretrained_path = None  # the user's weights are not here: the recipe's model group has the shape
-        if world > 1 or cfg.launcher.nproc_per_node * cfg.launcher.nnodes > 1:
-            cfg.dry_run = True  # the recipe's hardware, as the dry run plans it
-        validate(cfg, world if world > 1 else cfg.launcher.nproc_per_node * cfg.launcher.nnodes)
+        parser().parse_args(overrides)
     elif kind == "data_prep":
         from data_prep.config import register_configs
 

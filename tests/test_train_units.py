@@ -102,6 +102,19 @@ def test_eval_batches_equal_count_per_rank(split):
     assert counts == [3, 3, 3]
 
 
+@pytest.mark.parametrize("micro, dp", [(4, 3), (3, 2), (8, 4)])
+def test_a_whole_split_eval_scores_every_sample_once_and_runs_equal_forwards(split, micro, dp):
+    """``data.eval_batches=0``: every held-out sample is a target row exactly once over the ranks, and every rank
+    runs the same number of forwards (the short ones padded with rows that have no targets)."""
+    assert len(split) % (micro * dp)  # a split that does not divide: the padding is exercised
+    per_rank = [list(eval_batches(split, micro, 0, r, dp)) for r in range(dp)]
+    assert len({len(b) for b in per_rank}) == 1 and all(x.input_ids.shape[0] == micro for b in per_rank for x in b)
+    scored = sorted(tuple(row.tolist()) for b in per_rank for x in b for row, lab in zip(x.input_ids, x.labels)
+                    if (lab != -100).any())  # fmt: skip
+    everything = sorted(tuple(row.tolist()) for row in split.get(np.arange(len(split))))
+    assert scored == everything
+
+
 def test_corrupt_and_truncated_shards_are_named(tmp_path):
     d = write_byte_dataset(tmp_path / "d", seq_len=32, max_files=10)
     shard = d / json.loads((d / "manifest.json").read_text())["splits"]["train"]["shards"][0]["path"]

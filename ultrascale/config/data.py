@@ -64,8 +64,24 @@ class DataConfig:
     ``python -m data_prep`` command that prepares it: a typo must not train on the stdlib."""
     prepare_max_files: int = num(400, ge=1)
     """Cap on stdlib source files when preparing the built-in corpus on demand (keeps the first run to seconds)."""
-    eval_batches: int = num(4, ge=1)
-    """Held-out micro-batches per rank per evaluation."""
+    eval_batches: int = num(4, ge=0)
+    """Held-out micro-batches per rank per evaluation (the first ones in file order, the same every time). 0: the
+    whole validation split, each rank a strided share; a rank's short last micro-batch is filled with rows that
+    are not targets, so every rank runs the same forwards (ZeRO-3 gathers in each)."""
+    final_eval_batches: int | None = num(None, ge=0)
+    """Held-out micro-batches per rank of the eval after the last step, logged as ``eval_loss_final`` beside the
+    usual ``eval_loss`` (which stays on ``data.eval_batches``, so the curve is one sample set). 0: the whole
+    validation split, what an ablation's final loss is read on (``python -m ultrascale.report.ablation``).
+    Unset: no second pass."""
+    eval_path: str | None = None
+    """The prepared directory whose validation split the held-out loss reads; unset: each source's own. An
+    ablation sets it so that every arm is scored on the same targets: a FIM arm's left-to-right loss is read on
+    the FIM-free data's validation split (data prep applies FIM to validation too). It must share the training
+    data's tokenizer and seq_len (prepare it with ``tokenizer.path=<data>/tokenizer``)."""
+    eval_document_masking: bool | None = None
+    """Document masking of the held-out loss; unset: as training (``data.document_masking``). Masking drops each
+    document's first target, so arms that train with and without it are scored on different targets unless
+    this fixes one protocol for both (``recipes/ablate_tiny.yaml`` sets true)."""
     verify_checksums: bool = True
     """Check every shard's sha256 against the manifest before training (catches corrupt copies)."""
     document_masking: bool = True

@@ -191,7 +191,26 @@ def eval_batches(
     eos_id: int | None = None,
     document_masking: bool = False,
 ):
-    """The same held-out samples at every evaluation (first ones in file order), split over ranks."""
+    """The same held-out samples at every evaluation (first ones in file order), split over ranks.
+    ``num_batches=0``: every sample, rank ``r`` taking samples ``r, r + dp, ...``; the short last micro-batches are
+    filled with rows whose loss mask is all false (no targets), so every rank runs the same number of forwards."""
+    if num_batches == 0:
+        n = len(reader)
+        batches = -(-(-(-n // dp_size)) // micro_batch)  # ceil(ceil(n / dp) / micro_batch), the same on every rank
+        mine = np.arange(dp_rank, n, dp_size, dtype=np.int64)
+        for i in range(batches):
+            idx = mine[i * micro_batch : (i + 1) * micro_batch]
+            pad = micro_batch - len(idx)
+            if pad == 0:
+                yield make_batch(reader.get(idx), reader.get_loss_mask(idx), eos_id, document_masking)
+                continue
+            filler = np.zeros(pad, dtype=np.int64)  # sample 0 again, with no targets
+            full = np.concatenate([idx, filler])
+            mask = reader.get_loss_mask(full)
+            mask = np.ones((micro_batch, reader.seq_len), dtype=bool) if mask is None else mask.copy()
+            mask[len(idx) :] = False
+            yield make_batch(reader.get(full), mask, eos_id, document_masking)
+        return
     # Every rank must run the same number of forwards (ZeRO-3 gathers weights collectively in forward).
     batches = min(num_batches, len(reader) // (micro_batch * dp_size))
     total = batches * micro_batch * dp_size

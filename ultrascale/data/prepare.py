@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ultrascale.config.data import DataConfig
 from ultrascale.data.shards import MANIFEST, load_manifest, open_split
-from ultrascale.data.sources import check_agree, is_mixture, sources
+from ultrascale.data.sources import check_agree, check_eval_source, is_mixture, sources
 from ultrascale.data.tokcheck import check_tokenizer, prep_command, read_vocab
 from ultrascale.errors import DataError, UltrascaleError
 from ultrascale.paths import resolve_path
@@ -89,7 +89,8 @@ def check_prepared(data: DataConfig, model_vocab: int, dry_run: bool = False, mo
         for s in sources(data)
     ]
     check_agree(data)
-    return "; ".join(lines)
+    held_out = check_eval_source(data)
+    return "; ".join(lines + ([held_out] if held_out else []))
 
 
 def check_one(

@@ -114,28 +114,52 @@ def _tokenizer_digest(path: Path, manifest: dict) -> str | None:
     return hashlib.sha256(tok.read_bytes()).hexdigest()[:12] if tok.exists() else None
 
 
+def eval_path(data: Any) -> Path | None:
+    """``data.eval_path`` resolved, or None when the held-out loss reads each source's own validation split."""
+    p = getattr(data, "eval_path", None)  # a run's config.yaml from before the key has none
+    return resolve_path(p) if p else None
+
+
+def check_eval_source(data: Any) -> str | None:
+    """``data.eval_path`` is prepared and shares the training data's tokenizer and seq_len; one line saying what
+    it holds, or None when unset. Its targets score every arm, so a mismatch is an error naming the key."""
+    path = eval_path(data)
+    if path is None:
+        return None
+    if not (path / MANIFEST).exists():
+        raise DataError(
+            f"data.eval_path={data.eval_path} has no {MANIFEST}: prepare it with `python -m data_prep "
+            f"output_dir={data.eval_path} tokenizer.path={primary_path(data)}/tokenizer ...` or unset the key"
+        )
+    first = sources(data)[0]
+    if (first.path / MANIFEST).exists():
+        _agree(f"data.{'sources.' + first.name if is_mixture(data) else 'path'}", first.path, "data.eval_path", path)
+    m = load_manifest(path)
+    return f"held-out loss on {path}'s validation split ({m['pack']['validation']['samples']:,} samples)"
+
+
+def _agree(first_key: str, first_path: Path, key: str, path: Path) -> None:
+    """The data at ``path`` (config ``key``) was packed with ``first_path``'s tokenizer, seq_len, EOS and special
+    tokens, or one DataError naming both."""
+    ref, m = load_manifest(first_path), load_manifest(path)
+    for k in ("seq_len", "vocab_size", "eos_token_id", "special_tokens"):
+        if m.get(k) != ref.get(k):
+            raise DataError(
+                f"{key} ({path}) has {k}={m.get(k)} but {first_key} ({first_path}) has {k}={ref.get(k)}: every "
+                f"source must share one tokenizer and seq_len; prepare it with `python -m data_prep "
+                f"tokenizer.path={first_path}/tokenizer pack.seq_len={ref.get('seq_len')} ...`"
+            )
+    a, b = _tokenizer_digest(first_path, ref), _tokenizer_digest(path, m)
+    if a != b:
+        raise DataError(
+            f"{key} ({path}) was tokenized with another tokenizer than {first_key} ({first_path}) (tokenizer.json "
+            f"sha256 {b} vs {a}): prepare it with `python -m data_prep tokenizer.path={first_path}/tokenizer ...`"
+        )
+
+
 def check_agree(data: Any) -> None:
     """Every prepared source shares the first one's tokenizer, seq_len, EOS and special tokens: token ids from two
     vocabularies in one batch would train the model on nonsense, silently. One error names both sources."""
     srcs = [s for s in sources(data) if (s.path / MANIFEST).exists()]
-    if len(srcs) < 2:
-        return
-    first = srcs[0]
-    ref = load_manifest(first.path)
     for s in srcs[1:]:
-        m = load_manifest(s.path)
-        for key in ("seq_len", "vocab_size", "eos_token_id", "special_tokens"):
-            if m.get(key) != ref.get(key):
-                raise DataError(
-                    f"data.sources.{s.name} ({s.path}) has {key}={m.get(key)} but data.sources.{first.name} "
-                    f"({first.path}) has {key}={ref.get(key)}: every source must share one tokenizer and seq_len; "
-                    f"prepare {s.name} with `python -m data_prep tokenizer.path={first.path}/tokenizer "
-                    f"pack.seq_len={ref.get('seq_len')} ...`"
-                )
-        a, b = _tokenizer_digest(first.path, ref), _tokenizer_digest(s.path, m)
-        if a != b:
-            raise DataError(
-                f"data.sources.{s.name} ({s.path}) was tokenized with another tokenizer than data.sources."
-                f"{first.name} ({first.path}) (tokenizer.json sha256 {b} vs {a}): prepare {s.name} with "
-                f"`python -m data_prep tokenizer.path={first.path}/tokenizer ...`"
-            )
+        _agree(f"data.sources.{srcs[0].name}", srcs[0].path, f"data.sources.{s.name}", s.path)

@@ -173,15 +173,44 @@ def score(rows: Sequence[tuple[Span, str, str]]) -> dict:
     return out
 
 
+def middle_loss(model, tokenizer, problems: Sequence[Span], mode: str, context: int = 1000) -> dict:
+    """The model's mean cross-entropy (nats per token) of each span's middle given its prompt in ``mode``, per kind
+    and overall: the FIM-mode loss, which moves with training long before exact match leaves zero on a small
+    model. The middle is encoded on its own, as data prep encodes a FIM sample's pieces, and in ``psm``/``spm``
+    followed by EOS (data prep ends a FIM middle with it: a model that infills must also stop); in ``l2r`` the
+    prefix alone is the prompt and the middle is followed by nothing (the file goes on)."""
+    import torch
+
+    tokens = fim_tokens(tokenizer) if mode != "l2r" else None
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for span in problems:
+            ids = tokenizer(prompt(span, mode, tokens, context), add_special_tokens=False).input_ids
+            target = tokenizer(span.middle, add_special_tokens=False).input_ids
+            if mode != "l2r":
+                target = [*target, tokenizer.eos_token_id]
+            if not target or not ids:
+                continue
+            x = torch.tensor([ids + target], device=device)
+            logits = model(input_ids=x).logits[0, len(ids) - 1 : -1].float()
+            nll = torch.nn.functional.cross_entropy(logits, x[0, len(ids) :], reduction="sum")
+            for key in (f"{span.kind}/{mode}", f"all/{mode}"):
+                sums[key][0] += float(nll)
+                sums[key][1] += len(target)
+    return {f"{k}/middle_loss": v[0] / v[1] for k, v in sorted(sums.items()) if v[1]}
+
+
 # ---- the task -------------------------------------------------------------------------------------------------
 def evaluate(model, tokenizer, problems: Sequence[Span], *, modes: Sequence[str] = ("psm", "spm"),
              max_context_chars: int = 1000, max_new_tokens: int = 96, batch_size: int = 16,
-             model_name: str = "the model", progress: bool = False) -> dict:  # fmt: skip
+             model_name: str = "the model", progress: bool = False, loss: bool = True) -> dict:  # fmt: skip
     """Generate a middle for every (span, mode), greedy, and score. Returns the scores and ``samples``.
 
     Completions come from the shared sampler (:func:`ultrascale.eval.humaneval.generate`) and end at the model's EOS
     (data prep ends a FIM document's middle with it), and for ``single_line`` also at the first newline. A model
-    whose tokenizer lacks the FIM tokens is refused in one line for ``psm``/``spm``."""
+    whose tokenizer lacks the FIM tokens is refused in one line for ``psm``/``spm``. ``loss``: also each mode's
+    :func:`middle_loss` (``KIND/MODE/middle_loss``), one forward a span."""
     from ultrascale.eval.humaneval import generate
 
     bad = [m for m in modes if m not in MODES]
@@ -209,6 +238,8 @@ def evaluate(model, tokenizer, problems: Sequence[Span], *, modes: Sequence[str]
             outs[i] = cs[0].split("\n", 1)[0] if healed and jobs[i][0].kind == "single_line" else cs[0]
     rows = [(s, m, c) for (s, m), c in zip(jobs, outs)]
     result = score(rows)
+    for m in modes if loss else ():
+        result.update(middle_loss(model, tokenizer, problems, m, max_context_chars))
     result.update(files=len({s.file for s in problems}), spans=len(problems), modes=list(modes))
     log.info("fim: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("all/")
                                    and k.endswith(("exact_match", "edit_similarity"))))  # fmt: skip

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,17 @@ from ultrascale.report.load import load_run
 from ultrascale.report.quality import tokens_per_step
 
 SEED_KEY = "train.seed"
+EVALS = {
+    "fim/all/psm/middle_loss": "FIM middle loss, PSM (nats/token)",
+    "fim/single_line/psm/exact_match": "single-line FIM exact match, PSM",
+    "fim/all/l2r/middle_loss": "middle loss left to right (nats/token)",
+    "infill/pass@1": "HumanEval-Infilling single-line pass@1",
+}
+"""The evaluations of an ablation's runs beside the held-out loss, by their ``eval_results.json`` key (task/metric),
+each paired by seed as the loss is: what a FIM arm is also judged on (infilling), and the outside benchmark."""
+INFILL_FLOOR = 0.0261
+"""HumanEval-Infilling single-line pass@1 of empty completions (the lines whose removal leaves the tests passing):
+the score a model that infills nothing gets, so a pass@1 is read against it."""
 IGNORED = ("output_dir", "logger.run_name", "logger.wandb_group", "logger.wandb_name", "hydra")
 """Config keys that differ between the runs of any sweep by design (where each writes, what it is called)."""
 
@@ -60,7 +72,13 @@ class SeedRun:
     tokens: int
     tokens_per_s: float | None
     curve: list[list[float]]
-    """``[tokens, held-out loss]`` at each eval, in order."""
+    """``[tokens, held-out loss]`` at each eval, in order (``data.eval_batches``' samples: one set throughout)."""
+    evals: dict[str, float] = field(default_factory=dict)
+    """The post-hoc evaluations of the run's last checkpoint (``python eval.py run_dir=RUN tasks=[fim,infill]``),
+    :data:`EVALS` keys present in its newest ``eval/step_*/eval_results.json`` of that step."""
+    final_eval_samples: int = 0
+    """Held-out samples the final loss was read on: the whole split with ``data.final_eval_batches=0``, whose
+    ``eval_loss_final`` it then is; else the last eval's ``eval_loss`` (the curve's last point)."""
 
 
 @dataclass
@@ -86,6 +104,8 @@ class Comparison:
     """Mean over the pairs of (tokens the arm needed to reach its pair's baseline final loss) / (the baseline's
     tokens); None where a pair's arm never reached it."""
     reached: dict[int, float | None]
+    evals: dict[str, dict] = field(default_factory=dict)
+    """Per :data:`EVALS` key both arms have for every paired seed: ``diff_mean``, ``ci95``, ``n_pairs``."""
 
 
 def _key(override: str) -> str:
@@ -125,13 +145,17 @@ def _crossing(curve: list[list[float]], target: float) -> float | None:
     return None
 
 
-def load_sweep(sweep_dir: str | Path) -> list[Arm]:
-    """The sweep's arms, each with its seeds' runs; DataError for anything the comparison cannot stand on."""
-    sweep_dir = Path(sweep_dir)
-    jobs = ov.job_dirs(sweep_dir)
-    if not jobs:
-        raise DataError(f"{sweep_dir}: no sweep jobs here (no */.hydra/overrides.yaml): pass a `train.py -m` run's "
-                        "hydra.sweep.dir")  # fmt: skip
+def load_sweep(sweep_dirs: str | Path | Sequence[str | Path]) -> list[Arm]:
+    """The sweep's arms, each with its seeds' runs; DataError for anything the comparison cannot stand on. Several
+    sweep directories are read as one sweep: a baseline run once and compared with each arm swept on its own."""
+    dirs = [Path(sweep_dirs)] if isinstance(sweep_dirs, (str, Path)) else [Path(d) for d in sweep_dirs]
+    jobs = []
+    for sweep_dir in dirs:
+        found = ov.job_dirs(sweep_dir)
+        if not found:
+            raise DataError(f"{sweep_dir}: no sweep jobs here (no */.hydra/overrides.yaml): pass a `train.py -m` "
+                            "run's hydra.sweep.dir")  # fmt: skip
+        jobs += found
     typed = {d: ov.read(d) for d in jobs}
     differ = ov.differing(typed)
     axes = {_key(o) for v in differ.values() for o in v}
@@ -185,8 +209,31 @@ def _seed_run(d: Path, run, seed: int) -> SeedRun:
     per_step = tokens_per_step(run)
     curve = [[float(e["step"] * per_step), float(e["eval_loss"])] for e in evals]
     tps = run.summary.get("tokens_per_s")
-    return SeedRun(seed, str(d), float(evals[-1]["eval_loss"]), int(run.summary.get("tokens") or last_step * per_step),
-                   float(tps) if tps is not None else None, curve)  # fmt: skip
+    final = evals[-1].get("eval_loss_final", evals[-1]["eval_loss"])  # data.final_eval_batches: a larger sample
+    return SeedRun(seed, str(d), float(final), int(run.summary.get("tokens") or last_step * per_step),
+                   float(tps) if tps is not None else None, curve, _post_hoc(d, int(last_step)),
+                   int(evals[-1].get("eval_samples_final") or evals[-1].get("eval_samples") or 0))  # fmt: skip
+
+
+def _post_hoc(run_dir: Path, step: int) -> dict[str, float]:
+    """:data:`EVALS` found in the run's ``eval/*/eval_results.json`` of its last step (newest file first)."""
+    import json
+
+    found: dict[str, float] = {}
+    files = sorted(run_dir.glob("eval/*/eval_results.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for f in files:
+        try:
+            res = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise DataError(f"{f}: not readable JSON ({e}): re-run its eval or remove it") from None
+        if res.get("step") != step:
+            continue
+        for key in EVALS:
+            task, metric = key.split("/", 1)
+            v = (res.get("tasks") or {}).get(task, {}).get(metric)
+            if isinstance(v, (int, float)) and key not in found:
+                found[key] = float(v)
+    return found
 
 
 def baseline_arm(arms: list[Arm], baseline: str | None) -> Arm:
@@ -206,26 +253,40 @@ def compare(arm: Arm, base: Arm) -> Comparison:
     a, b = arm.by_seed(), base.by_seed()
     seeds = sorted(set(a) & set(b))
     diffs = {s: a[s].final_eval_loss - b[s].final_eval_loss for s in seeds}
-    mean = statistics.fmean(diffs.values()) if diffs else None
-    ci, half = None, None
-    if len(diffs) >= 2:
-        half = t975(len(diffs) - 1) * statistics.stdev(diffs.values()) / math.sqrt(len(diffs))
-        ci = [mean - half, mean + half]
+    mean, ci, half = paired(list(diffs.values()))
+    evals = {}
+    for key in EVALS:
+        if seeds and all(key in a[s].evals and key in b[s].evals for s in seeds):
+            m, c, _ = paired([a[s].evals[key] - b[s].evals[key] for s in seeds])
+            evals[key] = {"diff_mean": m, "ci95": c, "n_pairs": len(seeds)}
     reached = {}
-    for s in seeds:
-        t = _crossing(a[s].curve, b[s].final_eval_loss)
+    for s in seeds:  # on the curve's own sample set: the baseline's last point, not its whole-split final loss
+        t = _crossing(a[s].curve, b[s].curve[-1][1])
         reached[s] = None if t is None else t / b[s].tokens
     ratios = list(reached.values())
     to_final = statistics.fmean(ratios) if ratios and None not in ratios else None
-    return Comparison(arm.name, len(seeds), mean, ci, half, diffs, to_final, reached)
+    return Comparison(arm.name, len(seeds), mean, ci, half, diffs, to_final, reached, evals)
 
 
-def report(sweep_dir: str | Path, baseline: str | None = None) -> dict:
+def paired(diffs: list[float]) -> tuple[float | None, list[float] | None, float | None]:
+    """(mean, Student t 95 % interval, its half-width) of seed-paired differences; no interval from one pair."""
+    if not diffs:
+        return None, None, None
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, None, None
+    half = t975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, [mean - half, mean + half], half
+
+
+def report(sweep_dir: str | Path | Sequence[str | Path], baseline: str | None = None) -> dict:
     """The ablation as the JSON ``--json`` writes: the baseline, each arm's runs, each comparison."""
     arms = load_sweep(sweep_dir)
     base = baseline_arm(arms, baseline)
+    dirs = [sweep_dir] if isinstance(sweep_dir, (str, Path)) else list(sweep_dir)
     return {
-        "sweep_dir": str(sweep_dir),
+        "sweep_dir": str(dirs[0]),
+        "sweep_dirs": [str(d) for d in dirs],
         "baseline": base.name,
         "arms": {a.name: {"overrides": a.overrides, "runs": [asdict(r) for r in a.runs]} for a in arms},
         "comparisons": [asdict(compare(a, base)) for a in arms if a is not base],
@@ -265,6 +326,33 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def eval_table(result: dict) -> str:
+    """The post-hoc evaluations, one row per (metric, arm) where every run of the arm has it: mean ± sd over seeds
+    and, against the baseline, the paired difference with its interval. Empty when no run was evaluated."""
+    comps = {c["arm"]: c for c in result["comparisons"]}
+    names = [result["baseline"], *(n for n in result["arms"] if n != result["baseline"])]
+    rows = [["evaluation", "arm", "seeds", "mean", "diff vs baseline [95% CI]"]]
+    for key, label in EVALS.items():
+        for n in names:
+            vals = [r["evals"].get(key) for r in result["arms"][n]["runs"]]
+            if not vals or None in vals:
+                continue
+            spread = f" ± {statistics.stdev(vals):.4f}" if len(vals) > 1 else ""
+            c = (comps.get(n) or {}).get("evals", {}).get(key)
+            diff = ""
+            if c:
+                ci = f" [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]" if c["ci95"] else ""
+                diff = f"{c['diff_mean']:+.4f}{ci} ({c['n_pairs']} pairs)"
+            floor = f" (empty completions: {INFILL_FLOOR})" if key == "infill/pass@1" else ""
+            rows.append([label + floor, n, str(len(vals)), f"{statistics.fmean(vals):.4f}{spread}", diff])
+    if len(rows) == 1:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def plot(result: dict, out: str | Path) -> Path:
     """Held-out loss against tokens: each arm's mean over its seeds, the seeds' range shaded."""
     import matplotlib
@@ -288,7 +376,7 @@ def plot(result: dict, out: str | Path) -> Path:
                 ax.plot([p[0] for p in c], [p[1] for p in c], lw=1, label=label if i == 0 else None)
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("held-out loss")
-    ax.set_title(f"ablation: {Path(result['sweep_dir']).name}")
+    ax.set_title(f"ablation: {' + '.join(Path(d).name for d in result.get('sweep_dirs', [result['sweep_dir']]))}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     import io
@@ -300,25 +388,81 @@ def plot(result: dict, out: str | Path) -> Path:
     return Path(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def wandb_settings(result: dict) -> dict | None:
+    """``wandb.init`` keywords for the ablation's own run, from its runs' logger config (the first run's project
+    and mode); None when no run logged to wandb (the report does not start it for a sweep that did not use it)."""
+    from omegaconf import OmegaConf
+
+    for arm in result["arms"].values():
+        for r in arm["runs"]:
+            cfg_path = Path(r["run_dir"]) / "config.yaml"
+            logger = OmegaConf.load(cfg_path).get("logger") if cfg_path.exists() else None
+            if logger and logger.get("wandb") and logger.get("wandb_mode") != "disabled":
+                return {"project": str(logger.get("wandb_project") or "ultrascale"),
+                        "mode": str(logger.get("wandb_mode") or "offline")}  # fmt: skip
+    return None
+
+
+def log_wandb(result: dict, settings: dict, figure: Path | None) -> str:
+    """The table (one row per arm) and the figure, as one wandb run of ``job_type=ablation`` named after the sweep,
+    its files under the sweep directory; returns where it went."""
+    import wandb
+
+    sweep = Path(result["sweep_dir"])
+    run = wandb.init(job_type="ablation", name=f"ablation:{sweep.name}", dir=str(sweep), reinit="finish_previous",
+                     config={"baseline": result["baseline"], "arms": list(result["arms"])}, **settings)  # fmt: skip
+    comps = {c["arm"]: c for c in result["comparisons"]}
+    cols = ["arm", "seeds", "final_eval_loss_mean", "diff_mean", "ci95_lo", "ci95_hi", "tokens_to_baseline_final"]
+    rows = []
+    for name, arm in result["arms"].items():
+        c = comps.get(name) or {}
+        ci = c.get("ci95") or [None, None]
+        losses = [r["final_eval_loss"] for r in arm["runs"]]
+        rows.append([name, len(losses), statistics.fmean(losses), c.get("diff_mean"), ci[0], ci[1],
+                     c.get("tokens_to_baseline_final")])  # fmt: skip
+    payload: dict[str, Any] = {"ablation/table": wandb.Table(columns=cols, data=rows)}
+    if figure is not None:
+        payload["ablation/figure"] = wandb.Image(str(figure))
+    run.log(payload)
+    where = str(run.dir)
+    run.finish()
+    return where
+
+
+def parser() -> Any:
+    """The command line (its own function: the recipe-header test parses the commands users copy with it)."""
     from ultrascale.argv import ArgParser
-    from ultrascale.jsonio import write_json
 
     ap = ArgParser(prog="python -m ultrascale.report.ablation", description=__doc__)
-    ap.add_argument("sweep_dir", type=Path, help="a `train.py -m` sweep's hydra.sweep.dir")
+    ap.add_argument("sweep_dir", type=Path, nargs="+", help="a `train.py -m` sweep's hydra.sweep.dir; several are read "
+                                                           "as one sweep (a baseline swept once, each arm on its own)")  # fmt: skip
     ap.add_argument("--baseline", help="the baseline arm: its name or one of its overrides, e.g. optim=adamw "
                                        "(default: the first arm)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write the report here (arms, runs, curves, comparisons)")
     ap.add_argument("--plot", type=Path, help="write held-out loss against tokens here (PNG)")
-    a = ap.parse_args(argv)
+    ap.add_argument("--no-wandb", action="store_true", help="do not log the table and figure to wandb (by default "
+                                                             "they go to a run of the runs' project and mode when the "
+                                                             "runs logged to wandb)")  # fmt: skip
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ultrascale.jsonio import write_json
+
+    a = parser().parse_args(argv)
     try:
         result = report(a.sweep_dir, a.baseline)
         print(table(result))
+        if evals := eval_table(result):
+            print("\n" + evals)
         if a.json:
             write_json(a.json, result)
             print(f"wrote {a.json}")
         if a.plot:
             print(f"wrote {plot(result, a.plot)}")
+        settings = None if a.no_wandb else wandb_settings(result)
+        if settings is not None:
+            print(f"wandb ({settings['mode']}): {log_wandb(result, settings, a.plot)}")
     except UltrascaleError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

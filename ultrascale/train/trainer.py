@@ -113,6 +113,8 @@ class Trainer:
         # verify=False: hashed by check_prepared
         self.train_splits = {n: open_split(p, "train", verify=False) for n, p in zip(names, paths)}
         self.val_splits = {n: open_split(p, "validation", verify=False) for n, p in zip(names, paths)}
+        if data_sources.eval_path(data) is not None:  # one held-out split for every arm of an ablation
+            self.val_splits = {"eval": open_split(data_sources.eval_path(data), "validation", verify=False)}
         self.eos = int(self.manifest["eos_token_id"])
 
     def _build(self) -> None:
@@ -348,7 +350,7 @@ class Trainer:
         self.checkpointer.prestage(self.engine)  # pinned staging: allocated after the first step, not in the first save
         if self.evaluator.due(done, last_step if self.cfg.train.final_eval else -1):
             with self.stop.unguarded():
-                res.last_eval = self.evaluator.run(done)
+                res.last_eval = self.evaluator.run(done, final=done == last_step)
             self.metrics.event(done, "eval", **res.last_eval)
         if self.checkpointer.due(done, last_step if self.cfg.train.final_save else -1):
             self.save(done)
