@@ -13,7 +13,7 @@ PY_VERSION ?= 3.12
 WITH_WANDB ?= 0
 PROBE_PY ?= python3
 
-.PHONY: setup test test-time test-all demo lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd bench-lora soak-exit wheelhouse wheelhouse-check gpu-probe clean
+.PHONY: setup test test-time test-all demo ablate-data lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd bench-lora soak-exit wheelhouse wheelhouse-check gpu-probe clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ test-all: setup $(SMOLLM2)
 
 demo: setup
 	$(BIN)/python -m ultrascale.demo --nproc $(NPROC)
+
+# The ablation corpus (recipes/ablate_tiny.yaml): the whole stdlib twice, from the same documents with one tokenizer,
+# without FIM (D0) and with FIM on half the documents (D50). About a minute; a finished one is kept.
+ablate-data: setup
+	$(BIN)/python -m data_prep output_dir=data/ablate_d0 fim.rate=0 executor.progress=false
+	$(BIN)/python -m data_prep output_dir=data/ablate_d50 fim.rate=0.5 tokenizer.path=data/ablate_d0/tokenizer executor.progress=false
 
 lint: setup
 	$(BIN)/ruff check .

@@ -58,6 +58,7 @@ def test_compose_errors_name_the_key(override, match):
         (["zero=stage0", "zero.offload_optimizer=cpu"], 2, r"offload_optimizer=cpu needs zero.stage>=1"),
         (["zero=stage2", "zero.offload_param=cpu"], 2, r"offload_param=cpu needs zero.stage=3 \(got 2\)"),
         (["optim=muon", "zero=stage3"], 2, r"optim=muon needs zero.stage<=2 \(got 3\)"),
+        (["optim=muon", "optim.grad_clip=1.0"], 2, r"optim=muon with optim.grad_clip=1.0: DeepSpeed clips Muon's orth"),
         (["parallel.tp=3"], 3, r"parallel.tp=3 does not divide the model's attention heads"),
         (["parallel.tp=2", "parallel.pp=2"], 2, r"tp\*pp\*sp=2\*2\*1=4 does not divide the world size 2"),
         (["+model.config.hidden_sise=64"], 2, r"model.config has keys \['hidden_sise'\]"),

@@ -346,6 +346,16 @@ def _zero_rules(cfg: RootConfig, d: Decisions) -> None:
         raise ConfigError(f"zero.offload_param=cpu needs zero.stage=3 (got {stage}): use zero=stage3_offload")
     if cfg.optim.name == "muon" and stage == 3:
         raise ConfigError("optim=muon needs zero.stage<=2 (got 3): Muon needs whole matrices; use zero=stage2")
+    if cfg.optim.name == "muon" and cfg.optim.grad_clip > 0:
+        # DeepSpeed's ZeRO-1/2 orthogonalises Muon's matrices before the global norm (stage_1_and_2.py: "the clip
+        # covers the orthogonalized gradient"): an orthogonalised matrix has norm ~sqrt(min(rows, cols)), so the
+        # global norm is set by the shapes (61-65 at every logged step of model=tiny, whatever the loss), and a
+        # clip of 1 shrinks every Muon step by that factor. Found by the Muon-vs-AdamW lr sweep (README "Ablations").
+        raise ConfigError(
+            f"optim=muon with optim.grad_clip={cfg.optim.grad_clip}: DeepSpeed clips Muon's orthogonalised update, not "
+            "the gradient, and its norm is set by the matrices' shapes (about 64 for model=tiny at every step), so "
+            "every Muon step would shrink by that factor; set optim.grad_clip=0 (optim=muon's default)"
+        )
     if cfg.optim.name == "muon" and z.offload_optimizer != "none":
         raise ConfigError("optim=muon does not support zero.offload_optimizer=cpu: use zero=stage2")
     if (z.zero_quantized_weights or z.zero_quantized_gradients) and stage != 3:
