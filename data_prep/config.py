@@ -37,7 +37,9 @@ class ExecutorType(StrEnum):
 class SourceConfig:
     type: str = "auto"
     """``auto`` (from ``input``: a directory, ``*.jsonl[.gz]``, ``*.parquet``, or a ``save_to_disk`` folder),
-    ``dir``, ``jsonl``, ``parquet``, ``hf_disk`` or ``stdlib`` (this Python's own standard library)."""
+    ``dir``, ``jsonl``, ``parquet``, ``hf_disk``, ``stdlib`` (this Python's own standard library) or
+    ``site_packages`` (a directory laid out as one: each top-level package is a repository licensed by the
+    distribution whose ``*.dist-info`` installed it; ``input=site-packages`` is this environment's)."""
     repo_depth: int = num(1, ge=1)
     """Directory walk: the repository of a file is its first ``repo_depth`` path components under ``input``.
     A file above that depth is its own repository (e.g. ``os.py`` at the stdlib root)."""
@@ -225,7 +227,9 @@ class ExecutorConfig:
 @dataclass
 class DataPrepConfig:
     input: str = "stdlib"
-    """What to read: ``stdlib``, a directory, a ``.jsonl``/``.parquet`` file, or a ``save_to_disk`` folder."""
+    """What to read: ``stdlib``, ``site-packages`` (the sources of the packages installed in this environment, each
+    under its distribution's license: the license filter keeps the permissive ones), a directory, a
+    ``.jsonl``/``.parquet`` file, or a ``save_to_disk`` folder."""
     output_dir: str = "data/stdlib"
     """Where shards, manifest.json, report.md and tokenizer/ go. Re-running resumes from ``_work/``."""
     seed: int = num(0, ge=0)

@@ -46,6 +46,46 @@ def spdx_from_header(text: str) -> str | None:
     return m.group(1) if m else None
 
 
+_CLASSIFIERS = {
+    "MIT License": "MIT",
+    "MIT No Attribution License (MIT-0)": "MIT-0",
+    "Apache Software License": "Apache-2.0",
+    "BSD License": "BSD-3-Clause",
+    "Python Software Foundation License": "PSF-2.0",
+    "ISC License (ISCL)": "ISC",
+    "The Unlicense (Unlicense)": "Unlicense",
+    "Mozilla Public License 2.0 (MPL 2.0)": "MPL-2.0",
+    "GNU General Public License v2 (GPLv2)": "GPL-2.0",
+    "GNU General Public License v3 (GPLv3)": "GPL-3.0",
+    "GNU Lesser General Public License v3 (LGPLv3)": "LGPL-3.0",
+    "GNU Affero General Public License v3": "AGPL-3.0",
+}
+"""Trove ``License :: OSI Approved :: ...`` names -> SPDX (the classifier says "BSD" without its clauses: read as
+BSD-3-Clause, the common one; a license file that says otherwise wins)."""
+
+
+def distribution_license(metadata: str, license_texts: list[str]) -> str | None:
+    """The SPDX expression of an installed distribution: its ``License-Expression`` (PEP 639), else its license
+    files' text, else its ``License ::`` classifiers (every one, joined with AND), else a ``License:`` field that is
+    a bare SPDX id. None when nothing says (``license.unknown`` decides)."""
+    fields = [ln.split(":", 1) for ln in metadata.split("\n\n", 1)[0].splitlines() if ":" in ln]
+    header = [(k.strip(), v.strip()) for k, v in fields]
+    for k, v in header:
+        if k == "License-Expression" and v:
+            return v
+    for text in license_texts:
+        if spdx := detect_license_file(text):
+            return spdx
+    found = [_CLASSIFIERS[v.rsplit("::", 1)[-1].strip()] for k, v in header
+             if k == "Classifier" and v.startswith("License ::") and v.rsplit("::", 1)[-1].strip() in _CLASSIFIERS]  # fmt: skip
+    if found:
+        return " AND ".join(sorted(set(found)))
+    for k, v in header:
+        if k == "License" and re.fullmatch(r"[A-Za-z0-9.+\-]+", v or ""):
+            return v
+    return None
+
+
 def spdx_ids(expr: str) -> list[str]:
     return [t for t in re.split(r"\s+(?:OR|AND|WITH)\s+|[()]", expr) if t.strip()]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data_prep.config import DataPrepConfig
-from data_prep.licenses import detect_license_file, spdx_from_header
+from data_prep.licenses import detect_license_file, distribution_license, spdx_from_header
 from ultrascale.errors import DataError
 
 log = logging.getLogger("data_prep")
@@ -30,14 +30,21 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def site_packages_root() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
 def resolve_input(cfg: DataPrepConfig) -> tuple[str, Path]:
     """Return (source type, path); one clear DataError if the input does not exist or is not recognised."""
     kind = cfg.source.type
     if cfg.input == "stdlib" or kind == "stdlib":
         return "dir", stdlib_root()
+    if cfg.input == "site-packages":
+        return "site_packages", site_packages_root()
     path = Path(cfg.input).expanduser()
     if not path.exists():
-        raise DataError(f"input={cfg.input} does not exist: pass a directory, a .jsonl/.parquet file or input=stdlib")
+        raise DataError(f"input={cfg.input} does not exist: pass a directory, a .jsonl/.parquet file, input=stdlib "
+                        "or input=site-packages")  # fmt: skip
     if kind != "auto":
         return kind, path
     if path.is_dir():
@@ -115,6 +122,8 @@ def license_map(root: Path, files: list[str]) -> dict[str, str]:
 
 
 def nearest_license(rel: str, lic: dict[str, str]) -> str | None:
+    if rel in lic:  # a single-module distribution in site-packages, licensed by name
+        return lic[rel]
     d = os.path.dirname(rel)
     while True:
         if d in lic:
@@ -124,10 +133,42 @@ def nearest_license(rel: str, lic: dict[str, str]) -> str | None:
         d = os.path.dirname(d)
 
 
-def select_files(cfg: DataPrepConfig, root: Path, counts: Counter) -> tuple[list[str], dict[str, str]]:
-    """Walk, select by language, sample ``max_files``; return (files, license map). Counts go to ``counts``."""
+def distribution_licenses(root: Path) -> dict[str, str]:
+    """A site-packages directory's top-level entries -> the SPDX license of the distribution that installed them
+    (its ``*.dist-info``: ``RECORD`` says which entries are its, ``METADATA`` and its license files say the
+    license). Its license files sit beside the code, not in it, so the walk's own license map cannot see them."""
+    found: dict[str, str] = {}
+    for info in sorted(root.glob("*.dist-info")):
+        try:
+            meta = (info / "METADATA").read_text(encoding="utf-8", errors="replace")
+            record = (info / "RECORD").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        texts = []
+        for f in sorted(p for p in info.rglob("*") if p.is_file() and p.name.lower().startswith(LICENSE_FILE_PREFIXES)):
+            try:
+                texts.append(f.read_text(encoding="utf-8", errors="replace")[:200_000])
+            except OSError:
+                continue
+        spdx = distribution_license(meta, texts)
+        if spdx is None:
+            continue
+        for line in record.splitlines():
+            top = line.split(",", 1)[0].split("/", 1)[0]
+            if top and not top.endswith((".dist-info", ".pth")) and ".." not in top and top != "__pycache__":
+                found.setdefault(top, spdx)
+    return found
+
+
+def select_files(cfg: DataPrepConfig, root: Path, counts: Counter,
+                 site_packages: bool = False) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """Walk, select by language, sample ``max_files``; return (files, license map). Counts go to ``counts``.
+    ``site_packages``: ``root`` is laid out as one, each top-level package licensed by its distribution."""
     files = walk_files(root, list(cfg.source.exclude), counts)
     lic = license_map(root, files)
+    if site_packages:
+        for top, spdx in distribution_licenses(root).items():
+            lic.setdefault(top, spdx)
     ext_map = extension_map(cfg)
     if cfg.language.enabled:
         selected = [f for f in files if language_of(f, ext_map)]
@@ -168,14 +209,15 @@ def read_text_file(path: Path, max_bytes: int, counts: Counter) -> str | None:
         return None
 
 
-def _listing(cfg: DataPrepConfig, root: Path, cache: Path | None) -> tuple[list[str], dict[str, str], Counter]:
+def _listing(cfg: DataPrepConfig, root: Path, cache: Path | None,
+             site_packages: bool = False) -> tuple[list[str], dict[str, str], Counter]:  # fmt: skip
     """The selected files, license map and walk counts; with ``cache``, the first task to finish the walk saves
     them there and later tasks read them (tasks racing at the start walk once each and agree)."""
     if cache is not None and cache.exists():
         saved = json.loads(cache.read_text())
         return saved["files"], saved["licenses"], Counter(saved["walk"])
     walk: Counter = Counter()
-    files, lic = select_files(cfg, root, walk)
+    files, lic = select_files(cfg, root, walk, site_packages)
     if cache is not None:
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"files": files, "licenses": lic, "walk": walk}))
@@ -191,8 +233,9 @@ def iter_dir(
     counts: Counter,
     progress: bool = False,
     listing: Path | None = None,
+    site_packages: bool = False,
 ) -> Iterator[dict]:
-    files, lic, walk = _listing(cfg, root, listing)
+    files, lic, walk = _listing(cfg, root, listing, site_packages)
     if rank == 0:  # every task sees the same walk: only task 0 reports it
         counts.update(walk)
     ext_map = extension_map(cfg)
@@ -364,12 +407,12 @@ def iter_documents(
     JSONL/Parquet). ``listing`` caches a directory input's walk for the other tasks."""
     counts = counts if counts is not None else Counter()
     kind, path = resolve_input(cfg)
-    if kind == "dir":
-        yield from iter_dir(cfg, path, rank, world, counts, progress, listing)
+    if kind in ("dir", "site_packages"):
+        yield from iter_dir(cfg, path, rank, world, counts, progress, listing, site_packages=kind == "site_packages")
         return
     readers = {"jsonl": iter_jsonl, "parquet": iter_parquet, "hf_disk": iter_hf_disk}
     if kind not in readers:
-        raise DataError(f"source.type={kind} is not one of auto, dir, jsonl, parquet, hf_disk, stdlib")
+        raise DataError(f"source.type={kind} is not one of auto, dir, site_packages, jsonl, parquet, hf_disk, stdlib")
     for doc in readers[kind](cfg, path, rank, world, counts):
         if cfg.language.enabled and doc.pop("_has_path") and doc["lang"] == "unknown":
             counts["language_unselected"] += 1

@@ -573,3 +573,46 @@ def test_a_pretrained_tokenizer_without_fim_tokens_needs_fim_off(prepared, tmp_p
         run(cfg_for(corpus, tmp_path / "fim_on", f"tokenizer.path={tok_dir}"))
     m = run(cfg_for(corpus, tmp_path / "fim_off", f"tokenizer.path={tok_dir}", "fim.rate=0"))
     assert m["eos_token_id"] == tok.token_to_id(EOS) and m["splits"]["train"]["num_samples"] > 0
+
+
+def _dist(root: Path, name: str, files: dict[str, str], metadata: str, license_file: str | None = None) -> None:
+    """An installed distribution as pip leaves it: its files, and a dist-info whose RECORD lists them."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.4\nName: {name}\nVersion: 1.0\n{metadata}\n\nLong text.\n")
+    (info / "RECORD").write_text("".join(f"{rel},sha256=x,1\n" for rel in files) + f"{info.name}/RECORD,,\n")
+    if license_file:
+        (info / "licenses").mkdir()
+        (info / "licenses" / "LICENSE").write_text(license_file)
+
+
+def test_site_packages_are_licensed_by_their_distribution_and_the_filter_keeps_the_permissive(tmp_path):
+    """``input=site-packages``: an installed package's license lives in its dist-info, beside the code, so each
+    top-level package is a repository under its distribution's license (PEP 639 expression, license file text,
+    then classifiers), and the license filter drops the copyleft one."""
+    from collections import Counter
+
+    from data_prep.config import to_cfg
+    from data_prep.licenses import decide
+    from data_prep.sources import iter_documents
+
+    root = tmp_path / "site-packages"
+    _dist(root, "mitpkg", {"mitpkg/__init__.py": "def f():\n    return 1\n"}, "License-Expression: MIT")
+    _dist(root, "bsdpkg", {"bsdpkg/core.py": "X = 1\n", "bsd_single.py": "Y = 2\n"}, "License: see file",
+          license_file="Redistribution and use in source and binary forms ... Neither the name of the copyright")  # fmt: skip
+    _dist(root, "gplpkg", {"gplpkg/__init__.py": "Z = 3\n"},
+          "Classifier: License :: OSI Approved :: GNU General Public License v3 (GPLv3)")  # fmt: skip
+    _dist(root, "nolicense", {"nolicense/__init__.py": "W = 4\n"}, "Summary: nothing said")
+    register_configs()
+    cfg = to_cfg(compose([f"input={root}", "source.type=site_packages", "output_dir=/unused"], config_name="data_prep"))
+    docs = {d["path"]: d for d in iter_documents(cfg, counts=Counter())}
+    assert {p: d["license"] for p, d in docs.items()} == {
+        "mitpkg/__init__.py": "MIT", "bsdpkg/core.py": "BSD-3-Clause", "bsd_single.py": "BSD-3-Clause",
+        "gplpkg/__init__.py": "GPL-3.0", "nolicense/__init__.py": None}  # fmt: skip
+    assert docs["bsdpkg/core.py"]["repo"] == "bsdpkg"  # a top-level package is a repository
+    allowed = {x.lower() for x in cfg.license.allow}
+    kept = {p for p, d in docs.items() if decide({d["license"]} - {None}, allowed, cfg.license.unknown)[0]}
+    assert "mitpkg/__init__.py" in kept and "bsdpkg/core.py" in kept and "gplpkg/__init__.py" not in kept
