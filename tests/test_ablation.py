@@ -175,3 +175,30 @@ def test_the_table_goes_to_wandb_when_the_runs_logged_there(tmp_path, monkeypatc
     png = ablation.plot(result, tmp_path / "f.png")
     where = Path(ablation.log_wandb(result, settings, png))
     assert where.is_relative_to(sweep) and list(sweep.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_the_dry_run_says_what_each_ablation_settled_from_its_report_json(tmp_path):
+    """``plan/evidence.py`` reads the verdict from the committed report JSON: better, worse, or an interval that
+    includes zero; a missing JSON says so rather than claiming anything."""
+    from types import SimpleNamespace
+
+    from ultrascale.plan import evidence
+
+    (opt, fim, mask) = evidence.ABLATIONS
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+
+    def plant(a, lo, hi):
+        comp = {"arm": a.arm, "diff_mean": (lo + hi) / 2, "ci95": [lo, hi], "n_pairs": 3}
+        (tmp_path / a.result).write_text(json.dumps({"baseline": "b", "comparisons": [comp]}))
+
+    plant(opt, -0.2, -0.1)
+    plant(fim, -0.01, 0.02)
+    assert evidence.verdict(opt, tmp_path).endswith("the arm is better")
+    assert evidence.verdict(fim, tmp_path).endswith("the interval includes zero, the proxy could not tell them apart")
+    assert evidence.verdict(mask, tmp_path).startswith("not yet measured")
+    plant(mask, 0.05, 0.07)
+    assert evidence.verdict(mask, tmp_path).endswith("the baseline is better")
+    cfg = SimpleNamespace(optim=SimpleNamespace(name="adamw"),
+                          data=SimpleNamespace(path="data/x", document_masking=True))  # fmt: skip
+    lines = evidence.evidence_lines(cfg, tmp_path)
+    assert len(lines) == 5 and lines[1].startswith("optim.name             adamw here;") and "+0.0600" in lines[3]

@@ -320,6 +320,7 @@ def dry_run_report(
     machine). The report opens with ``cfg``'s resolved YAML."""
     from ultrascale.model.build import count_params
     from ultrascale.model.flops import train_flops_per_token
+    from ultrascale.plan.evidence import evidence_lines
 
     t = t or Target(d.topo.world)
     counts = count_params(cfg.model)
@@ -352,6 +353,8 @@ def dry_run_report(
         *gpu_parts,
         "== checkpointing ==",
         checkpoint_line(cfg, d, t.cluster),
+        "== settled by ablation (ultrascale/plan/evidence.py) ==",
+        *evidence_lines(cfg),
         "== decisions ==",
         f"{'zero':<10} {zero_line(cfg.zero, d)}",
         f"{'precision':<10} {precision_line(cfg.precision, d)}",
