@@ -115,6 +115,8 @@ def test_a_run_without_an_eval_at_its_last_step_is_refused(tmp_path, capsys):
 def test_a_baseline_that_is_not_an_arm_is_refused(tmp_path, capsys):
     sweep = _sweep(tmp_path, {"optim=adamw": {}, "optim=muon": BETTER})
     _one_error(capsys, [str(sweep), "--baseline", "optim=lion"], "--baseline optim=lion is not an arm of this sweep")
+    # Hydra records a swept `true` as `True`: the baseline is found whichever the user types
+    assert ablation.report(sweep, "OPTIM=AdamW")["baseline"] == "optim=adamw"
 
 
 def test_a_seed_twice_in_one_arm_and_an_empty_sweep_are_refused(tmp_path, capsys):

@@ -240,7 +240,8 @@ def baseline_arm(arms: list[Arm], baseline: str | None) -> Arm:
     """The arm named ``baseline`` (its full name, or one of its overrides); the first arm without one."""
     if baseline is None:
         return arms[0]
-    found = [a for a in arms if baseline == a.name or baseline in a.overrides]
+    want = baseline.lower()  # Hydra records a swept true as True: the user types either
+    found = [a for a in arms if want == a.name.lower() or want in (o.lower() for o in a.overrides)]
     if len(found) != 1:
         names = "; ".join(a.name for a in arms)
         why = "is not an arm" if not found else f"names {len(found)} arms"
