@@ -57,7 +57,7 @@ def verdict(a: Ablation, root: Path = PROJECT_ROOT) -> str:
     if not path.exists():
         return f"not yet measured ({a.result} missing)"
     res = json.loads(path.read_text())
-    comp = next((c for c in res["comparisons"] if c["arm"] == a.arm), None)
+    comp = next((c for c in res["comparisons"] if c["arm"].lower() == a.arm.lower()), None)  # Hydra's True/true
     if comp is None or comp.get("ci95") is None:
         return f"no interval in {a.result} for {a.arm}"
     lo, hi = comp["ci95"]

@@ -355,7 +355,9 @@ def eval_table(result: dict) -> str:
 
 
 def plot(result: dict, out: str | Path) -> Path:
-    """Held-out loss against tokens: each arm's mean over its seeds, the seeds' range shaded."""
+    """Left: held-out loss against tokens, each arm's mean over its seeds, the seeds' range shaded. Right: each
+    arm's seed-paired difference from the baseline along the curve (mean, the pairs' range shaded), where an
+    effect smaller than the seeds' spread shows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -363,7 +365,8 @@ def plot(result: dict, out: str | Path) -> Path:
 
     from ultrascale.atomic import atomic_write_bytes
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, dax) = plt.subplots(1, 2, figsize=(13, 5))
+    base = {r["seed"]: r["curve"] for r in result["arms"][result["baseline"]]["runs"]}
     for name, arm in result["arms"].items():
         curves = [r["curve"] for r in arm["runs"]]
         xs = [p[0] for p in curves[0]]
@@ -374,7 +377,22 @@ def plot(result: dict, out: str | Path) -> Path:
             ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
         else:  # evals at other tokens per seed: each seed's own line
             for i, c in enumerate(curves):
-                ax.plot([p[0] for p in c], [p[1] for p in c], lw=1, label=label if i == 0 else None)
+                (line,) = ax.plot([p[0] for p in c], [p[1] for p in c], lw=1, label=label if i == 0 else None)
+        pairs = [(r["curve"], base[r["seed"]]) for r in arm["runs"] if r["seed"] in base]
+        same = [(c, b) for c, b in pairs if [p[0] for p in c] == [p[0] for p in b]]
+        if name == result["baseline"]:
+            dax.axhline(0.0, color=line.get_color(), lw=1, label=f"{label}")
+        elif same:
+            xs = [p[0] for p in same[0][0]]
+            ds = list(zip(*([a[1] - b[1] for a, b in zip(c, bc)] for c, bc in same)))
+            dax.plot(
+                xs, [statistics.fmean(d) for d in ds], color=line.get_color(), label=f"{name}, {len(same)} pair(s)"
+            )
+            dax.fill_between(xs, [min(d) for d in ds], [max(d) for d in ds], color=line.get_color(), alpha=0.2)
+    dax.set_xlabel("tokens trained")
+    dax.set_ylabel("held-out loss, arm - baseline (same seed)")
+    dax.grid(alpha=0.3)
+    dax.legend(fontsize=8)
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("held-out loss")
     ax.set_title(f"ablation: {' + '.join(Path(d).name for d in result.get('sweep_dirs', [result['sweep_dir']]))}")
@@ -407,6 +425,9 @@ def wandb_settings(result: dict) -> dict | None:
 def log_wandb(result: dict, settings: dict, figure: Path | None) -> str:
     """The table (one row per arm) and the figure, as one wandb run of ``job_type=ablation`` named after the sweep,
     its files under the sweep directory; returns where it went."""
+    import os
+
+    os.environ.setdefault("WANDB_SILENT", "true")  # the report's own lines say where it went
     import wandb
 
     sweep = Path(result["sweep_dir"])
