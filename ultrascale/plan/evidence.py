@@ -18,7 +18,7 @@ from typing import Any
 from ultrascale.paths import PROJECT_ROOT
 
 PROXY = (
-    "ablate_tiny (a 1.26M-parameter Llama pretrained from scratch on 3.0M tokens of stdlib code, 2 CPU ranks; "
+    "ablate_tiny (a 1.26M-parameter Llama pretrained from scratch on 3.0M tokens of stdlib code on a 2-core CPU box; "
     "fine-tuning a pretrained model was not ablated)"
 )
 
@@ -39,7 +39,7 @@ class Ablation:
 # fmt: off
 ABLATIONS = (
     Ablation("optim.name", "Muon against AdamW, each at its tuned lr, one cosine schedule",
-             "docs/results/ablation_optim.json", "optim=muon optim.muon_lr=0.03",
+             "docs/results/ablation_optim.json", "optim=muon optim.muon_lr=0.1",
              lambda c: str(c.optim.name)),
     Ablation("data (FIM rate)", "FIM for free: D0 against D50 (FIM on half the documents), scored left to right",
              "docs/results/ablation_fim.json", "data=ablate_d50",
