@@ -89,7 +89,7 @@ def check_prepared(data: DataConfig, model_vocab: int, dry_run: bool = False, mo
         for s in sources(data)
     ]
     check_agree(data)
-    held_out = check_eval_source(data)
+    held_out = check_eval_source(data, dry_run)
     return "; ".join(lines + ([held_out] if held_out else []))
 
 

@@ -120,17 +120,21 @@ def eval_path(data: Any) -> Path | None:
     return resolve_path(p) if p else None
 
 
-def check_eval_source(data: Any) -> str | None:
+def check_eval_source(data: Any, dry_run: bool = False) -> str | None:
     """``data.eval_path`` is prepared and shares the training data's tokenizer and seq_len; one line saying what
-    it holds, or None when unset. Its targets score every arm, so a mismatch is an error naming the key."""
+    it holds, or None when unset. Its targets score every arm, so a mismatch is an error naming the key. A
+    ``dry_run`` notes a missing one, as it notes a missing training corpus."""
     path = eval_path(data)
     if path is None:
         return None
     if not (path / MANIFEST).exists():
-        raise DataError(
-            f"data.eval_path={data.eval_path} has no {MANIFEST}: prepare it with `python -m data_prep "
-            f"output_dir={data.eval_path} tokenizer.path={primary_path(data)}/tokenizer ...` or unset the key"
-        )
+        same = path == primary_path(data)  # the training data itself: no tokenizer to share yet
+        tok = "" if same else f" tokenizer.path={primary_path(data)}/tokenizer"
+        why = (f"data.eval_path={data.eval_path} has no {MANIFEST}: prepare it with `python -m data_prep "
+               f"output_dir={data.eval_path}{tok} ...` or unset the key")  # fmt: skip
+        if dry_run:
+            return f"held-out split not here: a real run stops with: {why}"
+        raise DataError(why)
     first = sources(data)[0]
     if (first.path / MANIFEST).exists():
         _agree(f"data.{'sources.' + first.name if is_mixture(data) else 'path'}", first.path, "data.eval_path", path)
