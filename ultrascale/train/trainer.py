@@ -112,9 +112,9 @@ class Trainer:
         names = [s.name for s in data_sources.sources(data)]
         # verify=False: hashed by check_prepared
         self.train_splits = {n: open_split(p, "train", verify=False) for n, p in zip(names, paths)}
-        self.val_splits = {n: open_split(p, "validation", verify=False) for n, p in zip(names, paths)}
-        if data_sources.eval_path(data) is not None:  # one held-out split for every arm of an ablation
-            self.val_splits = {"eval": open_split(data_sources.eval_path(data), "validation", verify=False)}
+        held_out = data_sources.eval_path(data)  # one held-out split for every arm of an ablation, when set
+        val = {"eval": held_out} if held_out is not None else dict(zip(names, paths))
+        self.val_splits = {n: open_split(p, "validation", verify=False) for n, p in val.items()}
         self.eos = int(self.manifest["eos_token_id"])
 
     def _build(self) -> None:
