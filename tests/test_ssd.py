@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from tests.conftest import PY_ERROR, ROOT, needs, run_py, sandbox_missing
 from tests.support import faults
 from ultrascale.config.compose import compose
-from ultrascale.data.problems_config import DENY_NAMES
+from ultrascale.config.problems import DENY_NAMES
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.ssd.config import register_ssd_configs
 
@@ -53,7 +53,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 # ---- problems -------------------------------------------------------------------------------------------
 @needs_sandbox
 def test_mining_keeps_solvable_problems_and_counts_every_drop():
-    from ultrascale.ssd.problems import build
+    from ultrascale.eval.problems import build
 
     problems, report = build(ssd_cfg(f"problems.input={MINING.parent}").problems)
     by_name = {p["entry_point"]: p for p in problems}
@@ -97,7 +97,7 @@ def test_humaneval_problem_is_decontaminated():
 
 
 def test_jsonl_problems_are_validated(tmp_path):
-    from ultrascale.ssd.problems import load_jsonl
+    from ultrascale.eval.problems import load_jsonl
 
     rows = load_jsonl(PROBLEMS, Counter())
     assert [r["task_id"] for r in rows][:2] == ["planted/add", "planted/is_even"]
@@ -158,7 +158,7 @@ def test_heal_and_unheal_the_prompt_boundary():
 
 @needs_sandbox
 def test_select_keeps_passing_dedupes_caps_and_marks_provided():
-    from ultrascale.ssd.problems import load_jsonl
+    from ultrascale.eval.problems import load_jsonl
     from ultrascale.ssd.sample import kept_records, select
 
     add, is_even = load_jsonl(PROBLEMS, Counter())[:2]
@@ -189,7 +189,7 @@ def test_the_papers_filter_drops_only_empty_and_stub_responses_and_executes_noth
     """method=ssd: no sandbox (a call would fail the test), a wrong sample is kept, empty and single-line stubs are
     dropped and counted, a real one-line body is kept, a truncated and an unparsable sample are counted and kept."""
     import ultrascale.ssd.sample as sample
-    from ultrascale.ssd.problems import load_jsonl
+    from ultrascale.eval.problems import load_jsonl
 
     def no_sandbox(*a, **k):
         raise AssertionError("method=ssd executed a sample")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import needs, sandbox_missing
+from ultrascale.eval.stats import NO_GAIN
 from ultrascale.ssd.compare import Setting, cached, evaluate_set, grid, table
-from ultrascale.ssd.stats import NO_GAIN
 
 needs_sandbox = needs(sandbox_missing())
 

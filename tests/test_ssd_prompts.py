@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from ultrascale.data.problems_config import ProblemsConfig
+from ultrascale.config.problems import ProblemsConfig
 from ultrascale.data.prompts import build_prompts, load_prompt_jsonl
 from ultrascale.errors import DataError
 

@@ -1,4 +1,4 @@
-"""The SSD statistics layer (ultrascale/ssd/stats.py) on planted per-problem results with known answers.
+"""The SSD statistics layer (ultrascale/eval/stats.py) on planted per-problem results with known answers.
 
 Every plant is built so that the tempting wrong implementation fails: an unseeded or order-dependent split,
 a setting tuned on test, an unpaired bootstrap, an interval or p-value off by the tail convention.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ultrascale.eval.passk import pass_at_k
-from ultrascale.ssd.stats import (
+from ultrascale.eval.stats import (
     choose_on_dev,
     compare_models,
     paired_bootstrap,

@@ -20,12 +20,14 @@ from ultrascale.config.cluster import ClusterConfig
 from ultrascale.config.data import DataConfig
 from ultrascale.config.fields import num
 from ultrascale.config.finetune import FinetuneConfig
+from ultrascale.config.grpo import GRPOConfig
 from ultrascale.config.launcher import LauncherConfig
 from ultrascale.config.logger import LoggerConfig
 from ultrascale.config.model import ModelConfig
 from ultrascale.config.optim import OptimConfig
 from ultrascale.config.parallel import ParallelConfig
 from ultrascale.config.precision import PrecisionConfig
+from ultrascale.config.problems import ProblemsConfig
 from ultrascale.config.search import SearchConfig
 from ultrascale.config.stability import StabilityConfig
 from ultrascale.config.train import TrainConfig
@@ -46,6 +48,12 @@ class RootConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     """``finetune=lora``: train adapters over ``model.pretrained_path`` instead of every weight."""
+    grpo: GRPOConfig | None = None
+    """``grpo=default``: the objective is GRPO on ``problems`` (rollouts from the sampler, rewards from the
+    sandbox) instead of next-token loss on ``data``. null: language modelling."""
+    problems: ProblemsConfig = field(default_factory=ProblemsConfig)
+    """The problems a GRPO run samples from (``problems.source=humaneval problems.split=dev``, a JSONL file, or
+    mined from a corpus): the ``problems`` keys SSD uses. Unused without ``grpo``."""
     output_dir: str = MISSING
     """Run directory: config, metrics, checkpoints and logs. Re-running with the same one auto-resumes."""
     dry_run: bool = False

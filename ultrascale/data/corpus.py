@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from ultrascale.data.problems_config import ProblemsConfig
+from ultrascale.config.problems import ProblemsConfig
 from ultrascale.errors import ConfigError
 from ultrascale.paths import resolve_path
 

@@ -1,7 +1,7 @@
 """Decontamination of training prompts: one n-gram matcher (data prep's) for every source of SSD's and the
 instruction set's prompts, against HumanEval and the held-out repositories' problems.
 
-Its own module because both the problem miner (:mod:`ultrascale.ssd.problems`) and the prompt builder
+Its own module because both the problem miner (:mod:`ultrascale.eval.problems`) and the prompt builder
 (:mod:`ultrascale.data.prompts`, which builds on the miner) drop contaminated records with it.
 """
 
@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
-from ultrascale.data.problems_config import ProblemsConfig
+from ultrascale.config.problems import ProblemsConfig
 
 log = logging.getLogger("ultrascale")
 

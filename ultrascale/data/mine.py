@@ -7,7 +7,7 @@ docstring's ``>>>`` examples through :mod:`doctest` (output matching, exceptions
 author meant them), plus any ``assert f(...)`` statements elsewhere in the module that call the function.
 
 Everything here is static (``ast``); whether the reference really passes its own tests, and whether the
-tests really reject a wrong body, is decided later in the sandbox (:mod:`ultrascale.ssd.problems`). Static
+tests really reject a wrong body, is decided later in the sandbox (:mod:`ultrascale.eval.problems`). Static
 filters only drop what cannot be made self-contained or is not a pure function; each drop has a reason,
 counted for the report.
 """

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from ultrascale.data.corpus import corpus_documents
 from ultrascale.data.decontam import HELD_OUT_PREFIX, decontaminate
 from ultrascale.data.mine import BUILTINS, MineOptions, Module, closure, free_names, mine_file, used_modules_and_names
-from ultrascale.data.problems_config import ProblemsConfig
+from ultrascale.config.problems import ProblemsConfig
 from ultrascale.errors import ConfigError, DataError
 from ultrascale.jsonio import iter_jsonl
 from ultrascale.paths import resolve_path

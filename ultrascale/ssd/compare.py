@@ -6,7 +6,7 @@ with tests mined from the corpus's *validation* repositories, which no SSD promp
 every candidate checkpoint x decoding setting of the grid (greedy, and each T_eval with and without the
 truncation) is scored on the dev half by the unbiased per-problem pass@1; the best on dev is scored on the test
 half; each model after the first is compared with the first on the test half by a paired bootstrap over
-problems (:mod:`ultrascale.ssd.stats`): an interval that holds 0 is reported as "no measurable gain". Nothing is
+problems (:mod:`ultrascale.eval.stats`): an interval that holds 0 is reported as "no measurable gain". Nothing is
 tuned on the test half: the test half is generated only for the chosen setting.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ultrascale.ssd.stats import choose_on_dev, paired_bootstrap, per_problem_pass_at_k, split_dev_test, verdict_of
+from ultrascale.eval.stats import choose_on_dev, paired_bootstrap, per_problem_pass_at_k, split_dev_test, verdict_of
 
 log = logging.getLogger("ultrascale")
 
@@ -395,8 +395,8 @@ def heldout_problems(data_dir: str) -> list[dict]:
     """Problems with tests (doctests and asserts, references checked in the sandbox) mined from the stdlib
     repositories that data prep put in ``data_dir``'s *validation* split: code no SSD prompt comes from."""
     from ultrascale.config.compose import compose
+    from ultrascale.eval.problems import build
     from ultrascale.ssd.config import register_ssd_configs
-    from ultrascale.ssd.problems import build
 
     register_ssd_configs()
     cfg = compose(["method=rft", f"problems.train_repos_from={data_dir}", "problems.held_out=true",

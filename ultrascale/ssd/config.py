@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 from ultrascale.config.fields import num
 from ultrascale.config.launcher import NodeLauncher
 from ultrascale.config.precision import Precision
-from ultrascale.data.problems_config import ProblemsConfig
+from ultrascale.config.problems import ProblemsConfig
 from ultrascale.errors import ConfigError
 
 

@@ -173,9 +173,9 @@ class SSDRun:
 
     # ---- the stages --------------------------------------------------------------------------------------
     def _problems(self, rnd: Round) -> dict:
-        from ultrascale.data.problems_config import ProblemSource
+        from ultrascale.config.problems import ProblemSource
+        from ultrascale.eval.problems import build
         from ultrascale.ssd.config import Method
-        from ultrascale.ssd.problems import build
 
         if rnd.index > 0:  # later rounds revisit the same problems with a better model (STaR / ReST style)
             first = self.out / "round_00" / "problems.jsonl"

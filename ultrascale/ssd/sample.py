@@ -17,9 +17,9 @@ import logging
 import time
 from collections import Counter
 
+from ultrascale.eval.execute import verdicts
 from ultrascale.eval.sandbox import Limits
 from ultrascale.ssd.config import SampleConfig
-from ultrascale.ssd.execute import verdicts
 
 log = logging.getLogger("ultrascale")
 

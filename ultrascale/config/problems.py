@@ -17,6 +17,16 @@ class ProblemSource(StrEnum):
 
     corpus = "corpus"
     jsonl = "jsonl"
+    humaneval = "humaneval"
+
+
+class ProblemSplit(StrEnum):
+    """Which of HumanEval's seeded halves (``problems.split``): the one split ``python -m ultrascale.ssd.evaluate``
+    chooses settings on (``dev``) and reports on (``test``), so a model trained on ``dev`` is scored on ``test``."""
+
+    all = "all"
+    dev = "dev"
+    test = "test"
 
 
 DENY_NAMES = [
@@ -34,7 +44,13 @@ DENY_NAMES = [
 @dataclass
 class ProblemsConfig:
     source: ProblemSource = ProblemSource.corpus
-    """``corpus``: mine functions with doctests (or nearby asserts) from source files; ``jsonl``: read ``jsonl``."""
+    """``corpus``: mine functions with doctests (or nearby asserts) from source files; ``jsonl``: read ``jsonl``;
+    ``humaneval``: the bundled HumanEval problems, the half ``split`` names."""
+    split: ProblemSplit = ProblemSplit.all
+    """``source=humaneval``: ``dev`` or ``test``, the halves of :func:`ultrascale.eval.stats.split_dev_test` at
+    ``split_seed`` (the evaluator's own split), or ``all``. Training on ``dev`` leaves ``test`` held out."""
+    split_seed: int = num(0, ge=0)
+    """Seed of the dev/test split (``python -m ultrascale.ssd.evaluate --seed``'s default is 0)."""
     input: str = "stdlib"
     """Corpus to mine (``source=corpus``), as data prep reads it: ``stdlib`` (this Python's own library) or a
     directory of source files. Files and repositories come from ``data_prep.sources``, so they are the ones

