@@ -8,7 +8,7 @@ import torch
 
 from ultrascale.generate.forward import LM
 from ultrascale.generate.rows import Batch, Collector
-from ultrascale.generate.sampling import SamplingParams, pick_tokens
+from ultrascale.generate.sampling import SamplingParams, pick_logps, pick_tokens
 
 
 def decode_step(lm: LM, b: Batch, params: SamplingParams, collect: Collector) -> None:
@@ -22,4 +22,5 @@ def decode_step(lm: LM, b: Batch, params: SamplingParams, collect: Collector) ->
     logits = lm.logits(b.last[:, None], b.mask, b.pos[:, None], b.cache)
     b.pos = b.pos + 1
     b.last = pick_tokens(logits, b.rows, params, lm.pad)
+    b.last_logps = pick_logps(logits, b.last, params)
     collect.add_picks(b, b.last)

@@ -16,6 +16,8 @@ class Completion:
     """Why it ended: ``stop`` (a stop sequence), ``eos`` or ``length`` (``max_new_tokens``)."""
     ids: tuple[int, ...] = ()
     """The generated token ids, as many as ``tokens``."""
+    logps: tuple[float, ...] = ()
+    """With ``SamplingParams.logprobs``: each id's log-prob under ``logits / temperature`` as it was sampled."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ from ultrascale.generate.cache import new_cache
 from ultrascale.generate.forward import LM
 from ultrascale.generate.output import GenerationStats
 from ultrascale.generate.rows import Batch, Row
-from ultrascale.generate.sampling import SamplingParams, pick_tokens, row_key
+from ultrascale.generate.sampling import SamplingParams, pick_logps, pick_tokens, row_key
 
 
 def prefill(lm: LM, group: list[int], ids: list[list[int]], params: SamplingParams, stats: GenerationStats) -> Batch:
@@ -41,5 +41,6 @@ def prefill(lm: LM, group: list[int], ids: list[list[int]], params: SamplingPara
     rows = [Row(i, s, row_key(params.seed, i, s), prompt_ids=ids[i]) for i in group for s in range(params.n)]
     b = Batch(cache, mask, pos[:, -1] + 1, None, rows)
     b.last = pick_tokens(logits, rows, params, lm.pad)
+    b.last_logps = pick_logps(logits, b.last, params)
     stats.prefill_s += time.perf_counter() - t0
     return b

@@ -25,6 +25,7 @@ class Row:
     """Characters of the decoded text already searched for stop sequences."""
     done: bool = False
     prompt_ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -36,6 +37,8 @@ class Batch:
     pos: torch.Tensor
     last: torch.Tensor | None
     rows: list[Row]
+    last_logps: torch.Tensor | None = None
+    """The log-probs of ``last`` (``SamplingParams.logprobs``), read with it by :meth:`Collector.add_picks`."""
     holes_by_row: list[int] = field(default_factory=list)
     """Masked columns left inside each row by rejected drafts."""
 
@@ -66,16 +69,19 @@ class Collector:
         self.left = {i: params.n for i in range(len(stops))}
 
     def add_picks(self, b: Batch, picks: torch.Tensor) -> None:
-        """Append each unfinished row's new token (one read back to the host)."""
+        """Append each unfinished row's new token (one read back to the host, two with log-probs)."""
         self.stats.host_reads += 1
-        for row, tok in zip(b.rows, picks.tolist()):
+        logps = b.last_logps.tolist() if b.last_logps is not None else [None] * len(b.rows)
+        for row, tok, lp in zip(b.rows, picks.tolist(), logps):
             if not row.done:
-                self.add(row, tok)
+                self.add(row, tok, lp)
 
-    def add(self, row: Row, tok: int) -> bool:
-        """Append ``tok`` to ``row``; True when that finished it."""
+    def add(self, row: Row, tok: int, logp: float | None = None) -> bool:
+        """Append ``tok`` (and its log-prob, when kept) to ``row``; True when that finished it."""
         params = self.params
         row.tokens.append(tok)
+        if logp is not None:
+            row.logps.append(logp)
         finish, text = None, None
         if tok in self.eos:
             finish, text = "eos", self.decode(row.tokens[:-1])
@@ -90,7 +96,8 @@ class Collector:
             finish, text = "length", text if text is not None else self.decode(row.tokens)
         if finish is not None:
             row.done = True
-            self.results[row.prompt][row.sample] = Completion(text, len(row.tokens), finish, tuple(row.tokens))
+            self.results[row.prompt][row.sample] = Completion(text, len(row.tokens), finish, tuple(row.tokens),
+                                                                 tuple(row.logps))
             self.stats.tokens += len(row.tokens)
             self.left[row.prompt] -= 1
             if not self.left[row.prompt]:

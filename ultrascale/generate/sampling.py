@@ -23,6 +23,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int = 1234
+    logprobs: bool = False
+    """Return each sampled token's log-prob under ``logits / temperature`` (the full distribution, before top-k/p:
+    what a policy-gradient loss scores, as TRL does) in ``Completion.logps``."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
@@ -91,6 +94,15 @@ def sample_tokens(
         return logits.argmax(dim=-1)
     scores = process_logits(logits, params.temperature, params.top_k, params.top_p)
     return (scores + gumbel_noise(keys, steps, scores.shape[-1])).argmax(dim=-1)
+
+
+def pick_logps(logits: torch.Tensor, picks: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The log-prob of each row's pick under ``logits / temperature`` (1 when greedy), fp32; None unless
+    ``params.logprobs``."""
+    if not params.logprobs:
+        return None
+    scale = params.temperature if params.temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / scale, dim=-1).gather(-1, picks[:, None]).squeeze(-1)
 
 
 def pick_tokens(logits: torch.Tensor, rows: Sequence, params: SamplingParams, pad: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from ultrascale.generate.forward import LM
 from ultrascale.generate.graphs import DecodeGraphs
 from ultrascale.generate.prefill import prefill
 from ultrascale.generate.rows import Collector, Row
-from ultrascale.generate.sampling import SamplingParams, sample_tokens
+from ultrascale.generate.sampling import SamplingParams, pick_logps, sample_tokens
 from ultrascale.generate.scheduler import groups, take
 from ultrascale.generate.static_cache import StaticSlots, bucket, round_up
 
@@ -100,11 +100,13 @@ class StaticDecoder:
                 st.compactions += 1
             n = bucket(live[-1] + 1)
             window = min(self.sync_every, min(params.max_new_tokens - len(rows[s].tokens) for s in live))
-            picks = []
+            picks, logps = [], []
             for _ in range(window):
                 cols = slots.width if self.graphs else max(slots.host_lens[:n]) + 1
                 logits = self.step(slots, n, cols, st)
                 picks.append(sample_tokens(logits, params, slots.keys[:n], slots.steps[:n]))
+                if params.logprobs:  # read now: a captured graph's logits buffer is rewritten by the next step
+                    logps.append(pick_logps(logits, picks[-1], params))
                 st.decode_steps += 1
                 st.row_steps += len(live)
                 st.buckets[n] = st.buckets.get(n, 0) + 1
@@ -113,9 +115,10 @@ class StaticDecoder:
                 slots.advance(n, picks[-1])
             tokens = torch.stack(picks, dim=1).tolist()  # the window's one read back to the host
             st.host_reads += 1
+            lps = torch.stack(logps, dim=1).tolist() if logps else None
             for s in live:
-                for tok in tokens[s]:
-                    if collect.add(rows[s], tok):
+                for j, tok in enumerate(tokens[s]):
+                    if collect.add(rows[s], tok, lps[s][j] if lps else None):
                         rows[s] = None
                         break
             if dead := [s for s in range(n) if rows[s] is None]:

@@ -183,6 +183,7 @@ def validate(cfg: RootConfig, world_size: int, backend: str | None = None, gpu: 
     dims = model_dims(hf)
     _zero_rules(cfg, d)
     _finetune_rules(cfg, d, backend)
+    _grpo_rules(cfg, d)
     _parallel_combinations(cfg, topo, dims)
     _layout_rules(cfg, d, dims)
     _host_build_rule(cfg, d)
@@ -403,6 +404,46 @@ def _finetune_rules(cfg: RootConfig, d: Decisions, backend: str) -> None:
 
     if why := bitsandbytes_missing():
         raise ConfigError(f"finetune=qlora needs bitsandbytes ({why}): pip install bitsandbytes, or use finetune=lora")
+
+
+def _grpo_rules(cfg: RootConfig, d: Decisions) -> None:
+    """What the GRPO objective needs of the other groups: whole problems per rank, a batch that is the step's
+    completions, a stability policy an RL loss does not trip, a model with a tokenizer, one replica per rank."""
+    g = cfg.grpo
+    if g is None:
+        return
+    topo, want = d.topo, g.prompts_per_step * g.num_generations
+    if max(topo.pp, topo.tp, topo.sp) > 1 or d.moe.on:
+        raise ConfigError(f"grpo needs parallel.pp=tp=sp=1 and no expert parallelism (got pp={topo.pp} tp={topo.tp} "
+                          f"sp={topo.sp}): each rank generates with its whole replica; use zero=stage3 to shard")  # fmt: skip
+    if g.prompts_per_step % topo.dp:
+        raise ConfigError(f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the data-parallel size "
+                          f"{topo.dp} (each rank samples whole groups): use grpo.prompts_per_step="
+                          f"{-(-g.prompts_per_step // topo.dp) * topo.dp}")  # fmt: skip
+    if cfg.data.global_batch != want:
+        raise ConfigError(f"grpo: data.global_batch={cfg.data.global_batch} must be grpo.prompts_per_step x "
+                          f"grpo.num_generations = {want} (one optimizer step over the step's completions): "
+                          f"set data.global_batch={want}")  # fmt: skip
+    if cfg.stability.spike != "none":
+        raise ConfigError(f"grpo needs stability.spike=none (got {cfg.stability.spike}): a policy-gradient loss is "
+                          "centred on 0 and changes sign, so a z-score against its mean flags ordinary steps: "
+                          "use stability=rl")  # fmt: skip
+    evals = [k for k in ("eval_interval", "eval_at_start", "final_eval", "eval_humaneval", "eval_fim")
+             if getattr(cfg.train, k)]
+    if evals:
+        raise ConfigError(f"grpo: train.{evals[0]}={getattr(cfg.train, evals[0])} evaluates held-out data a GRPO run "
+                          "does not read: set train.eval_interval=0 train.final_eval=false and score the run with "
+                          "python -m ultrascale.ssd.evaluate (HumanEval's test half, paired CI)")  # fmt: skip
+    if not cfg.model.pretrained_path:
+        raise ConfigError("grpo needs model.pretrained_path (a model directory with its tokenizer): the sampler "
+                          "decodes completions and the rewards read text")  # fmt: skip
+    if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):
+        raise ConfigError(f"grpo.reward_weights has {len(g.reward_weights)} weights for {len(g.reward_funcs)} "
+                          f"grpo.reward_funcs {list(g.reward_funcs)}: give one weight per function, or null")  # fmt: skip
+    if g.beta > 0 and not d.finetune.on and d.zero_stage == 3:
+        raise ConfigError(f"grpo.beta={g.beta} with full fine-tuning under zero.stage=3 needs a sharded frozen "
+                          "reference, which is not built: use finetune=lora (the reference is the adapter switched "
+                          "off) or zero.stage<=2")  # fmt: skip
 
 
 def _layout_rules(cfg: RootConfig, d: Decisions, dims: dict[str, int]) -> None:

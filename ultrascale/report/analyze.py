@@ -18,10 +18,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ultrascale.report.load import Run, finite
-from ultrascale.train.parts import COMPUTE, MEASURED, OTHER, PARTS
+from ultrascale.train.parts import COMPUTE, MEASURED, OTHER, PARTS, RL
 
 LABELS = {
     "data_wait_s": "data wait",
+    "gen_s": "generation",
+    "reward_s": "reward",
+    "sync_s": "weight sync",
     "fwd_s": "forward",
     "bwd_s": "backward",
     "comm_s": "communication",
@@ -325,7 +328,9 @@ def analyze(run: Run) -> Analysis:
     # With the breakdown off (train.step_breakdown=false, or a pipeline run) rows carry only the data wait,
     # communication and step time: "other" then holds forward, backward and optimizer and is no stall.
     timed = any(k in t.row for t in steps for k in COMPUTE)
-    parts = tuple(p for p in PARTS if (p != "comm_s" or has_comm) and (timed or p not in (*COMPUTE, "opt_s")))
+    rl = {p for p in RL if any(p in t.row for t in steps)}  # a GRPO run's generation, reward and weight sync
+    parts = tuple(p for p in PARTS if (p != "comm_s" or has_comm) and (timed or p not in (*COMPUTE, "opt_s"))
+                  and (p not in RL or p in rl))
     steady_ticks = [t for t in steps if t.steady]
     all_bd, steady_bd = breakdown(steps, parts), breakdown(steady_ticks, parts)
     ref = steady_bd or all_bd

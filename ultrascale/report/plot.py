@@ -22,6 +22,9 @@ from ultrascale.report.mixture import mixture_series
 from ultrascale.train.parts import DATA_WAIT, MEASURED, OTHER
 
 COLORS = {
+    "gen_s": "#2ca02c",
+    "reward_s": "#bcbd22",
+    "sync_s": "#e377c2",
     "fwd_s": "#1f77b4",
     "bwd_s": "#6baed6",
     "data_wait_s": "#d62728",

@@ -18,7 +18,7 @@ import time
 import torch
 from deepspeed.utils.timer import BACKWARD_INNER_MICRO_TIMER, BACKWARD_REDUCE_MICRO_TIMER, STEP_MICRO_TIMER
 
-from ultrascale.train.parts import MEASURED, OTHER
+from ultrascale.train.parts import MEASURED, OTHER, RL
 
 _ENGINE = {"bwd_s": BACKWARD_INNER_MICRO_TIMER, "comm_s": BACKWARD_REDUCE_MICRO_TIMER, "opt_s": STEP_MICRO_TIMER}
 
@@ -50,8 +50,10 @@ class StepBreakdown:
     starts a micro timer the base engine's hook already started), so pipeline runs record the data wait and the
     step time, and the rest of the step stays in ``other_s``."""
 
-    def __init__(self, engine, enabled: bool, pipe: bool, lazy: bool | None = None):
+    def __init__(self, engine, enabled: bool, pipe: bool, lazy: bool | None = None, rl: bool = False):
         self.engine = engine
+        self.rl = rl
+        """A GRPO step: its rows carry the RL parts (generation, reward, weight sync) too."""
         self.enabled = enabled
         self.pipe = pipe
         self.parts: dict[str, float] = {}
@@ -126,7 +128,7 @@ class StepBreakdown:
         if parts or not self.lazy:  # the forward's events precede the loss the step waited for: complete
             self.parts["fwd_s"] += sum(a.elapsed_time(b) for a, b in self._fwd) / 1000.0
         row = {"step_s": step_s, "data_wait_s": self.parts["data_wait_s"]}
-        row.update({p: self.parts[p] for p in (MEASURED[1:] if parts else ("comm_s",))})
+        row.update({p: self.parts[p] for p in (MEASURED[1:] if parts else ("comm_s", *RL)) if p not in RL or self.rl})
         if parts and not self.cuda and not self.pipe:
             row[OTHER] = max(0.0, step_s - self.outer_s)  # measured: independent of the parts' sum
         else:

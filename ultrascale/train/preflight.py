@@ -52,9 +52,12 @@ def preflight(cfg: RootConfig, d: Decisions) -> Preflight:
     schedule that jumps): :func:`ultrascale.train.resume.check_resume` refuses it here, so the run directory's
     ``config.yaml`` and ``ds_config.json`` still describe the run that made the checkpoint."""
     hf = build_hf_config(cfg.model)  # a missing model.pretrained_path fails here
-    data_checked = all((s.path / MANIFEST).exists() for s in sources(cfg.data))
     dry = bool(cfg.dry_run)
-    found = {"data": check_prepared(cfg.data, hf.vocab_size, dry_run=dry, model_dir=pretrained_dir(cfg.model))}
+    if cfg.grpo is not None:  # problems, not shards; the sandbox checked before any model is built
+        data_checked, found = True, {"data": grpo_check(cfg)}
+    else:
+        data_checked = all((s.path / MANIFEST).exists() for s in sources(cfg.data))
+        found = {"data": check_prepared(cfg.data, hf.vocab_size, dry_run=dry, model_dir=pretrained_dir(cfg.model))}
     if cfg.model.pretrained_path:
         found["weights"] = f"from {cfg.model.pretrained_path}"
     ckpt_dir = resolve_path(cfg.output_dir) / "checkpoints"
@@ -82,6 +85,20 @@ def preflight(cfg: RootConfig, d: Decisions) -> Preflight:
     if cfg.train.eval_fim:
         found["fim"] = fim_check(cfg.train, cfg.data)
     return Preflight(found, data_checked, tag_dir, tuple(skipped), tuple(changes))
+
+
+def grpo_check(cfg: RootConfig) -> str:
+    """A GRPO run's data line: the problems it samples, its reward functions (imported now: a bad dotted path is
+    one line here), and the sandbox the execution reward needs (refused in one line without root/CAP_SYS_ADMIN)."""
+    from ultrascale.train.grpo import rewards
+
+    g, p = cfg.grpo, cfg.problems
+    rewards.load(g.reward_funcs, g)
+    if not cfg.dry_run:
+        rewards.require_sandbox(g.reward_funcs)
+    where = {"humaneval": f"HumanEval {p.split} half (split seed {p.split_seed})", "jsonl": f"{p.jsonl}"}
+    return (f"problems: {where.get(str(p.source), f'mined from {p.input}')}; rewards {list(g.reward_funcs)}, "
+            f"sandbox timeout {g.reward_timeout_s:g}s")
 
 
 def humaneval_tokenizer(data: Path, n: int) -> Path:

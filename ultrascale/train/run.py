@@ -29,6 +29,7 @@ from ultrascale.train.preflight import preflight
 from ultrascale.train.rundir import ATTEMPTS, CONFIG, DS_CONFIG, METRICS, STOP_REQUEST, SUMMARY
 from ultrascale.train.stop import StopRequest
 from ultrascale.train.summary import run_summary
+from ultrascale.train.grpo.trainer import GRPOTrainer
 from ultrascale.train.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ def run(cfg: RootConfig, d: Decisions, report: Callable[[Path], Path | None] | N
     dist.init_distributed()
     d = agree_across_ranks(d)  # each rank decided from its own GPU; every rank runs rank 0's decisions
     stop = StopRequest(dist.rank(), out / STOP_REQUEST).install()  # from here a signal is a stop, not a kill
-    trainer = Trainer(cfg, d, out, plain(cfg), found, stop)
+    trainer = (GRPOTrainer if cfg.grpo is not None else Trainer)(cfg, d, out, plain(cfg), found, stop)
     attempt = prepare_run_dir(cfg, out, trainer.ds_config)
     dist.setup_logging(str(out / "logs" / f"rank{dist.rank():05d}.log"))
     trainer.setup(restart_count())

@@ -61,6 +61,8 @@ def run_summary(t: Any, res: FitResult) -> dict:
         out.update(data_mix=t.mixture.mix(data_step), data_cursors=t.data_cursors(data_step),
                    data_epochs={n: round(float(e), 4) for n, e in zip(t.mixture.names,
                                                                       t.mixture.epochs(data_step))})  # fmt: skip
+    if t.cfg.grpo is not None:
+        out.update(t.grpo_summary(res.end_step))
     if res.stopped:
         out["stopped_by"] = res.stopped
     if res.first_step_unix is not None:  # from the process's creation, as the launcher started it

@@ -119,6 +119,12 @@ class Trainer:
 
     def _build(self) -> None:
         """The engine, and everything that reads its groups: data-parallel rank, batches, timers, monitors."""
+        self._build_engine()
+        self._build_data()
+        self._build_monitors()
+
+    def _build_engine(self) -> None:
+        """The DeepSpeed engine and what its groups decide: the data-parallel rank, the sequence group, MoE stats."""
         cfg, d = self.cfg, self.decisions
         self.engine, self.info = build_engine(cfg, d, self.ds_config)
         self.checkpointer.attach(self.engine)
@@ -129,6 +135,10 @@ class Trainer:
         if self.sp_group is not None:  # sp ranks of one replica read the same samples
             self.dp_rank = sequence.dp_rank(self.rank, self.topo)
         self.moe = MoEStats(self.engine.module, cfg.parallel.moe) if d.moe.on else None
+
+    def _build_data(self) -> None:
+        """The step-addressed batches over the mixture, and the step's token and FLOP counts."""
+        cfg, d = self.cfg, self.decisions
         sizes, self.mixed = [len(r) for r in self.train_splits.values()], data_sources.is_mixture(cfg.data)
         self.mixture = data_sources.mixture(cfg.data, sizes, cfg.train.seed, cfg.train.steps)
         for name, e in zip(self.mixture.names, self.mixture.epochs(cfg.train.steps)):
@@ -143,10 +153,15 @@ class Trainer:
         self.tokens_per_step = length.tokens_per_step(cfg.data)
         self.flops_per_token = train_flops_per_token(d.hf_config, cfg.data.seq_len, causal=True)
         self.peak, self.peak_src = peak_flops(str(cfg.precision.dtype), d.autocast.on, d.gpu)
+
+    def _build_monitors(self) -> None:
+        """Memory, stability, planted faults, the step's breakdown and the frozen base's digest."""
+        cfg, d = self.cfg, self.decisions
         self.memory = MemoryMeter()
         self.stability = StabilityMonitor(cfg.stability)
         self.injector = FaultInjector(self.rank)
-        self.breakdown = StepBreakdown(self.engine, d.step_breakdown.on, d.pipeline, d.step_breakdown.value == "events")
+        self.breakdown = StepBreakdown(self.engine, d.step_breakdown.on, d.pipeline, d.step_breakdown.value == "events",
+                                       rl=cfg.grpo is not None)  # fmt: skip
         # finetune=lora: the frozen base as built, to prove at the end that training left it bit for bit alone
         self.frozen_digest = param_digest(self.engine.module, trainable=False) if d.finetune.on else None
 
