@@ -61,7 +61,7 @@ def test_loss_and_gradient_equal_trl(fx: dict, case: str) -> None:
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert set(grads) == set(c["grads"])
     for name, want in c["grads"].items():
-        torch.testing.assert_close(grads[name], want, atol=1e-5, rtol=0, msg=lambda m: f"{case} {name}: {m}")
+        torch.testing.assert_close(grads[name], want, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{case} {n}: {m}")
 
 
 def test_a_wrong_reduction_is_caught(fx: dict) -> None:

@@ -37,6 +37,12 @@ def test_ok_program_passes_and_failing_assert_fails():
     assert bad.status == "failed" and "AssertionError" in bad.stderr
 
 
+def test_a_program_that_kills_itself_dies_as_it_would_outside():
+    """It is not the namespace's init (whose own SIGKILL the kernel ignores): it dies, and the test fails."""
+    o = run_program("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\nprint('alive')")
+    assert o.status == "failed" and o.returncode == 128 + 9 and "alive" not in o.stdout
+
+
 def test_infinite_loop_is_killed_on_timeout():
     out = run_program("while True:\n    pass\n", FAST)
     assert out.status == "timeout" and not out.passed

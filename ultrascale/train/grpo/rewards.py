@@ -48,7 +48,8 @@ class ExecutionReward:
             return 1.0, "passed"
         if o.status == "timeout":
             return 0.0, "timeout"
-        return 0.0, "crashed" if o.returncode is not None and o.returncode < 0 else "failed"
+        killed = o.returncode is not None and (o.returncode < 0 or o.returncode > 128)  # a signal ended it
+        return 0.0, "crashed" if killed else "failed"
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], tests: Sequence[str],
                  entry_point: Sequence[str], **_) -> list[float]:  # fmt: skip
