@@ -69,6 +69,22 @@ def deepspeed_version() -> str:
         return "?"
 
 
+def grpo_line(cfg: RootConfig, d: Decisions) -> str:
+    """What a GRPO step does: its rollouts, loss and rewards (the batch line counts its completions)."""
+    g = cfg.grpo
+    ref = (
+        "no reference"
+        if not g.beta
+        else f"beta {g.beta:g} (reference: {'adapter off' if d.finetune.on else 'frozen copy'})"
+    )
+    gen = "on a replica gathered once a step (ZeRO-3)" if d.zero_stage == 3 else "on the engine's own weights"
+    return (f"{g.prompts_per_step} prompts x {g.num_generations} generations a step ({g.prompts_per_step // d.topo.dp} "
+            f"prompts per rank), <= {g.max_completion_length} tokens at temperature {g.temperature:g}, sampled {gen}; "
+            f"loss {g.loss_type}, clip [{1 - g.epsilon:g}, {1 + g.clip_high:g}], {ref}; rewards {list(g.reward_funcs)} "
+            f"(sandbox {g.reward_timeout_s:g}s); problems {cfg.problems.source}"
+            + (f" {cfg.problems.split}" if str(cfg.problems.source) == "humaneval" else ""))  # fmt: skip
+
+
 def banner(cfg: RootConfig, d: Decisions, ds_config: dict, info, peak_src: str, out: Path) -> str:
     """What was built, on rank 0: the layout and every decision with its reason (this module only prints)."""
     from ultrascale.runtime.cpu import detect
@@ -84,6 +100,7 @@ def banner(cfg: RootConfig, d: Decisions, ds_config: dict, info, peak_src: str, 
         f"  layout     {d.topo.describe()}  |  {zero_line(cfg.zero, d)}  |  precision {cfg.precision.dtype}",
         f"  batch      {batch_line(cfg.data, d.topo)}",
         f"  length     {run_length(cfg)}",
+        *([f"  grpo       {grpo_line(cfg, d)}"] if cfg.grpo is not None else []),
         f"  optimizer  {d.optimizer_owner.why}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
         f"  finetune   {d.finetune.why}",
