@@ -15,8 +15,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ultrascale.config.fields import num
+from ultrascale.config.problems import ProblemsConfig
 from ultrascale.data.instruct_format import INSTRUCTION
-from ultrascale.data.problems_config import ProblemsConfig
 from ultrascale.errors import ConfigError
 
 
