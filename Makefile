@@ -13,7 +13,7 @@ PY_VERSION ?= 3.12
 WITH_WANDB ?= 0
 PROBE_PY ?= python3
 
-.PHONY: setup test test-time test-all demo ablate-data lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd bench-lora soak-exit wheelhouse wheelhouse-check gpu-probe clean
+.PHONY: setup test test-time test-all demo ablate-data lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd bench-lora grpo-fixture soak-exit wheelhouse wheelhouse-check gpu-probe clean
 
 setup: $(STAMP)
 
@@ -106,6 +106,15 @@ bench-generate: setup
 bench-ssd: setup
 	$(BIN)/pip install -q --no-deps trl==1.15.0
 	$(BIN)/python bench/bench_ssd.py --json bench/results/bench_ssd.json
+
+# TRL's own GRPO loss and gradients on a fixed batch (tests/test_grpo_loss.py holds ours to them): trl 1.16.0 in an
+# environment of its own (.cache/venv-trl, the project's packages seen through a .pth), never in the project's venv
+TRL_VENV := .cache/venv-trl
+grpo-fixture: setup
+	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(BIN)/python -c "import site; print(site.getsitepackages()[0])" > $$($(TRL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/ultrascale-venv.pth
+	$(TRL_VENV)/bin/pip install -q --no-deps trl==1.16.0
+	$(TRL_VENV)/bin/python bench/grpo_trl_fixture.py --out tests/fixtures/grpo_trl_1.16.pt
 
 bench-lora: setup $(SMOLLM2)
 	$(BIN)/python bench/bench_lora.py --json bench/results/bench_lora.json
