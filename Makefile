@@ -13,7 +13,7 @@ PY_VERSION ?= 3.12
 WITH_WANDB ?= 0
 PROBE_PY ?= python3
 
-.PHONY: setup test test-time test-all demo ablate-data lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd bench-lora grpo-fixture soak-exit wheelhouse wheelhouse-check gpu-probe clean
+.PHONY: setup test test-time test-all demo ablate-data lint format bench-train bench-data bench-mixture bench-data-scale bench-parallel bench-export bench-levers bench-loss bench-attention bench-cpu-levers bench-scale bench-launch bench-checkpoint bench-generate bench-ssd bench-lora grpo-fixture bench-grpo soak-exit wheelhouse wheelhouse-check gpu-probe clean
 
 setup: $(STAMP)
 
@@ -115,6 +115,11 @@ grpo-fixture: setup
 	$(BIN)/python -c "import site; print(site.getsitepackages()[0])" > $$($(TRL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/ultrascale-venv.pth
 	$(TRL_VENV)/bin/pip install -q --no-deps trl==1.16.0
 	$(TRL_VENV)/bin/python bench/grpo_trl_fixture.py --out tests/fixtures/grpo_trl_1.16.pt
+
+# our GRPO step against TRL GRPOTrainer's (plain generate and continuous batching), same model, problems and reward;
+# reruns TRL's loss fixture first, in the same TRL environment
+bench-grpo: grpo-fixture $(SMOLLM2)
+	$(BIN)/python bench/bench_grpo.py --steps 5 --json bench/results/bench_grpo.json
 
 bench-lora: setup $(SMOLLM2)
 	$(BIN)/python bench/bench_lora.py --json bench/results/bench_lora.json

@@ -20,7 +20,7 @@ def corpus_documents(cfg: ProblemsConfig, counts: Counter) -> list[dict]:
     from data_prep.config import to_cfg
     from data_prep.sources import iter_documents
 
-    source = cfg.input if cfg.input == "stdlib" else resolve_path(cfg.input)
+    source = cfg.input if cfg.input in ("stdlib", "site-packages") else resolve_path(cfg.input)
     dp = to_cfg({"input": str(source)})  # data prep's defaults (conf/data_prep.yaml adds none a reader sees)
     docs = list(iter_documents(dp, counts=Counter()))
     counts["files"] = len(docs)
