@@ -80,7 +80,7 @@ def main() -> None:
     args = GRPOConfig(output_dir=str(out_dir), num_generations=a.generations, max_completion_length=a.max_completion_length,
                       temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo", beta=0.0, learning_rate=a.lr,
                       lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.0,
-                      per_device_train_batch_size=a.prompts * a.generations, gradient_accumulation_steps=1,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=a.prompts * a.generations // 4,
                       max_steps=a.steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                       bf16=False, gradient_checkpointing=False, seed=a.seed, disable_tqdm=True,
                       use_transformers_continuous_batching=a.continuous_batching)  # fmt: skip

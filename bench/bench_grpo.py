@@ -3,7 +3,9 @@
 Both arms: SmolLM2-135M-Instruct with LoRA r=16 (alpha 32, no dropout, every projection), HumanEval's dev half,
 4 prompts x 8 generations x up to 128 tokens a step at temperature 1, DAPO loss, beta 0, lr 1e-4 (cosine, 2 warmup
 steps), no gradient checkpointing, the same sandboxed execution reward (``ExecutionReward``, 10 s limit, 2 workers),
-on this machine's cores (ours: 2 ranks x 1 thread under ZeRO-2; TRL: one process x 2 threads, as TRL runs on a CPU).
+on this machine's cores (ours: 2 ranks x 1 thread under ZeRO-2; TRL: one process x 2 threads, as TRL runs on a CPU), both in micro-batches
+of 4 completions (TRL: 8 accumulation steps, one generation per optimizer step). A first TRL arm with all 32
+completions in one micro-batch was killed by the kernel at 24 GB.
 TRL runs twice: plain ``generate`` and ``use_transformers_continuous_batching``. Reported: the median step time over
 steps 2..N, generated tokens/s, and each side's generation share. TRL lives in ``.cache/venv-trl`` (``make
 grpo-fixture`` makes it), never in the project's environment.
@@ -51,9 +53,10 @@ def trl(model: str, steps: int, seed: int, python: str, cb: bool) -> dict:
     p = subprocess.run(cmd + (["--continuous-batching"] if cb else []), cwd=ROOT, env={**os.environ, **ENV,
                        "OMP_NUM_THREADS": "2"}, capture_output=True, text=True)  # fmt: skip
     if p.returncode:
-        return {"error": (p.stdout + p.stderr).strip().splitlines()[-1][:300]}
+        tail = [ln for ln in (p.stdout + p.stderr).strip().splitlines() if "it/s]" not in ln]
+        return {"error": f"exit {p.returncode}: {(tail or ['no output'])[-1][:300]}"}
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    out["tokens"] = [m * out["completions_per_step"] for m in out["mean_length"]]
+    out["tokens"] = [float(m) * out["completions_per_step"] for m in out["mean_length"]]
     return out
 
 
