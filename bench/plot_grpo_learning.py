@@ -43,7 +43,7 @@ def main() -> None:
         axes[1].plot(steps, [r["frac_reward_zero_std"] for r in rows], label=label)
         axes[2].plot(steps, [r["completion_length"] for r in rows], label=f"{label} mean length")
         axes[2].plot(steps, [128 * r["truncated_frac"] for r in rows], ls=":", label=f"{label} truncated x 128")
-    axes[0].set_title("reward per step (mean over 32 completions)")
+    axes[0].set_title("reward per step (mean over the step's completions)")
     axes[1].set_title("frac_reward_zero_std (groups with no signal)")
     axes[2].set_title("completion tokens")
     for ax in axes:

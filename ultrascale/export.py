@@ -361,8 +361,13 @@ def export(
     hf.architectures = [_architecture(hf)]
     hf.dtype = dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target]
     hf.save_pretrained(out)
-    data_path = primary_path(cfg.data)  # every source shares its tokenizer
-    tok_dir = data_path / load_manifest(data_path)["tokenizer"]
+    from ultrascale.paths import resolve_path
+
+    if cfg.get("grpo") is not None:  # a GRPO run read no shards: its tokenizer is the pretrained model's
+        tok_dir = resolve_path(cfg.model.pretrained_path)
+    else:
+        data_path = primary_path(cfg.data)  # every source shares its tokenizer
+        tok_dir = data_path / load_manifest(data_path)["tokenizer"]
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     tok.save_pretrained(out)
     GenerationConfig(
