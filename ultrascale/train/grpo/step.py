@@ -30,7 +30,7 @@ def _world() -> int:
     return tdist.get_world_size() if tdist.is_initialized() else 1
 
 
-def _all_gather_floats(values: list[float], device) -> list[float]:
+def _all_gather_floats(values: list[float]) -> list[float]:
     """Every rank's values (equal counts), rank order."""
     local = coll_tensor(values, torch.float64)
     if _world() == 1:
@@ -109,7 +109,7 @@ class GRPOStep:
         rewards, per_fn, counts = self._score(samples)
         n_local, world = len(samples), _world()
         # every rank's rewards: the groups are local, the batch std, the statistics and the record are not
-        all_rewards = torch.tensor(_all_gather_floats(rewards, t.device), dtype=torch.float32)
+        all_rewards = torch.tensor(_all_gather_floats(rewards), dtype=torch.float32)
         adv_all, zero_std = advantages(all_rewards, g.num_generations, g.scale_rewards)
         rank = t.dp_rank
         adv = adv_all[rank * n_local : (rank + 1) * n_local]
@@ -158,7 +158,7 @@ class GRPOStep:
                 t.breakdown.engine_call(t.engine.step)
                 t.breakdown.after_micro_step()
         self.gap = gap
-        self._stats(samples, rewards, per_fn, counts, adv, all_rewards, zero_std, sums, total_tokens, data_step)
+        self._stats(samples, rewards, per_fn, counts, adv, all_rewards, zero_std, sums, total_tokens)
 
     def _logps(self, p: Packed, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.t
@@ -177,7 +177,7 @@ class GRPOStep:
         return completion_logps(lambda **kw: t.reference(**kw).logits, p, self.g.temperature)[0]
 
     # ---- what the step shows ---------------------------------------------------------------------------------
-    def _stats(self, samples, rewards, per_fn, counts, adv, all_rewards, zero_std, sums, total_tokens, data_step):
+    def _stats(self, samples, rewards, per_fn, counts, adv, all_rewards, zero_std, sums, total_tokens):
         """The step's row (every rank's numbers, summed in one all-reduce) and its rollout records (on rank 0)."""
         g, n = self.g, len(samples)
         fn_sums = [sum(v for v in f if v == v) for f in per_fn]
@@ -193,7 +193,7 @@ class GRPOStep:
         valid = all_rewards[~torch.isnan(all_rewards)]
         row = {
             "reward": float(valid.mean()) if valid.numel() else math.nan,
-            "reward_std": float(R_std(valid)),
+            "reward_std": _reward_std(valid),
             "frac_reward_zero_std": float(zero_std.float().mean()),
             "completion_length": tot[1] / rows,
             "completion_length_max": longest,
@@ -223,7 +223,8 @@ class GRPOStep:
         self.records = _gather_records(local_records) if g.log_completions else []
 
 
-def R_std(x: torch.Tensor) -> float:
+def _reward_std(x: torch.Tensor) -> float:
+    """The reward's std as TRL logs it (Bessel-corrected); 0 for a single value."""
     return float(x.std()) if x.numel() > 1 else 0.0
 
 
