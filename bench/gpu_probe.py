@@ -41,7 +41,7 @@ LEVERS: dict[str, tuple[str, ...]] = {
 """Each lever of the llama_1b job and the values compared. A row sets one key, everything else stays at the
 recipe's decided default."""
 
-SECTIONS = ("install", "data", "llama_1b", "sampler", "trainer", "recompute", "zero", "export", "levers")
+SECTIONS = ("install", "data", "llama_1b", "sampler", "trainer", "recompute", "zero", "export", "grpo", "levers")
 """In the order a call runs them: what the GPU goals need first."""
 LIMITS: dict[str, float] = {  # each step's own time limit, seconds
     "pip": 40, "versions": 15, "smoke": 25, "data": 35,
@@ -49,7 +49,7 @@ LIMITS: dict[str, float] = {  # each step's own time limit, seconds
     "sampler": 75, "trainer": 140, "recompute": 90,
     "zero_first": 50, "zero_resume": 40,
     "tokenizer": 10, "export": 20, "logits": 25,
-    "lever": 110,
+    "lever": 110, "grpo": 100, "grpo_predict": 25,
 }  # fmt: skip
 """A lever row's limit is one train.py launch of the 1B job (build, compile, 6 steps)."""
 ALWAYS = ("install", "data")
@@ -57,6 +57,8 @@ NEEDS = {"trainer": "llama_1b", "export": "zero"}
 """A section that reads another's run: a call with the one and not the other runs the other's run step first."""
 DEFAULT_BUDGET_S = 470.0
 LLAMA_STEPS, LEVER_STEPS = 8, 6
+GRPO_STEPS = 5
+"""The GRPO row's steps: the first (building the sampler's CUDA graphs) is left out of the medians."""
 ZERO_STEPS, ZERO_RESUME_STEPS = 6, 8
 GRACE_S = 10.0
 """Seconds between SIGTERM and SIGKILL for what a step leaves running."""
@@ -238,6 +240,21 @@ class Plan:
         self.add("export", "from_pretrained logits vs the engine's",
                  [self.torchrun(__file__, "--worker", "logits", str(run), str(out))], "logits", LIMITS["logits"],
                  "logits difference (max, relative), argmax agreement")  # fmt: skip
+
+    def _grpo(self, _levers) -> None:
+        """The GRPO recipe's step on one GPU (random-init sampler model, bf16, the format reward: no sandbox needed)
+        against the planner's prediction of it (:mod:`ultrascale.plan.grpo`)."""
+        run = self.work / "grpo"
+        self.add("grpo", "smollm2_135m_grpo on one GPU: steps/s, generation share",
+                 [self.torchrun("train.py", "recipe=smollm2_135m_grpo", f"model.pretrained_path={self.sampler_model}",
+                                "launcher.nproc_per_node=1", "precision=bf16", "grpo.reward_funcs=[format]",
+                                f"train.steps={GRPO_STEPS}", "train.checkpoint_interval=0", "logger=none",
+                                *SKIP_UNMEASURED, f"output_dir={run}")], "grpo", LIMITS["grpo"],
+                 "steps/s, generated tokens/s, generation share of the step (gen_s / step_s), the step's parts",
+                 run=str(run), cleanup=True)  # fmt: skip
+        self.add("grpo", "planner prediction of the GRPO step", [[self.py, __file__, "--worker", "grpo_predict",
+                                                                  str(run)]], "grpo_predict", LIMITS["grpo_predict"],
+                 "predicted generation share and step time vs measured", run=str(run))  # fmt: skip
 
     def _levers(self, levers) -> None:
         for key, values in levers.items():
@@ -577,6 +594,45 @@ def p_predict(step: Step, res: dict, ctx: dict) -> list[dict]:
     return [{**got, "measured_step_s": measured, "error": err,
              "result": f"predicted {got['step_s']:.3g} s/step on {got['cluster']}, measured {_fmt(measured)} s "
                        f"({_fmt(err, '+.1%')})"}]  # fmt: skip
+
+
+def grpo_summary(rows: list[dict], skip: int = 1) -> dict:
+    """Medians over the GRPO run's steps after the first ``skip``: step time, generation share, generated tok/s."""
+    steps = [r for r in rows if "gen_s" in r and "event" not in r][skip:]
+    if not steps:
+        return {}
+    med = statistics.median
+    parts = {k: med(r.get(k) or 0.0 for r in steps) for k in ("gen_s", "reward_s", "sync_s", "fwd_s", "bwd_s",
+                                                                "opt_s")}  # fmt: skip
+    return {
+        "steps": len(steps),
+        "step_s": med(r["step_s"] for r in steps),
+        "generation_share": med(r["gen_s"] / r["step_s"] for r in steps),
+        "generated_tokens_per_s": med(r["generated_tokens"] / r["gen_s"] for r in steps if r["gen_s"]),
+        "parts": parts,
+    }
+
+
+def p_grpo(step: Step, res: dict, ctx: dict) -> list[dict]:
+    s = grpo_summary(_metrics(Path(step.args["run"])))
+    ctx["grpo"] = s
+    if not s:
+        return [{"result": "no GRPO steps logged"}]
+    return [{**s, "result": f"{1 / s['step_s']:.3g} steps/s ({s['step_s']:.3g} s), generation "
+                            f"{s['generation_share']:.0%} of the step, {s['generated_tokens_per_s']:,.0f} generated "
+                            "tok/s"}]  # fmt: skip
+
+
+def p_grpo_predict(step: Step, res: dict, ctx: dict) -> list[dict]:
+    got = _json_from(res["tails"][0])
+    measured = ctx.get("grpo") or {}
+    if not got:
+        return [{"result": "no prediction line"}]
+    share = measured.get("generation_share")
+    return [{**got, "measured_generation_share": share, "measured_step_s": measured.get("step_s"),
+             "result": f"predicted generation share {got['generation_share']:.0%} (measured {_fmt(share, '.0%')}), "
+                       f"step {got['step_s']:.3g} s without the reward (measured {_fmt(measured.get('step_s'))} s) "
+                       f"on {got['cluster']}"}]  # fmt: skip
 
 
 def p_trainer(step: Step, res: dict, ctx: dict) -> list[dict]:
@@ -985,17 +1041,12 @@ def w_data(work: str, seq: str, model: str) -> None:
                       "vocab": tok.get_vocab_size(), "params": sum(p.numel() for p in net.parameters())}))  # fmt: skip
 
 
-def w_predict(run_dir: str) -> None:
-    """The planner's step time for the run's own config on one GPU of the cluster this card belongs to."""
+def _probe_cluster():
+    """(one-GPU ClusterConfig of the preset this card belongs to, its name)."""
     import torch
     from omegaconf import OmegaConf
 
     from ultrascale.config.cluster import ClusterConfig
-    from ultrascale.config.search import SearchConfig
-    from ultrascale.cost.timing import step_time
-    from ultrascale.levers.rules import validate
-    from ultrascale.model.arch import arch_from_hf
-    from ultrascale.plan.search import decided, layout_from_cfg
 
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     preset = ("h200_8x" if "H200" in name else "a100_80g_8x" if "A100" in name else "cpu_local" if name == "cpu"
@@ -1012,6 +1063,21 @@ def w_predict(run_dir: str) -> None:
         from ultrascale.runtime.peak import gemm_rate
 
         cluster.peak_tflops, cluster.measure_peak = gemm_rate()["flops"] / 1e12, False
+    return cluster, preset
+
+
+def w_predict(run_dir: str) -> None:
+    """The planner's step time for the run's own config on one GPU of the cluster this card belongs to."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from ultrascale.config.search import SearchConfig
+    from ultrascale.cost.timing import step_time
+    from ultrascale.levers.rules import validate
+    from ultrascale.model.arch import arch_from_hf
+    from ultrascale.plan.search import decided, layout_from_cfg
+
+    cluster, preset = _probe_cluster()
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
     from ultrascale.runtime.gpu import detect
 
@@ -1020,6 +1086,27 @@ def w_predict(run_dir: str) -> None:
     s = SearchConfig()
     t = step_time(arch_from_hf(d.hf_config), lay, cluster, overlap=s.overlap, recompute_overhead=s.recompute_overhead)
     print(json.dumps({"step_s": t.step, "cluster": f"{preset} (1 rank)", "timing": t.as_dict()}))
+
+
+def w_grpo_predict(run_dir: str) -> None:
+    """The dry run's GRPO prediction (:func:`ultrascale.plan.grpo.plan_grpo_step`) for the run's own config on this
+    GPU, as one JSON line."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from ultrascale.levers.rules import validate
+    from ultrascale.plan.dryrun import Target
+    from ultrascale.plan.grpo import plan_grpo_step
+    from ultrascale.runtime.gpu import GpuInfo, detect
+
+    cluster, preset = _probe_cluster()
+    cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
+    gpu = detect() if torch.cuda.is_available() else GpuInfo.from_cluster(cluster, "H100 SXM5 80GB")
+    d = validate(cfg, 1, backend="nccl", gpu=gpu)
+    p = plan_grpo_step(cfg, d, Target(1, cluster, gpu))
+    print(json.dumps({"cluster": f"{preset} (1 rank)", "step_s": p.step, "generation_s": p.generation,
+                      "train_s": p.train, "generation_share": p.generation_share, "tokens_per_s": p.tokens_per_s,
+                      "bound": p.bound, "prompt_len": p.prompt_len}))  # fmt: skip
 
 
 RECOMPUTE_FORWARD_OPS = frozenset({"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -1182,6 +1269,7 @@ def w_tokenizer(model_dir: str, data_dir: str) -> None:
 
 
 WORKERS = {"install": w_install, "versions": w_versions, "smoke": w_smoke, "data": w_data, "predict": w_predict,
+           "grpo_predict": w_grpo_predict,
            "logits": w_logits, "tokenizer": w_tokenizer, "recompute": w_recompute}  # fmt: skip
 
 

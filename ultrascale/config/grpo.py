@@ -26,6 +26,14 @@ class LossType(StrEnum):
     dapo = "dapo"
 
 
+class RolloutGather(StrEnum):
+    """ZeRO-3: how the sampler's replica is refreshed from the partitions each step (once a step either way)."""
+
+    auto = "auto"
+    whole = "whole"
+    layer = "layer"
+
+
 class ScaleRewards(StrEnum):
     """What divides ``reward - mean(group)``: the group's std, the whole step's std, or nothing (Dr. GRPO)."""
 
@@ -83,6 +91,12 @@ class GRPOConfig:
     ``prompts_per_step x num_generations`` completions in all. ``data.global_batch`` must equal that product."""
     sampler_batch_size: int = num(32, ge=1)
     """Rows the sampler keeps in flight on each rank (its KV cache holds them)."""
+    rollout_gather: RolloutGather = RolloutGather.auto
+    """ZeRO-3 only: ``whole`` gathers the whole model at once into the sampler's replica (one collective; the
+    gathered model and the replica are both held for that moment); ``layer`` a decoder layer at a time (the moment
+    holds one layer); ``auto``: whole when the planner's memory model fits it beside the training state, else layer.
+    Once a step either way, never per generated token (TRL's ``ds3_gather_for_generation=false`` gathers every layer
+    for every token)."""
     log_completions: bool = True
     """Write every completion of a step to ``OUTPUT_DIR/rollouts/step_NNNNNNNN.jsonl`` (rank 0 gathers them)."""
 

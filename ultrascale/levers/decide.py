@@ -89,6 +89,10 @@ class Decisions:
     checkpoint_staging: Choice = Choice(False, "pageable (train.checkpoint_async=false)", "pageable")
     """``value``: where the background checkpoint writer's snapshot lands, ``pinned`` or ``pageable``
     (``train.checkpoint_staging``); off when checkpoints are written on the training thread."""
+    rollout_weights: Choice = Choice(False, "no rollouts (grpo is off)", None)
+    """GRPO: what the sampler generates with, ``value`` ``module`` (ZeRO-0/1/2: the engine's own module),
+    ``whole`` or ``layer`` (ZeRO-3: a replica refreshed once a step from the partitions, gathered whole or a decoder
+    layer at a time; ``grpo.rollout_gather``)."""
 
     @property
     def pipeline(self) -> bool:
@@ -109,6 +113,7 @@ class Decisions:
             "optimizer": self.optimizer_owner,
             "moe": self.moe,
             "finetune": self.finetune,
+            **({"rollouts": self.rollout_weights} if self.rollout_weights.value else {}),
         }
 
 
@@ -154,7 +159,62 @@ def decide(cfg: RootConfig, topo: Topology, hf_config: Any, backend: str, cpu: C
         gpu=gpu,
         finetune=_finetune(cfg),
         checkpoint_staging=_checkpoint_staging(cfg.train, backend),
+        rollout_weights=_rollout_weights(cfg, topo, hf_config, gpu),
     )
+
+
+def _rollout_weights(cfg: RootConfig, topo: Topology, hf_config: Any, gpu: GpuInfo | None) -> Choice:
+    """``grpo.rollout_gather``: under ZeRO-3 the sampler generates on a plain replica refreshed once a step (never a
+    gather per generated token). Gathering the whole model at once is one collective but holds the gathered model
+    beside the replica for a moment; a decoder layer at a time holds one layer. ``auto`` takes whole when the
+    planner's memory model (:mod:`ultrascale.cost.decode`, :mod:`ultrascale.cost.memory`) fits the training state,
+    the replica with its KV cache and the whole gather in the GPU's memory (CPU ranks: the host's, shared by the
+    node's ranks); a mode that cannot fit is refused here with what to change."""
+    g = getattr(cfg, "grpo", None)
+    if g is None:
+        return Choice(False, "no rollouts (grpo is off)", None)
+    stage = int(cfg.zero.stage)
+    if stage < 3:
+        return Choice(True, f"the engine's module (ZeRO-{stage}: every rank holds the whole model; LoRA in the "
+                            "forward)", "module")  # fmt: skip
+    from ultrascale.config.grpo import RolloutGather
+    from ultrascale.cost.decode import gather_bytes, replica_bytes
+    from ultrascale.cost.layout import layout_from_cfg
+    from ultrascale.cost.memory import GIB, memory
+    from ultrascale.model.arch import arch_from_hf
+
+    arch = arch_from_hf(hf_config)
+    lay = layout_from_cfg(cfg, topo.world)
+    dtype = str(cfg.precision.dtype)
+    train = memory(arch, lay).total
+    replica = replica_bytes(arch, dtype, max(g.sampler_batch_size, g.num_generations), cfg.data.seq_len)
+    if gpu is not None:
+        cap = float(gpu.available_bytes)
+        where = f"the GPU's {cap / GIB:.1f} GiB"
+    else:
+        import psutil
+
+        ranks = max(1, min(int(cfg.launcher.nproc_per_node), topo.world))
+        cap = psutil.virtual_memory().total / ranks
+        where = f"this host's memory / {ranks} rank(s), {cap / GIB:.1f} GiB"
+    need = {w: train + replica + gather_bytes(arch, dtype, whole=w == "whole") for w in ("whole", "layer")}
+    said = (f"training state {train / GIB:.2f} + replica and KV cache {replica / GIB:.2f} + gather "
+            f"{{:.2f}} GiB of {where}")  # fmt: skip
+    asked = RolloutGather(g.rollout_gather)
+    fits = {w: need[w] <= cap for w in need}
+    mode = ("whole" if fits["whole"] else "layer") if asked == RolloutGather.auto else asked.value
+    line = said.format((need[mode] - train - replica) / GIB)
+    if not fits[mode]:
+        from ultrascale.errors import ConfigError
+
+        raise ConfigError(f"grpo.rollout_gather={asked.value} under zero.stage=3 does not fit: {line}: use more "
+                          "ranks, zero.offload_optimizer=cpu, a smaller grpo.sampler_batch_size or data.seq_len"
+                          + ("" if mode == "layer" else ", or grpo.rollout_gather=layer"))  # fmt: skip
+    how = {"whole": "gathered whole", "layer": "gathered a decoder layer at a time"}[mode]
+    why = f"grpo.rollout_gather={asked.value}"
+    if asked == RolloutGather.auto:
+        why += ": the whole gather fits" if mode == "whole" else ": the whole gather does not fit"
+    return Choice(True, f"a replica refreshed once a step from the ZeRO-3 partitions, {how} ({why}; {line})", mode)
 
 
 def _finetune(cfg: RootConfig) -> Choice:

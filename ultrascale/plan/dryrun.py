@@ -321,6 +321,7 @@ def dry_run_report(
     from ultrascale.model.build import count_params
     from ultrascale.model.flops import train_flops_per_token
     from ultrascale.plan.evidence import evidence_lines
+    from ultrascale.plan.grpo import grpo_lines
 
     t = t or Target(d.topo.world)
     counts = count_params(cfg.model)
@@ -351,6 +352,7 @@ def dry_run_report(
         f"== host memory per rank (planner, {'build' if on_gpu else 'fp32 build'}) ==",
         host_memory_line(cfg, d, on_gpu),
         *gpu_parts,
+        *grpo_lines(cfg, d, t),
         "== checkpointing ==",
         checkpoint_line(cfg, d, t.cluster),
         "== settled by ablation (ultrascale/plan/evidence.py) ==",

@@ -35,6 +35,9 @@ class Card:
     tflops: dict[str, float | None] = field(default_factory=dict)
     """Dense peak TFLOP/s by dtype (``bf16``, ``fp16``, ``tf32``, ``fp32``); None: no tensor-core path for it."""
     source: str = ""
+    hbm_tbps: float | None = None
+    """Datasheet memory bandwidth (TB/s): what a decode step's weight and KV-cache reads run against
+    (:mod:`ultrascale.cost.decode`); None where the table has no figure."""
 
 
 def _peaks(bf16: float | None, fp16: float | None, tf32: float | None, fp32: float) -> dict[str, float | None]:
@@ -48,35 +51,35 @@ _ADA = "NVIDIA Ada Lovelace architecture whitepaper, appendix A (16-bit tensor o
 _GA102 = "NVIDIA Ampere GA102 architecture whitepaper (16-bit tensor ops with FP32 accumulate)"
 # fmt: off
 CARDS: tuple[Card, ...] = (
-    Card("H100 NVL 94GB", "H100", r"\bH100\b.*\bNVL\b", 94, (9, 0), 132, _peaks(835.5, 835.5, 417.5, 60.0), _H100),
-    Card("H100 PCIe 80GB", "H100", r"\bH100\b.*\bPCIE\b", 80, (9, 0), 114, _peaks(756.5, 756.5, 378.0, 51.2), _H100),
+    Card("H100 NVL 94GB", "H100", r"\bH100\b.*\bNVL\b", 94, (9, 0), 132, _peaks(835.5, 835.5, 417.5, 60.0), _H100, hbm_tbps=3.9),
+    Card("H100 PCIe 80GB", "H100", r"\bH100\b.*\bPCIE\b", 80, (9, 0), 114, _peaks(756.5, 756.5, 378.0, 51.2), _H100, hbm_tbps=2.0),
     Card("H100 SXM5 80GB", "H100", r"\bH100\b.*\b(SXM|HBM3)\b", 80, (9, 0), 132,
-         _peaks(989.4, 989.4, 494.7, 66.9), _H100),
-    Card("H200 NVL 141GB", "H200", r"\bH200\b.*\bNVL\b", 141, (9, 0), 132, _peaks(835.5, 835.5, 417.5, 60.0), _H200),
+         _peaks(989.4, 989.4, 494.7, 66.9), _H100, hbm_tbps=3.35),
+    Card("H200 NVL 141GB", "H200", r"\bH200\b.*\bNVL\b", 141, (9, 0), 132, _peaks(835.5, 835.5, 417.5, 60.0), _H200, hbm_tbps=4.8),
     Card("H200 SXM 141GB", "H200", r"\bH200\b(?!.*\b(NVL|PCIE)\b)", 141, (9, 0), 132,
-         _peaks(989.5, 989.5, 494.5, 67.0), _H200),
+         _peaks(989.5, 989.5, 494.5, 67.0), _H200, hbm_tbps=4.8),
     Card("GH200 96GB", "GH200", r"\bGH200\b", 96, (9, 0), 132, _peaks(989.4, 989.4, 494.7, 66.9),
-         "NVIDIA GH200 Grace Hopper Superchip datasheet (its Hopper GPU has the H100 SXM5's peaks)"),
-    Card("A100 SXM4 80GB", "A100", r"\bA100\b.*\bSXM", 80, (8, 0), 108, _peaks(312, 312, 156, 19.5), _A100),
-    Card("A100 SXM4 40GB", "A100", r"\bA100\b.*\bSXM", 40, (8, 0), 108, _peaks(312, 312, 156, 19.5), _A100),
-    Card("A100 PCIe 80GB", "A100", r"\bA100\b.*\bPCIE\b", 80, (8, 0), 108, _peaks(312, 312, 156, 19.5), _A100),
-    Card("A100 PCIe 40GB", "A100", r"\bA100\b.*\bPCIE\b", 40, (8, 0), 108, _peaks(312, 312, 156, 19.5), _A100),
+         "NVIDIA GH200 Grace Hopper Superchip datasheet (its Hopper GPU has the H100 SXM5's peaks)", hbm_tbps=4.0),
+    Card("A100 SXM4 80GB", "A100", r"\bA100\b.*\bSXM", 80, (8, 0), 108, _peaks(312, 312, 156, 19.5), _A100, hbm_tbps=2.039),
+    Card("A100 SXM4 40GB", "A100", r"\bA100\b.*\bSXM", 40, (8, 0), 108, _peaks(312, 312, 156, 19.5), _A100, hbm_tbps=1.555),
+    Card("A100 PCIe 80GB", "A100", r"\bA100\b.*\bPCIE\b", 80, (8, 0), 108, _peaks(312, 312, 156, 19.5), _A100, hbm_tbps=1.935),
+    Card("A100 PCIe 40GB", "A100", r"\bA100\b.*\bPCIE\b", 40, (8, 0), 108, _peaks(312, 312, 156, 19.5), _A100, hbm_tbps=1.555),
     Card("L40S 48GB", "L40", r"\bL40S\b", 48, (8, 9), 142, _peaks(362.05, 362.05, 183.0, 91.6),
-         "NVIDIA L40S datasheet (dense = half the starred sparse figure)"),
+         "NVIDIA L40S datasheet (dense = half the starred sparse figure)", hbm_tbps=0.864),
     Card("L40 48GB", "L40", r"\bL40\b(?!S)", 48, (8, 9), 142, _peaks(181.05, 181.05, 90.5, 90.5),
-         "NVIDIA L40 datasheet (dense = half the starred sparse figure)"),
+         "NVIDIA L40 datasheet (dense = half the starred sparse figure)", hbm_tbps=0.864),
     Card("L4 24GB", "L4", r"\bL4\b", 24, (8, 9), 58, _peaks(121.0, 121.0, 60.0, 30.3),
-         "NVIDIA L4 Tensor Core GPU datasheet (dense = half the starred sparse figure)"),
+         "NVIDIA L4 Tensor Core GPU datasheet (dense = half the starred sparse figure)", hbm_tbps=0.3),
     Card("A10 24GB", "A10", r"\bA10\b(?!G)", 24, (8, 6), 72, _peaks(125.0, 125.0, 62.5, 31.2),
-         "NVIDIA A10 Tensor Core GPU datasheet (dense = half the starred sparse figure)"),
-    Card("RTX 4090 24GB", "RTX 4090", r"\bRTX 4090\b(?! D\b)", 24, (8, 9), 128, _peaks(165.2, 165.2, 82.6, 82.6), _ADA),
-    Card("RTX 3090 24GB", "RTX 3090", r"\bRTX 3090\b(?! TI)", 24, (8, 6), 82, _peaks(71.0, 71.0, 35.6, 35.6), _GA102),
+         "NVIDIA A10 Tensor Core GPU datasheet (dense = half the starred sparse figure)", hbm_tbps=0.6),
+    Card("RTX 4090 24GB", "RTX 4090", r"\bRTX 4090\b(?! D\b)", 24, (8, 9), 128, _peaks(165.2, 165.2, 82.6, 82.6), _ADA, hbm_tbps=1.008),
+    Card("RTX 3090 24GB", "RTX 3090", r"\bRTX 3090\b(?! TI)", 24, (8, 6), 82, _peaks(71.0, 71.0, 35.6, 35.6), _GA102, hbm_tbps=0.936),
     Card("V100 SXM2", "V100", r"\bV100\b.*\bSXM2", 32, (7, 0), 80, _peaks(None, 125.0, None, 15.7),
-         "NVIDIA Tesla V100 datasheet (no bf16 or tf32 tensor cores: Volta)"),
+         "NVIDIA Tesla V100 datasheet (no bf16 or tf32 tensor cores: Volta)", hbm_tbps=0.9),
     Card("V100 PCIe", "V100", r"\bV100\b.*\bPCIE\b", 32, (7, 0), 80, _peaks(None, 112.0, None, 14.0),
-         "NVIDIA Tesla V100 datasheet (no bf16 or tf32 tensor cores: Volta)"),
+         "NVIDIA Tesla V100 datasheet (no bf16 or tf32 tensor cores: Volta)", hbm_tbps=0.9),
     Card("B200 180GB", "B200", r"\bB200\b", 180, (10, 0), 148, _peaks(2250.0, 2250.0, 1125.0, 75.0),
-         "NVIDIA HGX B200 specifications, per GPU (dense = half the starred sparse figure)"),
+         "NVIDIA HGX B200 specifications, per GPU (dense = half the starred sparse figure)", hbm_tbps=8.0),
 )
 # fmt: on
 """Cards with a published datasheet. Absent on purpose: the A10G (AWS publishes no tensor-core rate for it) and

@@ -77,7 +77,7 @@ def grpo_line(cfg: RootConfig, d: Decisions) -> str:
         if not g.beta
         else f"beta {g.beta:g} (reference: {'adapter off' if d.finetune.on else 'frozen copy'})"
     )
-    gen = "on a replica gathered once a step (ZeRO-3)" if d.zero_stage == 3 else "on the engine's own weights"
+    gen = f"on {d.rollout_weights.why}"
     return (f"{g.prompts_per_step} prompts x {g.num_generations} generations a step ({g.prompts_per_step // d.topo.dp} "
             f"prompts per rank), <= {g.max_completion_length} tokens at temperature {g.temperature:g}, sampled {gen}; "
             f"loss {g.loss_type}, clip [{1 - g.epsilon:g}, {1 + g.clip_high:g}], {ref}; rewards {list(g.reward_funcs)} "
@@ -93,6 +93,7 @@ def banner(cfg: RootConfig, d: Decisions, ds_config: dict, info, peak_src: str, 
 
     backend = select_accelerator()
     threads = f"; {threads_note()}" if threads_note() else ""
+    grpo = cfg.grpo is not None  # its loss is the policy gradient over sampled completions, not packed documents
     lines = [
         "ultrascale run",
         f"  model      {cfg.model.type} '{cfg.model.name}': {info.n_params / 1e6:,.2f}M params, "
@@ -100,7 +101,7 @@ def banner(cfg: RootConfig, d: Decisions, ds_config: dict, info, peak_src: str, 
         f"  layout     {d.topo.describe()}  |  {zero_line(cfg.zero, d)}  |  precision {cfg.precision.dtype}",
         f"  batch      {batch_line(cfg.data, d.topo)}",
         f"  length     {run_length(cfg)}",
-        *([f"  grpo       {grpo_line(cfg, d)}"] if cfg.grpo is not None else []),
+        *([f"  grpo       {grpo_line(cfg, d)}"] if grpo else []),
         f"  optimizer  {d.optimizer_owner.why}, lr {cfg.optim.lr:g}, schedule {cfg.optim.sched.name} "
         f"(warmup {cfg.optim.sched.warmup_steps}), clip {cfg.optim.grad_clip}",
         f"  finetune   {d.finetune.why}",
@@ -109,10 +110,14 @@ def banner(cfg: RootConfig, d: Decisions, ds_config: dict, info, peak_src: str, 
         f"  runtime    {runtime()}, deepspeed {deepspeed_version()}",
         *([f"  cpu        {detect().describe()}"] if backend == "gloo" else []),
         *([f"  gpu        {d.gpu.describe()}"] if d.gpu is not None else []),
-        f"  packing    document masking {d.document_masking.why}",
+        *([] if grpo else [f"  packing    document masking {d.document_masking.why}"]),
         f"  stability  {_stability_line(cfg.stability)}",
         f"  timing     step breakdown {d.step_breakdown.why}; {d.overlap_loss_reduce.why}",
-        f"  loss       {d.fused_loss.why}" + (f"; kernel: {d.loss_kernel.why}" if d.loss_kernel.on else ""),
+        *(
+            []
+            if grpo
+            else [f"  loss       {d.fused_loss.why}" + (f"; kernel: {d.loss_kernel.why}" if d.loss_kernel.on else "")]
+        ),
         f"  act-ckpt   {d.activation_checkpointing.why}",
         f"  attention  {d.attention.why}",
         f"  compile    {d.compile.why}",

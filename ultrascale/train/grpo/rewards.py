@@ -111,6 +111,15 @@ def name_of(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+BUILTINS = ("execution", "format", "length")
+
+
+def metric_name(name: str) -> str:
+    """The key a function's reward is logged under (``rewards/<this>``): a built-in's configured name, a dotted
+    path's function name (TRL's ``__name__``)."""
+    return name if name in BUILTINS else name.rpartition(".")[2]
+
+
 def score(fns: Sequence[RewardFn], weights: Sequence[float], prompts: list[str], completions: list[str],
           columns: dict[str, list]) -> tuple[list[float], list[list[float]], Counter]:  # fmt: skip
     """(reward per completion, each function's values, counts). A ``None`` from a function is NaN (not applicable);

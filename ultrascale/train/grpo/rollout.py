@@ -6,13 +6,15 @@ samples what the uninterrupted one did, with nothing to restore but the step.
 
 The weights: under ZeRO-0/1/2 every rank holds them whole, and the sampler runs on the engine's own module (with
 LoRA, the base model with the adapter in its forward). Under ZeRO-3 the partitioned parameters are gathered once per
-step into a plain replica the sampler owns (:class:`Replica`; with LoRA the merged view), so no generated token
-waits on an all-gather; the planner's memory model says whether that replica fits beside the training state.
+step into a plain replica the sampler owns (:class:`Replica`; with LoRA the merged view), whole or a decoder layer at
+a time, so no generated token waits on an all-gather; the planner's memory model says which of the two fits beside
+the training state (``levers.decide._rollout_weights``).
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -79,56 +81,80 @@ def generation_model(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class Replica:
-    """ZeRO-3: a plain copy of the policy, refreshed once per step from the gathered partitions (LoRA merged in)."""
+    """ZeRO-3: a plain copy of the policy that the sampler owns, refreshed once a step from the gathered partitions
+    (LoRA merged in), the whole model in one gather or a decoder layer at a time (``Decisions.rollout_weights``:
+    the layer-wise refresh holds one layer gathered instead of the whole model). Written in place: no state dict,
+    so the refresh allocates nothing beyond the gather."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        import copy
+    def __init__(self, module: torch.nn.Module, layerwise: bool) -> None:
+        base = generation_model(module)
+        self.layerwise = layerwise
+        self.model = _plain_skeleton(base)
+        self.model.requires_grad_(False)
+        self._lora = {name: sub for name, sub in base.named_modules()
+                      if hasattr(sub, "get_delta_weight") and hasattr(sub, "base_layer")}  # fmt: skip
+        written = self.sync(module)
+        unwritten = sorted(set(dict(self.model.named_parameters())) - written)
+        if unwritten:
+            raise RuntimeError(f"the rollout replica has parameters the policy does not: {unwritten[:4]}")
 
+    def sync(self, module: torch.nn.Module) -> set[str]:
+        """Copy the policy's current weights in; returns the replica's parameter names written."""
         import deepspeed
 
         base = generation_model(module)
-        with deepspeed.zero.GatheredParameters(list(module.parameters())):
-            state = _merged_state(module)
-            self.model = copy.deepcopy(_plain_skeleton(base))
-        self.model.load_state_dict(state, strict=False)
-        self.model.requires_grad_(False)
+        params = dict(base.named_parameters())
+        target = dict(self.model.named_parameters())
+        written: set[str] = set()
+        for names in _units(list(params), self.layerwise):
+            with deepspeed.zero.GatheredParameters([params[n] for n in names]), torch.no_grad():
+                for key, value in self._merged(params, names):
+                    if key not in target:
+                        raise RuntimeError(f"the policy's {key} has no place in the rollout replica")
+                    target[key].copy_(value)
+                    written.add(key)
+        return written
 
-    def sync(self, module: torch.nn.Module) -> None:
-        import deepspeed
+    def _merged(self, params: dict[str, torch.nn.Parameter], names: list[str]):
+        """(plain name, weight) of ``names`` (gathered), each LoRA layer's ``W + scale * B @ A`` merged in."""
+        for name in names:
+            if ".lora_" in name:
+                continue
+            key = name.replace(".base_layer.", ".")
+            owner = key.rsplit(".", 1)[0]
+            value = params[name].detach()
+            sub = self._lora.get(owner)
+            if sub is not None and key.endswith(".weight"):
+                delta = sum(sub.get_delta_weight(a) for a in sub.active_adapters if a in sub.lora_A)
+                value = value + delta.to(value.dtype)
+            yield key, value
 
-        with deepspeed.zero.GatheredParameters(list(module.parameters())):
-            state = _merged_state(module)
-        self.model.load_state_dict(state, strict=False)
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _units(names: list[str], layerwise: bool) -> list[list[str]]:
+    """The parameter names gathered together: all at once, or each decoder layer's (its LoRA weights with it) and
+    then the rest (embedding, final norm, head) as one unit."""
+    if not layerwise:
+        return [names]
+    layers: dict[int, list[str]] = {}
+    rest = []
+    for n in names:
+        m = _LAYER.search(n)
+        (layers.setdefault(int(m.group(1)), []) if m else rest).append(n)
+    return [rest, *(layers[i] for i in sorted(layers))] if rest else [layers[i] for i in sorted(layers)]
 
 
 def _plain_skeleton(base: torch.nn.Module) -> torch.nn.Module:
-    """The base architecture with fresh plain parameters (no ZeRO-3 hooks, no LoRA layers)."""
+    """The base architecture with fresh plain parameters (no ZeRO-3 hooks, no LoRA layers), on the policy's device
+    and dtype."""
     from transformers import AutoModelForCausalLM
 
+    p = next(base.parameters())
     with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(base.config, torch_dtype=next(base.parameters()).dtype)
-    return model.to(next(base.parameters()).device)
-
-
-def _merged_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The generation model's weights (gathered), each LoRA layer's ``W + scale * B @ A`` merged in, keyed as the
-    plain architecture names them."""
-    base = generation_model(module)
-    state = {}
-    lora = {}
-    for name, sub in base.named_modules():
-        if hasattr(sub, "get_delta_weight") and hasattr(sub, "base_layer"):
-            lora[name] = sum(sub.get_delta_weight(a) for a in sub.active_adapters if a in sub.lora_A)
-    for name, p in base.named_parameters():
-        if ".lora_" in name:
-            continue
-        key = name.replace(".base_layer.", ".")
-        owner = key.rsplit(".", 1)[0]
-        value = p.detach().clone()
-        if owner in lora and key.endswith(".weight"):
-            value = value + lora[owner].to(value.dtype)
-        state[key] = value
-    return state
+        model = AutoModelForCausalLM.from_config(base.config, torch_dtype=p.dtype)
+    return model.to(p.device)
 
 
 def sample(model: torch.nn.Module, tokenizer, problems: list[tuple[int, dict]], g: GRPOConfig, seed: int

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from ultrascale.runtime.device import coll_tensor
+from ultrascale.runtime.dist import world_size
 from ultrascale.train.grpo import rewards as R
 from ultrascale.train.grpo.batch import Packed, completion_logps, pack
 from ultrascale.train.grpo.loss import Objective, TokenTerms, advantages, micro_loss
@@ -26,23 +27,19 @@ from ultrascale.train.grpo.rollout import Replica, Sample, generation_model, sam
 from ultrascale.train.step import StepState
 
 
-def _world() -> int:
-    return tdist.get_world_size() if tdist.is_initialized() else 1
-
-
 def _all_gather_floats(values: list[float]) -> list[float]:
     """Every rank's values (equal counts), rank order."""
     local = coll_tensor(values, torch.float64)
-    if _world() == 1:
+    if world_size() == 1:
         return local.tolist()
-    out = [torch.zeros_like(local) for _ in range(_world())]
+    out = [torch.zeros_like(local) for _ in range(world_size())]
     tdist.all_gather(out, local)
     return torch.cat(out).tolist()
 
 
 def _sum(values: list[float]) -> list[float]:
     t = coll_tensor(values, torch.float64)
-    if _world() > 1:
+    if world_size() > 1:
         tdist.all_reduce(t)
     return t.tolist()
 
@@ -58,7 +55,7 @@ class GRPOStep:
         self.obj = Objective(g.loss_type, g.epsilon, g.clip_high, g.beta, g.max_completion_length,
                              g.use_bias_correction_kl)  # fmt: skip
         self.fns = R.load(g.reward_funcs, g)
-        self.names = [R.name_of(f) for f in self.fns]
+        self.names = [R.metric_name(n) for n in g.reward_funcs]
         self.weights = list(g.reward_weights) if g.reward_weights is not None else [1.0] * len(self.fns)
         self.replica: Replica | None = None
         self.row: dict = {}
@@ -69,9 +66,9 @@ class GRPOStep:
         t, bd = self.t, self.t.breakdown
         module = t.engine.module
         t0 = time.perf_counter()
-        if t.decisions.zero_stage == 3:  # the whole model gathered once per step into the sampler's replica
+        if t.decisions.zero_stage == 3:  # the partitions gathered once per step into the sampler's replica
             if self.replica is None:
-                self.replica = Replica(module)
+                self.replica = Replica(module, layerwise=t.decisions.rollout_weights.value == "layer")
             else:
                 self.replica.sync(module)
             model = self.replica.model
@@ -107,7 +104,7 @@ class GRPOStep:
         t.injector.stall("slow_data", st.step + 1)
         samples = self._generate(st, data_step)
         rewards, per_fn, counts = self._score(samples)
-        n_local, world = len(samples), _world()
+        n_local, world = len(samples), world_size()
         # every rank's rewards: the groups are local, the batch std, the statistics and the record are not
         all_rewards = torch.tensor(_all_gather_floats(rewards), dtype=torch.float32)
         adv_all, zero_std = advantages(all_rewards, g.num_generations, g.scale_rewards)
@@ -230,15 +227,15 @@ def _reward_std(x: torch.Tensor) -> float:
 
 def _max(v: float) -> float:
     t = coll_tensor([v], torch.float64)
-    if _world() > 1:
+    if world_size() > 1:
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     return float(t[0])
 
 
 def _gather_records(records: list[dict]) -> list[dict]:
     """Every rank's rollout records on rank 0 (others get an empty list). Collective."""
-    if _world() == 1:
+    if world_size() == 1:
         return records
-    out = [None] * _world() if tdist.get_rank() == 0 else None
+    out = [None] * world_size() if tdist.get_rank() == 0 else None
     tdist.gather_object(records, out, dst=0)
     return [r for part in out for r in part] if out else []
