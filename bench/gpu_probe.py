@@ -49,7 +49,7 @@ LIMITS: dict[str, float] = {  # each step's own time limit, seconds
     "sampler": 75, "trainer": 140, "recompute": 90,
     "zero_first": 50, "zero_resume": 40,
     "tokenizer": 10, "export": 20, "logits": 25,
-    "lever": 110, "grpo": 100, "grpo_predict": 25,
+    "lever": 110, "grpo": 140, "grpo_predict": 25,
 }  # fmt: skip
 """A lever row's limit is one train.py launch of the 1B job (build, compile, 6 steps)."""
 ALWAYS = ("install", "data")
@@ -80,6 +80,8 @@ class Job:
     trainer_mode: str
     micro_gb: float = 4.0
     """The staging micro-benchmark's state size (bench/checkpoint_stall.py --micro)."""
+    grpo: tuple[str, ...] = ("precision=bf16",)
+    """The GRPO row's overrides of the recipe."""
     cpu: bool = False
 
 
@@ -89,7 +91,8 @@ JOBS = {
                "smollm2_135m", ("--limit", "32", "--max-new-tokens", "128"), "tuned+bf16+like"),
     "tiny": Job(("recipe=cpu_smoke", "launcher.nproc_per_node=1", "data.global_batch=8", "logger=none",
                  "train.keep_checkpoints=1", "train.log_interval=1", *SKIP_UNMEASURED), 256, "tiny", "tiny",
-                ("--limit", "2", "--max-new-tokens", "8"), "default+like", micro_gb=0.2, cpu=True),
+                ("--limit", "2", "--max-new-tokens", "8"), "default+like", micro_gb=0.2,
+                grpo=("grpo.max_completion_length=16", "data.micro_batch=16"), cpu=True),
 }  # fmt: skip
 """``gpu``: the first GPU run's job (llama_1b_zero0, micro 8 x 4,096 tokens on one GPU, no accumulation), SmolLM2-135M
 for ZeRO and the sampler."""
@@ -247,7 +250,7 @@ class Plan:
         run = self.work / "grpo"
         self.add("grpo", "smollm2_135m_grpo on one GPU: steps/s, generation share",
                  [self.torchrun("train.py", "recipe=smollm2_135m_grpo", f"model.pretrained_path={self.sampler_model}",
-                                "launcher.nproc_per_node=1", "precision=bf16", "grpo.reward_funcs=[format]",
+                                "launcher.nproc_per_node=1", *self.job.grpo, "grpo.reward_funcs=[format]",
                                 f"train.steps={GRPO_STEPS}", "train.checkpoint_interval=0", "logger=none",
                                 *SKIP_UNMEASURED, f"output_dir={run}")], "grpo", LIMITS["grpo"],
                  "steps/s, generated tokens/s, generation share of the step (gen_s / step_s), the step's parts",
@@ -1041,16 +1044,20 @@ def w_data(work: str, seq: str, model: str) -> None:
                       "vocab": tok.get_vocab_size(), "params": sum(p.numel() for p in net.parameters())}))  # fmt: skip
 
 
-def _probe_cluster():
-    """(one-GPU ClusterConfig of the preset this card belongs to, its name)."""
+def _probe_cluster(cpu_preset: str = "cpu_local"):
+    """(one-GPU ClusterConfig of the preset this card belongs to, its name); without CUDA, ``cpu_preset``."""
     import torch
     from omegaconf import OmegaConf
 
     from ultrascale.config.cluster import ClusterConfig
 
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    if name == "cpu" and cpu_preset != "cpu_local":
+        name = cpu_preset
     preset = ("h200_8x" if "H200" in name else "a100_80g_8x" if "A100" in name else "cpu_local" if name == "cpu"
               else "h100_8x")  # fmt: skip
+    if name == cpu_preset:
+        preset = cpu_preset
     base = OmegaConf.structured(ClusterConfig)
     chain = [OmegaConf.load(ROOT / "conf" / "cluster" / f"{preset}.yaml")]
     while "defaults" in chain[0]:
@@ -1095,15 +1102,15 @@ def w_grpo_predict(run_dir: str) -> None:
     from omegaconf import OmegaConf
 
     from ultrascale.levers.rules import validate
-    from ultrascale.plan.dryrun import Target
+    from ultrascale.plan.dryrun import Target, planned_layout
     from ultrascale.plan.grpo import plan_grpo_step
     from ultrascale.runtime.gpu import GpuInfo, detect
 
-    cluster, preset = _probe_cluster()
+    cluster, preset = _probe_cluster(cpu_preset="h100_8x")  # a CPU host (the tiny job) checks it against an H100
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
-    gpu = detect() if torch.cuda.is_available() else GpuInfo.from_cluster(cluster, "H100 SXM5 80GB")
+    gpu = detect() if torch.cuda.is_available() else GpuInfo.from_cluster(cluster, str(cluster.card))
     d = validate(cfg, 1, backend="nccl", gpu=gpu)
-    p = plan_grpo_step(cfg, d, Target(1, cluster, gpu))
+    p = plan_grpo_step(cfg, d, Target(1, cluster, gpu), planned_layout(cfg, d))
     print(json.dumps({"cluster": f"{preset} (1 rank)", "step_s": p.step, "generation_s": p.generation,
                       "train_s": p.train, "generation_share": p.generation_share, "tokens_per_s": p.tokens_per_s,
                       "bound": p.bound, "prompt_len": p.prompt_len}))  # fmt: skip

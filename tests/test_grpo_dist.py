@@ -7,7 +7,7 @@
   and a run killed after step 2 and resumed equals the uninterrupted one (losses, rewards, rollouts, weights).
 - ZeRO-3 with LoRA: the sampler's log-probs (on the replica refreshed once a step a decoder layer at a time, LoRA
   merged) equal the engine's forward log-probs on the same tokens to 1e-4 (``logp_gap_max``), before and after a
-  step has trained the adapter.
+  step has trained the adapter; with ``num_iterations=2`` each step makes two optimizer updates.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def test_sampler_logprobs_equal_the_engine_forward_under_zero3_with_lora(tiny_lm
     (the vowel reward varies within a group, so the adapter moves), merged into the replica."""
     out = tmp_path / "z3"
     args = [*tiny_args(tiny_lm, planted, out, steps=2), "zero=stage3", "grpo.rollout_gather=layer",
-            "grpo.reward_funcs=[tests.support.grpo_rewards.vowels]", "grpo.reward_weights=null"]  # fmt: skip
+            "grpo.reward_funcs=[tests.support.grpo_rewards.vowels]", "grpo.reward_weights=null",
+            "grpo.num_iterations=2"]  # fmt: skip
     res = launch(args)
     check(res)
     assert "gathered a decoder layer at a time (grpo.rollout_gather=layer" in res.stdout + res.stderr
@@ -164,3 +165,10 @@ def test_sampler_logprobs_equal_the_engine_forward_under_zero3_with_lora(tiny_lm
         assert got[step]["logp_gap_max"] < 1e-4, got[step]["logp_gap_max"]
         assert got[step]["sync_s"] > 0  # the replica was refreshed
     assert got[1]["reward_std"] > 0 and got[1]["grad_norm"] > 0  # step 1 moved the adapter step 2 samples from
+    # num_iterations=2: two optimizer updates on each step's rollouts, the first with old log-probs = current
+    assert [got[s]["optimizer_updates"] for s in (1, 2)] == [2, 2]
+    # the exported model carries the tokenizer the run sampled with (the pretrained model's, not a data manifest's)
+    hf = tmp_path / "hf"
+    check(subprocess.run([sys.executable, "-m", "ultrascale.export", f"run_dir={out}", f"out={hf}"],
+                         capture_output=True, text=True, timeout=300))  # fmt: skip
+    assert (hf / "tokenizer.json").read_bytes() == (tiny_lm / "tokenizer.json").read_bytes()

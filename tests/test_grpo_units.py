@@ -101,3 +101,42 @@ def test_sampler_logprobs_are_those_of_the_tempered_distribution(tmp_path) -> No
     want, _ = completion_logps(lambda **kw: model(**kw).logits, p, 0.7)
     got = torch.tensor([lp for c in comps for lp in c.logps])
     assert len(got) == len(want) and torch.allclose(got, want.detach(), atol=1e-4)
+
+
+@needs(sandbox_missing())
+def test_the_pool_keeps_the_problems_whose_pass_rate_is_strictly_between_0_and_1(tmp_path, smollm2_135m) -> None:
+    """A random tiny model on three planted problems: one passes whatever is written, one never passes, one passes
+    when the text the model wrote (a raw string literal's body) has an even length: only that one is kept, with
+    its pass rate, and the report says the pool is below the minimum."""
+    import json
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ultrascale.train.grpo import pool
+
+    model = tmp_path / "tiny"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                 bos_token_id=1, eos_token_id=2)).save_pretrained(model)  # fmt: skip
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_135m / f, model / f)
+
+    def planted(name: str, body: str) -> dict:
+        return {"task_id": f"planted/{name}", "prompt": f'def {name}(a):\n    """Return a."""\n    note = r"""',
+                "entry_point": name, "tests": f'"""\n    return a\n\n\ndef check(candidate):\n{body}'}  # fmt: skip
+
+    even = ("    notes = [c for c in candidate.__code__.co_consts if isinstance(c, str) and c != 'Return a.']\n"
+            "    assert len(notes[0]) % 2 == 0\n")  # fmt: skip
+    src = tmp_path / "problems.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in (
+        planted("same", "    assert candidate(3) == 3\n"), planted("never", "    assert candidate(3) == 4\n"),
+        planted("even", even))))  # fmt: skip
+    out = tmp_path / "pool.jsonl"
+    got = pool.main(["--model", str(model), "--out", str(out), "--source", "jsonl", "--jsonl", str(src),
+                     "--samples", "8", "--max-new-tokens", "12", "--timeout", "5"])  # fmt: skip
+    kept = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [p["task_id"] for p in kept] == ["planted/even"] and 0 < kept[0]["pass_rate"] < 1
+    assert got["always_pass"] == 1 and got["always_fail"] == 1 and got["kept"] == 1 < got["min_pool"]
+    assert json.loads(out.with_suffix(".report.json").read_text())["kept"] == 1

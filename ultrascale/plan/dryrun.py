@@ -352,7 +352,7 @@ def dry_run_report(
         f"== host memory per rank (planner, {'build' if on_gpu else 'fp32 build'}) ==",
         host_memory_line(cfg, d, on_gpu),
         *gpu_parts,
-        *grpo_lines(cfg, d, t),
+        *grpo_lines(cfg, d, t, planned_layout(cfg, d)),
         "== checkpointing ==",
         checkpoint_line(cfg, d, t.cluster),
         "== settled by ablation (ultrascale/plan/evidence.py) ==",

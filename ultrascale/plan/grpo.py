@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ultrascale.cost.decode import DecodeRate, RolloutPlan, rollout_time
 from ultrascale.cost.memory import DTYPE_BYTES
@@ -20,8 +20,8 @@ from ultrascale.model.arch import arch_from_hf
 
 if TYPE_CHECKING:
     from ultrascale.config.root import RootConfig
+    from ultrascale.cost.memory import Layout
     from ultrascale.levers.decide import Decisions
-    from ultrascale.plan.dryrun import Target
 
 CHARS_PER_TOKEN = 3.5
 """Python source per BPE token, for a prompt length when the model's tokenizer is not on this machine."""
@@ -70,11 +70,11 @@ def prompt_tokens(cfg: RootConfig) -> tuple[int, str]:
     return round(n), f"mean of the {len(prompts)} HumanEval {p.split} prompts at {CHARS_PER_TOKEN} characters a token"
 
 
-def plan_grpo_step(cfg: RootConfig, d: Decisions, t: Target) -> GRPOStepPlan:
-    """The step on ``t``'s cluster (a GPU target: ``t.cluster`` and ``t.gpu`` set)."""
+def plan_grpo_step(cfg: RootConfig, d: Decisions, t: Any, layout: Layout) -> GRPOStepPlan:
+    """The step on ``t``'s cluster (a dry run's ``Target`` for GPUs: ``t.cluster`` and ``t.gpu`` set); ``layout``:
+    the run's as the planner counts it (``plan.dryrun.planned_layout``)."""
     from ultrascale.config.search import SearchConfig
     from ultrascale.cost.timing import step_time
-    from ultrascale.plan.dryrun import planned_layout
 
     g, c = cfg.grpo, t.cluster
     arch = arch_from_hf(d.hf_config)
@@ -87,7 +87,7 @@ def plan_grpo_step(cfg: RootConfig, d: Decisions, t: Target) -> GRPOStepPlan:
                        prompt_len, g.max_completion_length)  # fmt: skip
     gen = rollout_time(arch, plan, dtype, rate)
     s = SearchConfig()
-    lay = replace(planned_layout(cfg, d), global_batch=g.prompts_per_step * g.num_generations,
+    lay = replace(layout, global_batch=g.prompts_per_step * g.num_generations,
                   seq_len=prompt_len + g.max_completion_length)  # fmt: skip
     tm = step_time(arch, lay, c, overlap=s.overlap, recompute_overhead=s.recompute_overhead)
     forward = tm.compute / 3  # a forward is a third of forward + backward
@@ -101,8 +101,9 @@ def plan_grpo_step(cfg: RootConfig, d: Decisions, t: Target) -> GRPOStepPlan:
     return GRPOStepPlan(gen.seconds, sync, train, gen.tokens_per_s, gen.bound, prompt_len, src)
 
 
-def grpo_lines(cfg: RootConfig, d: Decisions, t: Target) -> list[str]:
-    """The section's lines: the rollouts' weights, and on a GPU cluster the predicted step by phase."""
+def grpo_lines(cfg: RootConfig, d: Decisions, t: Any, layout: Layout) -> list[str]:
+    """The section's lines: the rollouts' weights, and on a GPU cluster (``t``, a dry run's ``Target``) the
+    predicted step by phase."""
     g = cfg.grpo
     if g is None:
         return []
@@ -117,7 +118,7 @@ def grpo_lines(cfg: RootConfig, d: Decisions, t: Target) -> list[str]:
             *lines,
             f"generation share: no memory-bandwidth figure for {t.gpu.name} in ultrascale.runtime.gpu.CARDS",
         ]
-    p = plan_grpo_step(cfg, d, t)
+    p = plan_grpo_step(cfg, d, t, layout)
     sync = f" + replica refresh {p.sync:.3g} s" if p.sync else ""
     return [
         *lines,

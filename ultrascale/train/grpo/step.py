@@ -127,6 +127,7 @@ class GRPOStep:
         scale = t.batches.grad_accum * t.topo.dp  # DeepSpeed means over micro-steps and ranks; ours is a sum
         sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_region": 0.0, "entropy": 0.0}
         gap = 0.0  # the sampler's log-probs against the training forward's, same tokens (train/inference mismatch)
+        updates = t.engine.global_steps
         for it in range(g.num_iterations):
             for m, (c, p) in enumerate(zip(chunks, packs)):
                 logps, entropy = self._logps(p, grad=True)
@@ -136,13 +137,14 @@ class GRPOStep:
                 loss, stats = micro_loss(terms, self.obj, len(c), total_rows, total_tokens)
                 if st.fault is not None:
                     loss = loss * st.fault
+                # the statistics average over the iterations, as TRL logs them (at the first the ratio is 1)
+                sums["entropy"] += float((entropy * mask).sum()) / g.num_iterations
+                for k, v in stats.items():
+                    sums[k] += float(v) / g.num_iterations
                 if it == 0:
                     sampled = torch.tensor([lp for i in c for lp in samples[i].logps], device=t.device)
                     gap = max(gap, float((logps.detach() - sampled).abs().max()))
                     sums["loss"] += float(loss.detach())
-                    sums["entropy"] += float((entropy * mask).sum())
-                    for k, v in stats.items():
-                        sums[k] += float(v)
                 last = m == len(chunks) - 1
                 if last:
                     if it == 0:
@@ -155,6 +157,7 @@ class GRPOStep:
                 t.breakdown.engine_call(t.engine.step)
                 t.breakdown.after_micro_step()
         self.gap = gap
+        self.updates = t.engine.global_steps - updates  # optimizer updates this step: num_iterations, read back
         self._stats(samples, rewards, per_fn, counts, adv, all_rewards, zero_std, sums, total_tokens)
 
     def _logps(self, p: Packed, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,6 +203,7 @@ class GRPOStep:
             "clip_ratio_region": tot[6] / max(total_tokens, 1.0),
             "entropy": tot[7] / max(total_tokens, 1.0),
             "logp_gap_max": gap,
+            "optimizer_updates": self.updates,
             "completions": int(rows),
             "generated_tokens": int(tot[8]),
         }
