@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -172,3 +173,20 @@ def test_sampler_logprobs_equal_the_engine_forward_under_zero3_with_lora(tiny_lm
     check(subprocess.run([sys.executable, "-m", "ultrascale.export", f"run_dir={out}", f"out={hf}"],
                          capture_output=True, text=True, timeout=300))  # fmt: skip
     assert (hf / "tokenizer.json").read_bytes() == (tiny_lm / "tokenizer.json").read_bytes()
+
+
+def test_full_fine_tuning_under_zero3_keeps_a_partitioned_frozen_reference_and_logs_its_kl(tiny_lm, planted,
+                                                                                          tmp_path) -> None:  # fmt: skip
+    """``finetune=none zero=stage3 grpo.beta=0.04``: the reference is the start policy rebuilt partitioned (each of
+    the 2 ranks holds about half of it), the KL to it is 0 before the first update and positive after."""
+    out = tmp_path / "ref"
+    args = [*tiny_args(tiny_lm, planted, out, steps=2), "finetune=none", "zero=stage3", "grpo.beta=0.04",
+            "grpo.reward_funcs=[tests.support.grpo_rewards.vowels]", "grpo.reward_weights=null"]  # fmt: skip
+    res = launch(args)
+    check(res)
+    m = re.search(r"ZeRO-3 partitioned: ([\d,]+) of its ([\d,]+) parameters on this rank", res.stdout + res.stderr)
+    assert m, (res.stdout + res.stderr)[-3000:]
+    local, total = (int(x.replace(",", "")) for x in m.groups())
+    assert total / 2 <= local < total / 2 * 1.01  # a half, plus the partition's padding
+    got = rows(out)
+    assert abs(got[1]["kl"]) < 1e-6 and got[2]["kl"] > 1e-6, (got[1]["kl"], got[2]["kl"])

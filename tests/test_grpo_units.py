@@ -24,7 +24,6 @@ RECIPE = ["recipe=smollm2_135m_grpo", f"model.pretrained_path={SMOLLM2}"]
         (["stability=default"], "grpo needs stability.spike=none (got skip)"),
         (["train.eval_interval=5"], "train.eval_interval=5 evaluates held-out data"),
         (["grpo.reward_weights=[1.0,2.0]"], "grpo.reward_weights has 2 weights for 1"),
-        (["finetune=none", "zero=stage3", "grpo.beta=0.04"], "grpo.beta=0.04 with full fine-tuning under zero.stage=3"),
         (["finetune=none", "parallel.tp=2"], "grpo needs parallel.pp=tp=sp=1"),
     ],
 )

@@ -3,8 +3,8 @@
 Validation, the DeepSpeed JSON builder, the engine builder, the banner, the trainer and the planner all
 read the :class:`Decisions` record this module returns instead of re-deriving a rule from the config, so a
 feature's "why not" is written in exactly one place (here) and a setting reaches the code that acts on it
-by one road. Pure: no I/O and no ``torch.distributed``; the accelerator is an argument (``select_accelerator``
-tells it for this machine, the planner passes the cluster's).
+by one road. No ``torch.distributed`` and no I/O but two readings :func:`decide` names; the accelerator is an
+argument (``select_accelerator`` tells it for this machine, the planner passes the cluster's).
 """
 
 from __future__ import annotations
@@ -124,8 +124,9 @@ def decide(cfg: RootConfig, topo: Topology, hf_config: Any, backend: str, cpu: C
     or a CPU whose features are unknown (the levers then keep their measured-elsewhere defaults and say so).
     ``gpu``: the GPU of an ``nccl`` run (:func:`ultrascale.runtime.gpu.detect`, or a planned cluster's
     :meth:`~ultrascale.runtime.gpu.GpuInfo.from_cluster`); the GPU levers are pure functions of it, and ``gpu=None``
-    keeps their GPU-less defaults. Whether liger-kernel runs is the one thing read from the environment (only for
-    a GPU, and only with ``train.loss_kernel`` auto or liger: :func:`liger_unusable`)."""
+    keeps their GPU-less defaults. Read from the environment: whether liger-kernel runs (only for a GPU, and only
+    with ``train.loss_kernel`` auto or liger: :func:`liger_unusable`), and the host's memory for a GRPO run under
+    ZeRO-3 on CPU ranks (:func:`_rollout_weights`)."""
     from ultrascale.model.moe import num_experts
 
     stage = cfg.zero.stage
@@ -180,13 +181,15 @@ def _rollout_weights(cfg: RootConfig, topo: Topology, hf_config: Any, gpu: GpuIn
     from ultrascale.config.grpo import RolloutGather
     from ultrascale.cost.decode import gather_bytes, replica_bytes
     from ultrascale.cost.layout import layout_from_cfg
-    from ultrascale.cost.memory import GIB, memory
+    from ultrascale.cost.memory import DTYPE_BYTES, GIB, memory
     from ultrascale.model.arch import arch_from_hf
 
     arch = arch_from_hf(hf_config)
     lay = layout_from_cfg(cfg, topo.world)
     dtype = str(cfg.precision.dtype)
     train = memory(arch, lay).total
+    if g.beta > 0 and getattr(getattr(cfg, "finetune", None), "method", "none") == "none":
+        train += arch.total_params * DTYPE_BYTES[dtype] / topo.dp  # the frozen reference, partitioned
     replica = replica_bytes(arch, dtype, max(g.sampler_batch_size, g.num_generations), cfg.data.seq_len)
     if gpu is not None:
         cap = float(gpu.available_bytes)

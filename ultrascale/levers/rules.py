@@ -443,10 +443,6 @@ def _grpo_rules(cfg: RootConfig, d: Decisions) -> None:
     if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):
         raise ConfigError(f"grpo.reward_weights has {len(g.reward_weights)} weights for {len(g.reward_funcs)} "
                           f"grpo.reward_funcs {list(g.reward_funcs)}: give one weight per function, or null")  # fmt: skip
-    if g.beta > 0 and not d.finetune.on and d.zero_stage == 3:
-        raise ConfigError(f"grpo.beta={g.beta} with full fine-tuning under zero.stage=3 needs a sharded frozen "
-                          "reference, which is not built: use finetune=lora (the reference is the adapter switched "
-                          "off) or zero.stage<=2")  # fmt: skip
 
 
 def _layout_rules(cfg: RootConfig, d: Decisions, dims: dict[str, int]) -> None:

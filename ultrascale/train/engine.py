@@ -103,6 +103,36 @@ def _construct(cfg: RootConfig, d: Decisions, ds_config: dict) -> tuple[Any, int
     return model, sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
 
 
+def build_reference(cfg: RootConfig, d: Decisions, ds_config: dict, policy: torch.nn.Module) -> tuple[Any, str]:
+    """A frozen copy of the policy as it starts (GRPO's reference for the KL with full fine-tuning), and a line
+    saying how it is held. ZeRO-0/1/2: a copy of the module (every rank holds the policy whole already). ZeRO-3:
+    the pretrained weights built again partitioned from the first byte, inside a DeepSpeed engine with no optimizer,
+    so each rank holds 1/dp of it and its forward gathers a layer at a time as the policy's does (TRL's
+    ``prepare_deepspeed``). Built before any checkpoint is loaded: a resumed run's reference is the start, too."""
+    import copy
+
+    if d.zero_stage < 3:
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+        return ref, f"a frozen copy of the start policy, whole on every rank (ZeRO-{d.zero_stage})"
+    import deepspeed
+
+    with hostmem.construction():
+        model, _ = _construct(cfg, d, ds_config)
+    model.requires_grad_(False)
+    _apply_attention(model, d)
+    _apply_autocast(model, d)
+    frozen = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    frozen["zero_optimization"] = {k: v for k, v in ds_config["zero_optimization"].items()
+                                   if k not in ("offload_optimizer",)}  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(model=model, config=frozen)
+    engine.eval()
+    params = {id(p): p for p in engine.module.parameters()}.values()
+    local = sum(p.ds_tensor.numel() for p in params)
+    total = sum(p.ds_numel for p in params)
+    return engine, (f"a frozen copy of the start policy, ZeRO-3 partitioned: {local:,} of its {total:,} parameters "
+                    f"on this rank")  # fmt: skip
+
+
 def _apply_loss(model, d: Decisions) -> None:
     if not d.fused_loss.on:
         return

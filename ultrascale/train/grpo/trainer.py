@@ -9,7 +9,6 @@ are written to ``rollouts/step_NNNNNNNN.jsonl``.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 from ultrascale.jsonio import write_jsonl
@@ -81,7 +80,10 @@ class GRPOTrainer(Trainer):
         self.peak, self.peak_src = peak_flops(str(cfg.precision.dtype), self.decisions.autocast.on, self.decisions.gpu)
         self.reference = None
         if g.beta > 0 and not self.decisions.finetune.on:  # full fine-tuning: a frozen copy of the start
-            self.reference = copy.deepcopy(self.engine.module).eval().requires_grad_(False)
+            from ultrascale.train.engine import build_reference
+
+            self.reference, how = build_reference(cfg, self.decisions, self.ds_config, self.engine.module)
+            log.info(f"grpo: reference for the KL: {how}")
         self.grpo = GRPOStep(self)
         self.judger = OptimizerStep(self)
 
