@@ -132,10 +132,11 @@ def test_the_pool_keeps_the_problems_whose_pass_rate_is_strictly_between_0_and_1
     src.write_text("".join(json.dumps(p) + "\n" for p in (
         planted("same", "    assert candidate(3) == 3\n"), planted("never", "    assert candidate(3) == 4\n"),
         planted("even", even))))  # fmt: skip
-    out = tmp_path / "pool.jsonl"
+    out = tmp_path / "not_yet" / "pool.jsonl"  # the tool makes its directory (before sampling, not after)
     got = pool.main(["--model", str(model), "--out", str(out), "--source", "jsonl", "--jsonl", str(src),
                      "--samples", "8", "--max-new-tokens", "12", "--timeout", "5"])  # fmt: skip
     kept = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert [p["task_id"] for p in kept] == ["planted/even"] and 0 < kept[0]["pass_rate"] < 1
     assert got["always_pass"] == 1 and got["always_fail"] == 1 and got["kept"] == 1 < got["min_pool"]
-    assert json.loads(out.with_suffix(".report.json").read_text())["kept"] == 1
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert report["kept"] == 1 and report["pass_rates"]["planted/same"] == 1.0

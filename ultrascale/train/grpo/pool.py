@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_available()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # before the minutes of sampling, not after
     cfg = ProblemsConfig(source=ProblemSource(a.source), split=ProblemSplit(a.split), input=a.input, jsonl=a.jsonl,
                          max_problems=a.max_problems)  # fmt: skip
     problems, report = build(cfg)
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     write_jsonl(Path(a.out), kept)
     summary = {"source": report, "problems": len(problems), "samples": a.samples, "always_fail": rates.count(0.0),
                "always_pass": rates.count(1.0), "kept": len(kept), "min_pool": MIN_POOL,
-               "wall_s": round(time.perf_counter() - t0, 1), "out": a.out}  # fmt: skip
+               "wall_s": round(time.perf_counter() - t0, 1), "out": a.out,
+               "pass_rates": {p["task_id"]: r for p, r in zip(problems, rates)}}  # fmt: skip
     Path(a.out).with_suffix(".report.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
     if len(kept) < MIN_POOL:

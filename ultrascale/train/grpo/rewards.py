@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ultrascale.errors import ConfigError
-from ultrascale.eval.humaneval import check_program
+from ultrascale.eval.execute import program
 from ultrascale.eval.sandbox import Limits, SandboxUnavailable, check_available, run_program
 
 log = logging.getLogger("ultrascale")
@@ -38,9 +38,9 @@ class ExecutionReward:
         self.workers = workers
         self.counts: Counter = Counter()
 
-    def _one(self, program: str) -> tuple[float, str]:
+    def _one(self, source: str) -> tuple[float, str]:
         try:
-            o = run_program(program, self.limits)
+            o = run_program(source, self.limits)
         except Exception as e:
             log.warning(f"reward: sandbox error ({type(e).__name__}: {e}); scored 0")
             return 0.0, "sandbox_error"
@@ -53,7 +53,7 @@ class ExecutionReward:
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], tests: Sequence[str],
                  entry_point: Sequence[str], **_) -> list[float]:  # fmt: skip
-        programs = [check_program({"prompt": p, "test": t, "entry_point": e}, c)
+        programs = [program({"prompt": p, "tests": t, "entry_point": e}, c)
                     for p, c, t, e in zip(prompts, completions, tests, entry_point)]  # fmt: skip
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             results = list(pool.map(self._one, programs))
