@@ -140,3 +140,16 @@ def test_the_pool_keeps_the_problems_whose_pass_rate_is_strictly_between_0_and_1
     assert got["always_pass"] == 1 and got["always_fail"] == 1 and got["kept"] == 1 < got["min_pool"]
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert report["kept"] == 1 and report["pass_rates"]["planted/same"] == 1.0
+
+
+def test_problems_task_ids_keep_a_measured_pool_of_the_split_and_refuse_an_id_outside_it() -> None:
+    """The pool tool's HumanEval pool trains by id (a JSONL of HumanEval problems would be decontaminated away)."""
+    from ultrascale.eval.problems import build
+
+    cfg = compose([*RECIPE, "problems.task_ids=[HumanEval/7,HumanEval/29]"]).problems
+    problems, report = build(cfg)
+    assert [p["task_id"] for p in problems] == ["HumanEval/7", "HumanEval/29"] and report["kept"] == 2
+    test_half = compose([*RECIPE, "problems.split=test"]).problems
+    outside = next(p["task_id"] for p in build(test_half)[0])
+    with pytest.raises(ConfigError, match=r"problems\.task_ids: \['" + outside + r"'\] are not in"):
+        build(compose([*RECIPE, f"problems.task_ids=[{outside}]"]).problems)

@@ -51,6 +51,9 @@ class ProblemsConfig:
     ``split_seed`` (the evaluator's own split), or ``all``. Training on ``dev`` leaves ``test`` held out."""
     split_seed: int = num(0, ge=0)
     """Seed of the dev/test split (``python -m ultrascale.ssd.evaluate --seed``'s default is 0)."""
+    task_ids: list[str] | None = None
+    """``source=humaneval``: keep only these problems of the split (the pool ``python -m ultrascale.train.grpo.pool``
+    measured: the ones the base model sometimes solves); null: the whole split. An id the split lacks is refused."""
     input: str = "stdlib"
     """Corpus to mine (``source=corpus``), as data prep reads it: ``stdlib`` (this Python's own library) or a
     directory of source files. Files and repositories come from ``data_prep.sources``, so they are the ones

@@ -185,6 +185,14 @@ def build(cfg: ProblemsConfig) -> tuple[list[dict], dict]:
     counts: Counter = Counter()
     if cfg.source == ProblemSource.humaneval:  # hand-written and verified upstream: no mining filter applies
         problems = humaneval_problems(cfg.split, cfg.split_seed)
+        if cfg.task_ids is not None:
+            have = {p["task_id"] for p in problems}
+            missing = [t for t in cfg.task_ids if t not in have]
+            if missing:
+                raise ConfigError(f"problems.task_ids: {missing} are not in HumanEval's {cfg.split} half (split seed "
+                                  f"{cfg.split_seed}): give ids of that half")  # fmt: skip
+            counts["not_in_task_ids"] = len(problems) - len(set(cfg.task_ids))
+            problems = [p for p in problems if p["task_id"] in set(cfg.task_ids)]
         if cfg.max_problems is not None and len(problems) > cfg.max_problems:
             counts["over_max_problems"] = len(problems) - cfg.max_problems
             problems = random.Random(cfg.seed).sample(problems, cfg.max_problems)

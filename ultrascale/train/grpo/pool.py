@@ -1,6 +1,9 @@
 """The problems a GRPO run can learn from: the base model's pass rate on each, at G samples, and the ones where
 0 < pass < 1 (DeepCoder's filter): a group that always passes or always fails has zero reward variance, so zero
-advantage and no gradient. Written as a problems JSONL (``problems.source=jsonl``) with each problem's pass rate.
+advantage and no gradient. Written as a problems JSONL with each problem's pass rate, and the overrides that train on
+it in the report (``train_with``): HumanEval's by ``problems.task_ids`` (a JSONL of HumanEval problems would be
+dropped by the decontamination against HumanEval that every JSONL and mined problem goes through), others by
+``problems.source=jsonl``.
 
     python -m ultrascale.train.grpo.pool --model models/smollm2-135m --out data/grpo_pool.jsonl \\
         --source humaneval --split dev --samples 8 --max-new-tokens 128
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
                "always_pass": rates.count(1.0), "kept": len(kept), "min_pool": MIN_POOL,
                "wall_s": round(time.perf_counter() - t0, 1), "out": a.out,
                "pass_rates": {p["task_id"]: r for p, r in zip(problems, rates)}}  # fmt: skip
+    ids = ",".join(p["task_id"] for p in kept)
+    summary["train_with"] = (f"problems.source=humaneval problems.split={a.split} problems.task_ids=[{ids}]"
+                             if a.source == "humaneval" else f"problems.source=jsonl problems.jsonl={a.out}")  # fmt: skip
     Path(a.out).with_suffix(".report.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
     if len(kept) < MIN_POOL:
